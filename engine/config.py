@@ -1,0 +1,269 @@
+"""Run configuration: typed dataclasses, YAML load/save, and validation with field paths.
+
+A `RunConfig` is everything a run needs (model, LoRA, data, training, fast paths, output).
+Fields whose value is ``"auto"`` are filled by the hardware defaults policy
+(`engine.hardware.apply_defaults`) and listed in `RunConfig.auto_fields`, so the CLI and the
+window can say which values the engine chose.
+
+Errors are `ConfigError`s whose message names the field path (``training.lr``) and, for
+choices, the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+AUTO = "auto"
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type, or out of range."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+@dataclass
+class ModelConfig:
+    # "demo" (bundled), a local Hugging Face folder, or a Hub id.
+    name_or_path: str = "demo"
+    # Never run code shipped with a model unless asked to.
+    trust_remote_code: bool = False
+    # Pickle weight files (.bin/.pt) can run code when loaded; refuse them unless asked.
+    allow_pickle: bool = False
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # 4-bit NF4 base weights (QLoRA). "auto": on when the 16-bit model would not fit.
+    load_in_4bit: Union[bool, Literal["auto"]] = "auto"
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # "all-linear": every linear projection of the decoder (not the LM head).
+    target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
+
+
+@dataclass
+class DataConfig:
+    # "demo" (bundled), a local .json/.jsonl/.csv/.parquet file, or a Hub data set id.
+    source: str = "demo"
+    split: str = "train"
+    format: Literal["auto", "instruction", "conversations", "text"] = "auto"
+    # Column mapping, e.g. {"instruction": "question", "output": "answer"} or
+    # {"messages": "dialog"}; empty means detect.
+    columns: dict[str, str] = field(default_factory=dict)
+    # Mask prompt tokens so only responses are trained.
+    train_on_responses_only: bool = True
+    # Tokens per packed row; examples longer than this are truncated or dropped.
+    max_seq_len: int = 512
+    overlong: Literal["truncate", "drop"] = "truncate"
+    # Limit the number of examples (0 = all), handy for a quick look at a big set.
+    max_examples: int = 0
+
+
+@dataclass
+class TrainingConfig:
+    # Optimizer steps; 0 means derive from epochs.
+    max_steps: int = 0
+    epochs: float = 1.0
+    # Packed rows per micro-batch (flattened into one token stream; no padding).
+    rows_per_micro_batch: Union[int, Literal["auto"]] = "auto"
+    grad_accum: int = 1
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"
+    offload: Literal["auto", "off", "single", "double"] = "auto"
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end / on stop
+    log_every: int = 1
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+
+
+@dataclass
+class FastPathConfig:
+    """Switches for each fast path; "auto" means on where it applies (CUDA, supported arch)."""
+
+    kernels: Union[bool, Literal["auto"]] = "auto"  # RMSNorm, RoPE, gated MLP activations
+    lora_autograd: Union[bool, Literal["auto"]] = "auto"  # fused LoRA MLP / QKV / O
+    fused_ce: Union[bool, Literal["auto"]] = "auto"  # fused linear cross-entropy
+    packed_attention: Union[bool, Literal["auto"]] = "auto"  # varlen attention kernel
+    cached_metadata: bool = True  # packing metadata built once per batch (False: per layer)
+    moe_grouping: Union[bool, Literal["auto"]] = "auto"
+    ce_chunk_tokens: Union[int, Literal["auto"]] = "auto"
+
+
+@dataclass
+class OutputConfig:
+    # Runs live in <dir>/<run_name>; run_name "auto" is a timestamp.
+    dir: str = "runs"
+    run_name: str = "auto"
+    overwrite: bool = False
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    fast_paths: FastPathConfig = field(default_factory=FastPathConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    # Dotted paths of fields the hardware policy filled in (reported, not user input).
+    auto_fields: list[str] = field(default_factory=list)
+
+    # -- conversion -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "RunConfig":
+        cfg = _build(cls, data or {}, "")
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError("", f"cannot read config file {path}: {exc.strerror or exc}") from exc
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError("", f"{path} is not valid YAML: {exc}") from exc
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError("", f"{path} must hold a mapping of sections, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(exc.path, f"{exc.args[0].split(': ', 1)[-1]} (in {path})") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml(), encoding="utf-8")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def copy(self) -> "RunConfig":
+        return RunConfig.from_dict(self.to_dict())
+
+    # -- validation -------------------------------------------------------------------------
+    def validate(self) -> None:
+        def positive(path: str, value, allow_zero=False, allow_auto=False):
+            if allow_auto and value == AUTO:
+                return
+            if value < 0 or (value == 0 and not allow_zero):
+                raise ConfigError(path, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+        positive("lora.r", self.lora.r)
+        positive("lora.alpha", self.lora.alpha)
+        if not 0.0 <= self.lora.dropout < 1.0:
+            raise ConfigError("lora.dropout", f"must be in [0, 1), got {self.lora.dropout}")
+        if isinstance(self.lora.target_modules, list) and not self.lora.target_modules:
+            raise ConfigError("lora.target_modules", "must name at least one module or be 'all-linear'")
+        positive("data.max_seq_len", self.data.max_seq_len)
+        if self.data.max_seq_len < 8:
+            raise ConfigError("data.max_seq_len", f"must be at least 8 tokens, got {self.data.max_seq_len}")
+        positive("data.max_examples", self.data.max_examples, allow_zero=True)
+        t = self.training
+        positive("training.max_steps", t.max_steps, allow_zero=True)
+        positive("training.epochs", t.epochs)
+        positive("training.rows_per_micro_batch", t.rows_per_micro_batch, allow_auto=True)
+        positive("training.grad_accum", t.grad_accum)
+        positive("training.lr", t.lr)
+        positive("training.weight_decay", t.weight_decay, allow_zero=True)
+        positive("training.warmup_steps", t.warmup_steps, allow_zero=True)
+        positive("training.max_grad_norm", t.max_grad_norm, allow_zero=True)
+        positive("training.save_every", t.save_every, allow_zero=True)
+        positive("training.log_every", t.log_every)
+        positive("fast_paths.ce_chunk_tokens", self.fast_paths.ce_chunk_tokens, allow_auto=True)
+        if not self.model.name_or_path.strip():
+            raise ConfigError("model.name_or_path", "must not be empty")
+        if not self.data.source.strip():
+            raise ConfigError("data.source", "must not be empty")
+
+
+# -- generic dataclass builder with type checks ------------------------------------------------
+
+
+def _build(cls, data: Any, path: str):
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; known fields: {', '.join(names)}"
+            raise ConfigError(sub, f"unknown field{hint}")
+        kwargs[key] = _coerce(hints[key], value, sub)
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, path):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is Literal:
+        if value not in args:
+            allowed = ", ".join(repr(a) for a in args)
+            raise ConfigError(path, f"must be one of {allowed}, got {value!r}")
+        return value
+    if origin is Union:
+        errors = []
+        # Try literal members first, so "auto" is not mistaken for a string path etc.
+        for option in sorted(args, key=lambda a: typing.get_origin(a) is not Literal):
+            try:
+                return _coerce(option, value, path)
+            except ConfigError as exc:
+                errors.append(exc.args[0].split(": ", 1)[-1])
+        raise ConfigError(path, " or ".join(dict.fromkeys(errors)))
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(path, f"expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {type(value).__name__} {value!r}")
+        return {str(k): _coerce(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        if isinstance(value, str):  # YAML reads 2e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(path, f"expected a number, got {value!r}") from None
+        if not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(path, f"unsupported type {tp}")  # pragma: no cover - programming error

@@ -1,0 +1,81 @@
+"""From a DataConfig and a tokenizer to packed, trainable documents.
+
+`prepare_dataset` reads the rows, detects the format, renders and tokenizes every example
+with its trained-token mask, truncates or drops examples longer than a row (and counts
+them), skips unusable rows with the reason, and packs the rest best-fit-decreasing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import DataConfig
+from engine.data.formats import FormatSpec, detect_format, row_to_messages
+from engine.data.packing import PackingResult, pack_best_fit_decreasing
+from engine.data.render import ensure_chat_template, tokenize_example
+from engine.data.sources import DataError, load_raw
+
+
+@dataclass
+class PreparedData:
+    docs: list[list[int]]
+    trained: list[list[bool]]
+    packing: PackingResult
+    spec: FormatSpec
+    num_rows: int
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (row index, reason)
+    truncated: int = 0
+    dropped_overlong: int = 0
+    used_fallback_template: bool = False
+
+    def summary(self) -> dict:
+        lengths = [len(d) for d in self.docs]
+        longest = max(lengths) if lengths else 0
+        return {
+            "rows_read": self.num_rows,
+            "examples": len(self.docs),
+            "skipped": len(self.skipped),
+            "truncated": self.truncated,
+            "dropped_overlong": self.dropped_overlong,
+            "format": self.spec.describe(),
+            "packed_rows": len(self.packing.rows),
+            "row_tokens": self.packing.row_tokens,
+            "tokens": self.packing.total_tokens,
+            "trained_tokens": sum(sum(t) for t in self.trained),
+            "packing_efficiency": round(self.packing.efficiency, 4),
+            "padding_avoided_tokens": self.packing.padding_avoided(len(self.docs), longest),
+        }
+
+
+def prepare_dataset(cfg: DataConfig, tokenizer, raw=None) -> PreparedData:
+    raw = load_raw(cfg) if raw is None else raw
+    spec = detect_format(list(raw.column_names), cfg.format, cfg.columns)
+    fallback = ensure_chat_template(tokenizer) if spec.kind != "text" else False
+    docs, masks, skipped = [], [], []
+    truncated = dropped = 0
+    limit = cfg.max_seq_len
+    for i, row in enumerate(raw):
+        try:
+            example = row_to_messages(row, spec)
+            tok = tokenize_example(tokenizer, example, cfg.train_on_responses_only)
+        except ValueError as exc:
+            skipped.append((i, str(exc)))
+            continue
+        ids, trained = tok.ids, tok.trained
+        if len(ids) > limit:
+            if cfg.overlong == "drop":
+                dropped += 1
+                skipped.append((i, f"{len(ids)} tokens, longer than a row ({limit}); dropped"))
+                continue
+            ids, trained = ids[:limit], trained[:limit]
+            truncated += 1
+        if sum(trained[1:]) == 0:
+            skipped.append((i, "no trained tokens (nothing to learn from this row)"))
+            continue
+        docs.append(ids)
+        masks.append(trained)
+    if not docs:
+        first = f"; first problem: row {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
+        raise DataError(f"{cfg.source}: no usable examples out of {len(raw)} rows{first}")
+    packing = pack_best_fit_decreasing([len(d) for d in docs], limit)
+    return PreparedData(docs, masks, packing, spec, len(raw), skipped, truncated, dropped, fallback)

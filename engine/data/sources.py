@@ -1,0 +1,102 @@
+"""Read a data set into a `datasets.Dataset`: the bundled demo, a local file, or a Hub id.
+
+Local JSON/JSONL files are checked line by line first, so a malformed line is reported with
+its file and line number instead of an Arrow stack trace.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.config import DataConfig
+from engine.resources import DEMO_DATA_FILE
+
+SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """The data cannot be used; the message names the file, row or field."""
+
+
+def resolve_source(source: str) -> tuple[str, str | None]:
+    """(path or Hub id, builder name or None for a Hub data set)."""
+    if source == "demo":
+        return str(DEMO_DATA_FILE), "json"
+    p = Path(source).expanduser()
+    suffix = p.suffix.lower()
+    if suffix in SUFFIXES or p.exists() or source.startswith((".", "/", "~")):
+        if not p.exists():
+            raise DataError(f"data file {p} does not exist")
+        if p.is_dir():
+            raise DataError(f"{p} is a folder; pick a .json, .jsonl, .csv or .parquet file")
+        if suffix not in SUFFIXES:
+            raise DataError(f"{p}: unsupported file type '{suffix}'; use .json, .jsonl, .csv or .parquet")
+        return str(p), SUFFIXES[suffix]
+    return source, None
+
+
+def _check_json(path: Path) -> None:
+    """Raise a DataError naming the first malformed line of a JSON or JSON Lines file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text (byte {exc.start})") from exc
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    stripped = text.lstrip()
+    if not stripped:
+        raise DataError(f"{path} is empty: it holds no examples")
+    if stripped.startswith("[") and path.suffix.lower() == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} line {exc.lineno}: malformed JSON ({exc.msg})") from exc
+        if not all(isinstance(r, dict) for r in rows):
+            raise DataError(f"{path}: every item of the JSON list must be an object with fields")
+        return
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} line {lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from exc
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+
+
+def load_raw(cfg: DataConfig):
+    """The raw rows as a datasets.Dataset (Arrow-backed: rows are read lazily)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    source, builder = resolve_source(cfg.source)
+    try:
+        if builder is None:
+            try:
+                ds = datasets.load_dataset(source, split=cfg.split)
+            except Exception as exc:  # the Hub raises many types; all mean "cannot get it"
+                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise DataError(
+                    f"cannot load the data set '{source}' (split '{cfg.split}') from the Hugging Face Hub: "
+                    f"{text}. Check the id and the connection, or pick a local file"
+                ) from exc
+        else:
+            path = Path(source)
+            if builder == "json":
+                _check_json(path)
+            elif path.stat().st_size == 0:
+                raise DataError(f"{path} is empty: it holds no examples")
+            try:
+                ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+            except Exception as exc:
+                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise DataError(f"cannot read {path} as {builder.upper()}: {text}") from exc
+    except PermissionError as exc:
+        raise DataError(f"cannot read {source}: permission denied") from exc
+    if len(ds) == 0:
+        raise DataError(f"{source} holds no examples")
+    if cfg.max_examples and len(ds) > cfg.max_examples:
+        ds = ds.select(range(cfg.max_examples))
+    return ds

@@ -1,0 +1,130 @@
+"""Load a base model and tokenizer: the bundled demo, a local Hugging Face folder, or a Hub id.
+
+Safety first: code shipped with a model runs only when `model.trust_remote_code` is on, and
+pickle weight files (.bin / .pt, which can execute code when unpickled) are refused unless
+`model.allow_pickle` is on. Every failure is a `ModelLoadError` that says what to do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import ModelConfig
+from engine.resources import DEMO_MODEL_DIR
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+class ModelLoadError(RuntimeError):
+    """The model or its tokenizer cannot be loaded; the message says why and what to do."""
+
+
+def resolve_model_source(name_or_path: str) -> tuple[str, bool]:
+    """(path or Hub id, is_local). "demo" is the bundled model."""
+    if name_or_path == "demo":
+        return str(DEMO_MODEL_DIR), True
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return str(p), True
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise ModelLoadError(f"model folder {name_or_path} does not exist")
+    return name_or_path, False
+
+
+def check_local_folder(path: str, allow_pickle: bool) -> None:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder} is not a folder: pick a Hugging Face model folder")
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder} has no config.json: it is not a Hugging Face model folder")
+    safe = list(folder.glob("*.safetensors"))
+    pickles = [f for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES and "training_args" not in f.name]
+    if not safe and not pickles:
+        raise ModelLoadError(f"{folder} holds no weights (no *.safetensors file)")
+    if not safe and not allow_pickle:
+        raise ModelLoadError(
+            f"{folder} holds only pickle weights ({pickles[0].name}), which can run code when "
+            "loaded; convert them to safetensors or set model.allow_pickle: true if you trust them"
+        )
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{folder} has no tokenizer files (tokenizer.json or tokenizer.model)")
+
+
+def _hub_error(source: str, exc: Exception) -> ModelLoadError:
+    text = str(exc)
+    offline = any(s in text for s in ("offline", "Connection", "connect", "resolve", "Network", "timed out"))
+    if offline:
+        return ModelLoadError(
+            f"cannot reach the Hugging Face Hub to download '{source}' and it is not in the local "
+            "cache; connect to the internet or choose a local model folder"
+        )
+    return ModelLoadError(f"cannot load '{source}' from the Hugging Face Hub: {text.splitlines()[0] if text else exc}")
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    source, local = resolve_model_source(cfg.name_or_path)
+    if local:
+        check_local_folder(source, cfg.allow_pickle)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except OSError as exc:
+        if local:
+            raise ModelLoadError(f"cannot read the tokenizer in {source}: {exc}") from exc
+        raise _hub_error(source, exc) from exc
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of '{source}': {exc}") from exc
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def load_model(cfg: ModelConfig, device, dtype_name: str):
+    """Load the causal LM onto `device` in `dtype_name`; 4-bit NF4 when cfg.load_in_4bit is True."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source, local = resolve_model_source(cfg.name_or_path)
+    if local:
+        check_local_folder(source, cfg.allow_pickle)
+    device = torch.device(device)
+    kwargs = dict(
+        dtype=torch_dtype(dtype_name),
+        trust_remote_code=cfg.trust_remote_code,
+        use_safetensors=None if cfg.allow_pickle else True,
+        low_cpu_mem_usage=True,
+    )
+    if cfg.load_in_4bit is True:
+        if device.type != "cuda":
+            raise ModelLoadError("4-bit (QLoRA) loading needs a CUDA GPU; set model.load_in_4bit: false")
+        try:
+            from transformers import BitsAndBytesConfig
+            import bitsandbytes  # noqa: F401
+        except ImportError as exc:
+            raise ModelLoadError(f"4-bit loading needs bitsandbytes, which does not import: {exc}") from exc
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch_dtype(dtype_name),
+        )
+        kwargs["device_map"] = {"": device.index or 0}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as exc:
+        if local:
+            raise ModelLoadError(f"cannot load the model in {source}: {exc}") from exc
+        raise _hub_error(source, exc) from exc
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot load '{source}': {exc}") from exc
+    if cfg.load_in_4bit is not True:
+        model.to(device)
+    return model

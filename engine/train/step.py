@@ -1,0 +1,91 @@
+"""One micro-batch's forward and loss, shared by the TrainingSession and the benchmark harness.
+
+`prepare_model` switches on the fast paths once; `forward_loss` runs the decoder over a
+PackedBatch and computes the loss straight from the last hidden states, so the full
+[tokens x vocab] logits never exist when the fused cross-entropy is on. The loss is a sum over
+trained tokens divided by `normalizer`, the trained-token count of the whole accumulated
+optimizer step, so gradient accumulation gives exactly the large-batch gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import AUTO, FastPathConfig
+from engine.data.collate import IGNORE_INDEX, PackedBatch
+
+
+def _wanted(value) -> bool:
+    return value is True or value == AUTO
+
+
+def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpointing: bool) -> dict[str, str]:
+    """Apply the fast paths to a PEFT-wrapped causal LM; return {fast path: "on" | why off}."""
+    device = torch.device(device)
+    report: dict[str, str] = {}
+
+    # Packed attention is also what keeps documents apart, so it is on wherever it applies;
+    # turning it off (an ablation) leaves transformers to build its own masks from positions.
+    if _wanted(fast_paths.packed_attention):
+        from engine.attention import enable_packed_attention
+
+        report["packed_attention"] = enable_packed_attention(model, cached_metadata=fast_paths.cached_metadata)
+    else:
+        report["packed_attention"] = "off: disabled in config"
+
+    from engine.models.patches import apply_fast_paths
+
+    report.update(apply_fast_paths(model, fast_paths, device))
+
+    report["fused_ce"] = "on" if _wanted(fast_paths.fused_ce) else "off: disabled in config"
+    report["cached_metadata"] = "on" if fast_paths.cached_metadata else "off: rebuilt in every layer"
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.use_cache = False
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing needs no input grads and works with frozen embeddings.
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return report
+
+
+def _decoder_and_head(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base, base.get_decoder(), base.get_output_embeddings()
+
+
+def forward_loss(
+    model,
+    batch: PackedBatch,
+    normalizer: float,
+    fused_ce: bool = True,
+    cached_metadata: bool = True,
+    ce_chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """sum(token losses over trained targets) / normalizer for one micro-batch."""
+    base, decoder, head = _decoder_and_head(model)
+    kwargs = batch.model_kwargs()
+    if not cached_metadata:
+        # Ablation: hand the layers only positions, so each rebuilds cu_seqlens itself.
+        kwargs = {"input_ids": kwargs["input_ids"], "position_ids": kwargs["position_ids"]}
+    hidden = decoder(**kwargs, use_cache=False).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = batch.targets.reshape(-1)
+    softcap = getattr(base.config, "final_logit_softcapping", None)
+    if fused_ce:
+        from engine.kernels.fused_ce import fused_linear_cross_entropy
+
+        return fused_linear_cross_entropy(
+            hidden,
+            head.weight,
+            targets,
+            bias=head.bias,
+            ignore_index=IGNORE_INDEX,
+            softcap=softcap,
+            normalizer=float(normalizer),
+            chunk_tokens=ce_chunk_tokens,
+        )
+    logits = head(hidden).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / float(normalizer)

@@ -1,0 +1,21 @@
+"""Test set-up shared by every test.
+
+Without a CUDA GPU, Triton kernels run through Triton's interpreter: the variable must be set
+before triton decorates any kernel, so it is set here, before the engine is imported.
+Qt runs offscreen so GUI tests need no display.
+"""
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+try:
+    import torch
+
+    _has_cuda = torch.cuda.is_available()
+except Exception:  # pragma: no cover - torch is a hard dependency
+    _has_cuda = False
+if not _has_cuda:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
