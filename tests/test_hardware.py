@@ -1,0 +1,333 @@
+"""Tests for engine.hardware: classification and defaults from injected device properties
+(an RTX 4060 Laptop, an RTX 4090, an H200, a GB10, no GPU), and detect() on this machine."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import Qwen3Config
+
+from engine.config import AUTO, RunConfig
+from engine.hardware import (
+    GiB, MiB, KINDS, GpuProperties, HardwareProfile, apply_defaults, classify, detect, explain_defaults,
+    format_profile, profile_from_properties, resolve_defaults,
+)
+from engine.models.estimate import model_info
+
+HARDWARE_FIELDS = [
+    "training.device", "model.dtype", "model.load_in_4bit", "training.rows_per_micro_batch",
+    "training.gradient_checkpointing", "training.offload", "fast_paths.kernels", "fast_paths.lora_autograd",
+    "fast_paths.fused_ce", "fast_paths.packed_attention", "fast_paths.moe_grouping", "fast_paths.ce_chunk_tokens",
+]
+FAST = ["kernels", "lora_autograd", "fused_ce", "packed_attention"]
+
+
+def laptop_4060():
+    return profile_from_properties(
+        GpuProperties("NVIDIA GeForce RTX 4060 Laptop GPU", 8188 * MiB, (8, 9), free_memory=7400 * MiB),
+        os_name="Windows", arch="AMD64", cpu_count=16, ram_total=32 * GiB, ram_available=20 * GiB)
+
+
+def desktop_4090():
+    return profile_from_properties(GpuProperties("NVIDIA GeForce RTX 4090", 24564 * MiB, (8, 9)), cpu_count=16)
+
+
+def h200():
+    return profile_from_properties(GpuProperties("NVIDIA H200", 143771 * MiB, (9, 0), free_memory=143000 * MiB),
+                                   cpu_count=16, ram_total=128 * GiB)
+
+
+def gb10():
+    # cudaMemGetInfo under-reports on unified memory; the OS's available figure is larger.
+    return profile_from_properties(
+        GpuProperties("NVIDIA GB10", int(119.7 * GiB), (12, 1), integrated=True, free_memory=60 * GiB),
+        arch="aarch64", cpu_count=20, ram_total=int(119.7 * GiB), ram_available=110 * GiB)
+
+
+def no_gpu():
+    return profile_from_properties(None, cpu_count=8, ram_total=32 * GiB, ram_available=24 * GiB)
+
+
+def qwen3_8b():
+    return model_info(Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                  tie_word_embeddings=False))
+
+
+def qwen3_06b():
+    return model_info(Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                  tie_word_embeddings=True))
+
+
+def config_for(name="example/not-cached-model", **training):
+    # A Hub id that is not in the local cache: the model size is unknown unless passed in.
+    cfg = RunConfig()
+    cfg.model.name_or_path = name
+    for key, value in training.items():
+        setattr(cfg.training, key, value)
+    return cfg
+
+
+# -- classification ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, cap, kind", [
+    ("NVIDIA GeForce RTX 4060 Laptop GPU", (8, 9), "rtx_laptop"),
+    ("NVIDIA GeForce RTX 3080 Ti Laptop GPU", (8, 6), "rtx_laptop"),
+    ("NVIDIA RTX A2000 Laptop GPU", (8, 6), "rtx_laptop"),
+    ("NVIDIA RTX 2000 Ada Generation Laptop GPU", (8, 9), "rtx_laptop"),
+    ("Quadro RTX 5000 with Max-Q Design", (7, 5), "rtx_laptop"),
+    ("NVIDIA GeForce MX450", (7, 5), "rtx_laptop"),
+    ("NVIDIA GeForce RTX 4090", (8, 9), "rtx_desktop"),
+    ("NVIDIA GeForce RTX 5090", (12, 0), "rtx_desktop"),
+    ("NVIDIA RTX A6000", (8, 6), "rtx_desktop"),
+    ("NVIDIA RTX 6000 Ada Generation", (8, 9), "rtx_desktop"),
+    ("NVIDIA RTX A2000", (8, 6), "rtx_desktop"),
+    ("Quadro RTX 8000", (7, 5), "rtx_desktop"),
+    ("NVIDIA TITAN RTX", (7, 5), "rtx_desktop"),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), "datacenter"),
+    ("NVIDIA H100 80GB HBM3", (9, 0), "datacenter"),
+    ("NVIDIA H200", (9, 0), "datacenter"),
+    ("NVIDIA GH200 480GB", (9, 0), "datacenter"),
+    ("NVIDIA B200", (10, 0), "datacenter"),
+    ("NVIDIA L40S", (8, 9), "datacenter"),
+    ("NVIDIA L4", (8, 9), "datacenter"),
+    ("NVIDIA A10G", (8, 6), "datacenter"),
+    ("Tesla T4", (7, 5), "datacenter"),
+    ("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), "datacenter"),
+    ("NVIDIA Hopper Engineering Sample", (9, 0), "datacenter"),  # by capability
+    ("Some Future GPU", (8, 6), "rtx_desktop"),  # unknown consumer capability
+])
+def test_classify_by_name_and_capability(name, cap, kind):
+    got, reason = classify(GpuProperties(name, 16 * GiB, cap))
+    assert got == kind, reason
+    assert reason
+
+
+def test_classify_spark_and_unusable_accelerators():
+    spark = GpuProperties("NVIDIA GB10", 120 * GiB, (12, 1), integrated=True)
+    assert classify(spark, arch="aarch64")[0] == "dgx_spark"
+    jetson = GpuProperties("Orin", 32 * GiB, (8, 7), integrated=True)
+    assert classify(jetson, arch="aarch64")[0] == "dgx_spark"
+    assert classify(None) == ("cpu", "no GPU found by torch")
+    kind, reason = classify(None, backend="mps")
+    assert kind == "cpu" and "MPS" in reason
+    kind, reason = classify(GpuProperties("AMD Instinct MI300X", 192 * GiB, (9, 4)), backend="rocm")
+    assert kind == "cpu" and "ROCm" in reason
+
+
+def test_profile_facts_and_to_dict():
+    p = h200()
+    assert p.kind == "datacenter" and p.gpu_count == 1 and p.bf16_supported and not p.integrated_memory
+    assert p.total_vram == 143771 * MiB and p.free_vram == 143000 * MiB
+    d = p.to_dict()
+    assert d["compute_capability"] == [9, 0] and d["kind"] == "datacenter"
+    json.dumps(d)  # plain data, for the hardware panel and bench records
+    assert set(KINDS) >= {laptop_4060().kind, desktop_4090().kind, gb10().kind, no_gpu().kind}
+
+
+def test_turing_has_no_bf16():
+    t4 = profile_from_properties(GpuProperties("Tesla T4", 15 * GiB, (7, 5)))
+    assert not t4.bf16_supported
+    cfg = apply_defaults(config_for(), t4)
+    assert cfg.model.dtype == "float16"
+    assert cfg.fast_paths.kernels is True  # Turing runs the Triton kernels
+
+
+def test_old_gpu_uses_reference_paths():
+    pascal = profile_from_properties(GpuProperties("NVIDIA GeForce GTX 1080", 8 * GiB, (6, 1)))
+    cfg = apply_defaults(config_for(), pascal)
+    assert cfg.training.device == "cuda" and cfg.model.dtype == "float16"
+    assert all(getattr(cfg.fast_paths, f) is False for f in FAST)
+
+
+# -- defaults per class ------------------------------------------------------------------------
+
+
+def assert_all_filled(original: RunConfig, cfg: RunConfig):
+    for path in HARDWARE_FIELDS:
+        section, name = path.split(".")
+        assert getattr(getattr(cfg, section), name) != AUTO, path
+        assert path in cfg.auto_fields
+    cfg.validate()
+    # The input is not modified.
+    assert original.training.device == AUTO and original.auto_fields == []
+
+
+def test_laptop_4060_with_8b_model_loads_in_4bit():
+    original = config_for("Qwen/Qwen3-8B")
+    d = resolve_defaults(original, laptop_4060(), qwen3_8b())
+    cfg = d.config
+    assert_all_filled(original, cfg)
+    assert laptop_4060().kind == "rtx_laptop"
+    assert cfg.training.device == "cuda" and cfg.model.dtype == "bfloat16"
+    assert cfg.model.load_in_4bit is True
+    assert cfg.training.gradient_checkpointing is True
+    assert cfg.training.rows_per_micro_batch == 1
+    assert cfg.training.offload in ("single", "double")
+    assert all(getattr(cfg.fast_paths, f) is True for f in FAST)
+    # The chunk of fp32 logits stays inside the budget for an 8 GB card.
+    assert cfg.fast_paths.ce_chunk_tokens * 151936 * 4 <= 0.04 * 7400 * MiB
+    assert d.notes["data.num_workers"][0] == 0  # Windows
+    assert "16-bit LoRA needs" in d.choices["model.load_in_4bit"][1]
+    assert d.verdict in ("fits", "tight", "will not fit")
+
+
+def test_laptop_4060_with_small_model_stays_16bit():
+    cfg = apply_defaults(config_for("Qwen/Qwen3-0.6B"), laptop_4060(), qwen3_06b())
+    assert cfg.model.load_in_4bit is False
+    assert cfg.training.rows_per_micro_batch * cfg.data.max_seq_len <= 1024
+
+
+def test_desktop_4090_trains_8b_in_16bit():
+    cfg = apply_defaults(config_for("Qwen/Qwen3-8B"), desktop_4090(), qwen3_8b())
+    assert desktop_4090().kind == "rtx_desktop"
+    assert cfg.model.load_in_4bit is False and cfg.model.dtype == "bfloat16"
+    assert cfg.training.gradient_checkpointing is True
+    assert cfg.training.offload == "double"
+    assert 1 <= cfg.training.rows_per_micro_batch <= 8
+
+
+def test_h200_datacenter_defaults():
+    p = h200()
+    assert p.kind == "datacenter"
+    original = config_for("Qwen/Qwen3-8B")
+    d = resolve_defaults(original, p, qwen3_8b())
+    cfg = d.config
+    assert_all_filled(original, cfg)
+    assert cfg.training.device == "cuda" and cfg.model.dtype == "bfloat16"
+    assert cfg.model.load_in_4bit is False
+    assert cfg.training.gradient_checkpointing is True
+    assert cfg.training.offload == "double"
+    assert cfg.training.rows_per_micro_batch * cfg.data.max_seq_len == 16384
+    assert cfg.fast_paths.ce_chunk_tokens >= 1024
+    assert d.verdict == "fits"
+    # A bigger card gets a bigger cross-entropy chunk than a laptop.
+    laptop = apply_defaults(config_for(), laptop_4060())
+    assert cfg.fast_paths.ce_chunk_tokens > laptop.fast_paths.ce_chunk_tokens
+
+
+def test_h200_without_model_info_is_safe():
+    cfg = apply_defaults(config_for(), h200())
+    assert cfg.model.load_in_4bit is False
+    assert cfg.training.gradient_checkpointing is True
+    assert cfg.training.offload == "double"
+    assert cfg.training.rows_per_micro_batch * cfg.data.max_seq_len == 16384
+
+
+def test_h200_small_model_skips_checkpointing():
+    cfg = apply_defaults(config_for("Qwen/Qwen3-0.6B"), h200(), qwen3_06b())
+    assert cfg.training.gradient_checkpointing is False
+    assert cfg.training.offload == "off"  # nothing is checkpointed, so nothing to offload
+
+
+def test_short_free_vram_falls_back_to_single_buffer():
+    busy = profile_from_properties(GpuProperties("NVIDIA GeForce RTX 4090", 24564 * MiB, (8, 9),
+                                                 free_memory=2 * GiB))
+    d = resolve_defaults(config_for(), busy)
+    assert d.config.training.offload == "single"
+    assert "only" in d.choices["training.offload"][1]
+
+
+def test_gb10_dgx_spark_defaults():
+    p = gb10()
+    assert p.kind == "dgx_spark" and p.integrated_memory and p.arch == "aarch64"
+    assert p.free_vram == 110 * GiB  # the OS's available memory, not cudaMemGetInfo's
+    original = config_for("Qwen/Qwen3-8B")
+    d = resolve_defaults(original, p, qwen3_8b())
+    cfg = d.config
+    assert_all_filled(original, cfg)
+    assert cfg.training.device == "cuda" and cfg.model.dtype == "bfloat16"
+    assert cfg.training.offload == "off"  # no double buffering on unified memory
+    assert "unified memory" in d.choices["training.offload"][1]
+    assert cfg.model.load_in_4bit is False
+    assert cfg.training.rows_per_micro_batch * cfg.data.max_seq_len >= 8192
+
+
+def test_no_gpu_cpu_defaults():
+    p = no_gpu()
+    assert p.kind == "cpu" and p.total_vram == 0 and not p.bf16_supported
+    original = config_for()
+    d = resolve_defaults(original, p)
+    cfg = d.config
+    assert_all_filled(original, cfg)
+    assert cfg.training.device == "cpu" and cfg.model.dtype == "float32"
+    assert cfg.model.load_in_4bit is False
+    assert cfg.training.offload == "off"
+    assert cfg.training.rows_per_micro_batch in (1, 2)
+    assert all(getattr(cfg.fast_paths, f) is False for f in FAST)
+    assert "reference" in d.choices["fast_paths.kernels"][1]
+    assert d.notes["data.num_workers"][0] == 0
+
+
+def test_cpu_tiny_model_skips_checkpointing_big_model_keeps_it():
+    demo = apply_defaults(RunConfig(), no_gpu())  # the bundled demo model
+    assert demo.training.gradient_checkpointing is False
+    big = apply_defaults(config_for("Qwen/Qwen3-8B"), no_gpu(), qwen3_8b())
+    assert big.training.gradient_checkpointing is True
+    assert big.training.rows_per_micro_batch == 1
+
+
+def test_user_values_are_kept_and_followed():
+    cfg = config_for(device="cpu", rows_per_micro_batch=3, offload="single")
+    cfg.model.dtype = "float32"
+    out = apply_defaults(cfg, h200())
+    assert out.training.device == "cpu" and out.training.rows_per_micro_batch == 3
+    assert out.training.offload == "single" and out.model.dtype == "float32"
+    for path in ("training.device", "training.rows_per_micro_batch", "training.offload", "model.dtype"):
+        assert path not in out.auto_fields
+    # The CPU policy follows the explicit device.
+    assert out.model.load_in_4bit is False and out.fast_paths.kernels is False
+
+
+def test_apply_is_idempotent():
+    once = apply_defaults(config_for(), h200())
+    twice = apply_defaults(once, h200())
+    assert twice.to_dict() == once.to_dict()
+
+
+def test_explain_defaults():
+    cfg = apply_defaults(config_for("Qwen/Qwen3-8B"), laptop_4060(), qwen3_8b())
+    lines = explain_defaults(cfg)
+    for path in HARDWARE_FIELDS + ["data.num_workers"]:
+        assert any(line.startswith(path + " = ") for line in lines), path
+    assert any("load_in_4bit = true" in line for line in lines)
+    # The reasons are not part of the saved config; a reloaded one still lists its values.
+    assert "tunesmith_defaults" not in cfg.to_yaml()
+    reloaded = RunConfig.from_dict(cfg.to_dict())
+    assert explain_defaults(reloaded)[0].startswith(cfg.auto_fields[0] + " = ")
+
+
+def test_format_profile_text():
+    text = format_profile(h200(), config_for("Qwen/Qwen3-8B"), qwen3_8b())
+    assert "datacenter" in text and "NVIDIA H200" in text and "9.0" in text
+    assert "training.offload = double" in text and "model.dtype = bfloat16" in text
+    assert "estimate" in text
+    cpu_text = format_profile(no_gpu())  # the demo config
+    assert "kind       cpu" in cpu_text and "training.device = cpu" in cpu_text
+
+
+# -- the real machine --------------------------------------------------------------------------
+
+
+def test_detect_on_this_machine():
+    import torch
+
+    p = detect()
+    assert isinstance(p, HardwareProfile)
+    assert p.ram_total > 0 and 0 < p.ram_available <= p.ram_total and p.cpu_count >= 1
+    assert p.torch_version == torch.__version__
+    assert p.os and p.arch
+    if not torch.cuda.is_available():
+        assert p.kind == "cpu" and p.gpu_count == 0
+        assert apply_defaults(RunConfig(), p).training.device == "cpu"
+    json.dumps(p.to_dict())
+    assert "Hardware" in format_profile(p)
+
+
+def test_import_does_not_load_torch():
+    # The studio imports engine.hardware before its window opens; torch must wait for detect().
+    code = "import sys, engine.hardware; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
