@@ -1,0 +1,224 @@
+"""Rotary position embedding applied in place to q and k, in the rotate_half convention.
+
+q [B, T, Hq, D] and k [B, T, Hkv, D] are the projection outputs before the head transpose;
+cos/sin [B or 1, T, D] come straight from transformers' rotary embedding module, so packed rows
+whose positions restart at 0 need nothing special. One program per token loads that token's
+cos/sin once and rotates every q and k head, writing back over its input: no extra activation
+memory, and nothing is saved for the backward except cos/sin, since the backward is the
+transposed rotation (by -theta) applied in place to the incoming gradients. That last step
+assumes the gradient buffer handed to this op belongs to it alone, which holds when q and k go
+straight into attention (the patched decoder layers); expanded or non-contiguous gradients are
+copied first.
+
+Public: `apply_rope` (dispatcher), `apply_rope_triton`, `apply_rope_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._common import next_pow2, on_cuda
+
+# Values per half-head tile a program rotates at once (heads x D/2).
+_TILE_ELEMS = 2048
+
+
+@triton.jit
+def _rotate_heads(X, stride_h, n_heads, base, c1, c2, sa, sb, d_offs, d_mask, half,
+                  BLOCK_H: tl.constexpr):
+    for h0 in range(0, n_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        mask = (heads < n_heads)[:, None] & d_mask[None, :]
+        ptr1 = X + base + heads[:, None].to(tl.int64) * stride_h + d_offs[None, :]
+        x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr1 + half, mask=mask, other=0.0).to(tl.float32)
+        o1 = x1 * c1[None, :] - x2 * sa[None, :]
+        o2 = x2 * c2[None, :] + x1 * sb[None, :]
+        tl.store(ptr1, o1.to(X.dtype.element_ty), mask=mask)
+        tl.store(ptr1 + half, o2.to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, COS, SIN,
+    seq_len, n_q_heads, n_k_heads, half,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_cb, stride_ct, stride_sb, stride_st,
+    BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    b = (tok // seq_len).to(tl.int64)
+    t = (tok % seq_len).to(tl.int64)
+    d_offs = tl.arange(0, BLOCK_D)
+    d_mask = d_offs < half
+    cos_ptr = COS + b * stride_cb + t * stride_ct + d_offs
+    sin_ptr = SIN + b * stride_sb + t * stride_st + d_offs
+    c1 = tl.load(cos_ptr, mask=d_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + half, mask=d_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr, mask=d_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + half, mask=d_mask, other=0.0).to(tl.float32)
+    # Forward:  o1 = x1*c1 - x2*s1,  o2 = x2*c2 + x1*s2   (x*cos + rotate_half(x)*sin).
+    # Backward is the transpose of that map: g1*c1 + g2*s2 and g2*c2 - g1*s1, i.e. the same
+    # formula with the sine halves swapped and negated (rotation by -theta).
+    if BACKWARD:
+        sa = -s2
+        sb = -s1
+    else:
+        sa = s1
+        sb = s2
+    _rotate_heads(Q, stride_qh, n_q_heads, b * stride_qb + t * stride_qt, c1, c2, sa, sb,
+                  d_offs, d_mask, half, BLOCK_H=BLOCK_HQ)
+    _rotate_heads(K, stride_kh, n_k_heads, b * stride_kb + t * stride_kt, c1, c2, sa, sb,
+                  d_offs, d_mask, half, BLOCK_H=BLOCK_HK)
+
+
+def _head_block(n_heads: int, block_d: int) -> int:
+    # The largest power of two dividing n_heads (so no lanes idle, e.g. 40 heads -> 8),
+    # capped so a tile stays about _TILE_ELEMS values.
+    cap = max(1, _TILE_ELEMS // block_d)
+    block = n_heads & -n_heads if n_heads > 0 else 1
+    block = min(block, cap)
+    if block < 4 and n_heads >= 4:  # odd head counts: accept a few masked lanes instead
+        block = min(next_pow2(n_heads), cap)
+    return max(block, 1)
+
+
+def _as_btd(c: torch.Tensor, name: str) -> torch.Tensor:
+    if c.dim() == 2:
+        c = c.unsqueeze(0)
+    if c.dim() != 3:
+        raise ValueError(f"apply_rope: {name} must be [B or 1, T, D], got {tuple(c.shape)}")
+    if c.stride(-1) != 1:
+        c = c.contiguous()
+    return c
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> None:
+    """Rotate q and k (or q alone when k is None) in place."""
+    B, T, Hq, D = q.shape
+    Hk = 0 if k is None else k.shape[2]
+    if k is None:
+        k = q  # never touched: the k loop runs over zero heads
+    if B * T == 0:
+        return
+    half = D // 2
+    block_d = next_pow2(half)
+    cb = cos.stride(0) if cos.shape[0] > 1 else 0
+    sb = sin.stride(0) if sin.shape[0] > 1 else 0
+    block_hq, block_hk = _head_block(Hq, block_d), _head_block(Hk, block_d)
+    tile = max(block_hq, block_hk) * block_d
+    _rope_kernel[(B * T,)](
+        q, k, cos, sin,
+        T, Hq, Hk, half,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        cb, cos.stride(1), sb, sin.stride(1),
+        BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward,
+        num_warps=4 if tile >= 1024 else 2,
+    )
+
+
+def _check(q, k, cos, sin):
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"apply_rope: q and k must be [B, T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, _, D = q.shape
+    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(f"apply_rope: k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    if D % 2:
+        raise ValueError(f"apply_rope: head_dim must be even, got {D}")
+    for name, c in (("cos", cos), ("sin", sin)):
+        if c.shape[-1] != D or c.shape[-2] != T or (c.dim() == 3 and c.shape[0] not in (1, B)):
+            raise ValueError(f"apply_rope: {name} {tuple(c.shape)} does not fit q {tuple(q.shape)}")
+
+
+def _unit_last_stride(x: torch.Tensor) -> bool:
+    return x.shape[-1] <= 1 or x.stride(-1) == 1
+
+
+def _writable(g: torch.Tensor) -> torch.Tensor:
+    # Rotating a gradient in place is safe only on a buffer of its own: expanded (stride-0) or
+    # oddly strided gradients get a private contiguous copy first.
+    if g.is_contiguous() and _unit_last_stride(g):
+        return g
+    return g.contiguous()
+
+
+class RoPEFunction(torch.autograd.Function):
+    """In-place rotation of q and k in one launch; the backward rotates the gradients back in place.
+
+    Autograd refuses a Function that dirties a view and returns two tensors, so this pair form
+    serves q/k that own their storage and `RoPESingleFunction` serves views (the usual case:
+    q = q_proj(x).view(B, T, H, D)).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        _launch(q, k, cos, sin, backward=False)
+        ctx.mark_dirty(q, k)
+        ctx.save_for_backward(cos, sin)
+        ctx.meta = (q.shape, k.shape, q.dtype, q.device)
+        return q, k
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        q_shape, k_shape, dtype, device = ctx.meta
+        dq = torch.zeros(q_shape, dtype=dtype, device=device) if dq is None else _writable(dq)
+        dk = torch.zeros(k_shape, dtype=dtype, device=device) if dk is None else _writable(dk)
+        _launch(dq, dk, cos, sin, backward=True)
+        return dq, dk, None, None
+
+
+class RoPESingleFunction(torch.autograd.Function):
+    """In-place rotation of one tensor [B, T, H, D] (may be a view); backward as above."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        _launch(x, None, cos, sin, backward=False)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin)
+        return x
+
+    @staticmethod
+    def backward(ctx, dx):
+        cos, sin = ctx.saved_tensors
+        dx = _writable(dx)
+        _launch(dx, None, cos, sin, backward=True)
+        return dx, None, None
+
+
+def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' apply_rotary_pos_emb for [B, T, H, D] tensors (unsqueeze_dim=2); out of place."""
+    cos = _as_btd(cos, "cos").unsqueeze(2)
+    sin = _as_btd(sin, "sin").unsqueeze(2)
+
+    def rotate_half(x):
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The Triton path regardless of device (CPU tensors need TRITON_INTERPRET=1); in place."""
+    _check(q, k, cos, sin)
+    if not (_unit_last_stride(q) and _unit_last_stride(k)):
+        raise ValueError("apply_rope: q and k need a unit stride along head_dim to be rotated in place")
+    cos, sin = _as_btd(cos, "cos"), _as_btd(sin, "sin")
+    if q._is_view() or k._is_view():
+        return RoPESingleFunction.apply(q, cos, sin), RoPESingleFunction.apply(k, cos, sin)
+    return RoPEFunction.apply(q, k, cos, sin)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q [B, T, Hq, D] and k [B, T, Hkv, D] by cos/sin [B or 1, T, D]; returns (q, k).
+
+    On CUDA the rotation happens in place and the returned tensors are q and k themselves; the
+    CPU reference returns new tensors, so callers must always use the returned pair.
+    """
+    if on_cuda(q, k, cos, sin):
+        return apply_rope_triton(q, k, cos, sin)
+    return apply_rope_reference(q, k, cos, sin)

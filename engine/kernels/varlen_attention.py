@@ -1,0 +1,718 @@
+"""Causal flash attention over packed documents (varlen): Triton forward + backward, torch reference.
+
+Layout: every document of a packed batch lies back to back in one token stream, q [T, Hq, D],
+k/v [T, Hkv, D] (any token/head strides, unit stride on D), `cu_seqlens` int32 [n_docs + 1] on
+the device. Attention never crosses a document boundary. Supports GQA (Hq a multiple of Hkv),
+a sliding window with Hugging Face's meaning (query i sees key j iff i - W < j <= i, i.e. flash-attn
+window_size=(W - 1, 0)), Gemma-2 logit softcapping (s = cap * tanh(scale * q.k / cap)) and any scale.
+
+Work is scheduled from *block tables*: int32 [n_blocks, 2] rows of (document, first token) that
+cover every document with blocks of one size and nothing else, so no program is spent on padding
+and the grid size is a host integer (no device-to-host sync). `engine.packed.PackedSeqInfo` builds
+them on the host from the lengths it already knows (heaviest blocks first, for load balance);
+`device_block_table` builds a sync-free superset on the device when only `cu_seqlens` is at hand.
+
+Forward keeps the softmax statistics (log-sum-exp, base 2) for backward, which runs three kernels:
+delta = rowsum(dO * O), then dK/dV per key block (looping over the whole query-head group, so GQA
+gradients accumulate in registers with no atomics), then dQ per query block.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# A table provider maps (kind, block) -> (int32 table [n, 2] on the device, n). kind "q": blocks of
+# queries (forward, dQ), ordered by the keys they visit; kind "k": blocks of keys (dK/dV).
+TableFn = Callable[[str, int], "tuple[torch.Tensor, int]"]
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (also the CPU path of the engine)
+# --------------------------------------------------------------------------------------------
+
+def _doc_mask(n: int, causal: bool, sliding_window: Optional[int], device) -> Optional[torch.Tensor]:
+    if not causal and sliding_window is None:
+        return None
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    keep = torch.ones(n, n, dtype=torch.bool, device=device)
+    if causal:
+        keep &= j <= i
+    if sliding_window is not None:
+        keep &= (i - j) < sliding_window
+    return keep
+
+
+def varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, causal=True,
+                               sliding_window=None, softcap=None, dropout_p=0.0):
+    """Per-document attention in plain torch: SDPA where it can, explicit softmax for softcap.
+
+    Reads `cu_seqlens` on the host (a sync on CUDA): this is the reference and the CPU path.
+    """
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    bounds = cu_seqlens.tolist()
+    out = q.new_empty(t, hq, d)
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e <= s:
+            continue
+        qd = q[s:e].transpose(0, 1)
+        kd = k[s:e].transpose(0, 1).repeat_interleave(group, 0)
+        vd = v[s:e].transpose(0, 1).repeat_interleave(group, 0)
+        if softcap is None:
+            mask = _doc_mask(e - s, causal, sliding_window, q.device)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=mask if sliding_window is not None else None,
+                is_causal=causal and sliding_window is None, dropout_p=dropout_p, scale=scale)
+        else:
+            scores = (qd.float() @ kd.float().transpose(-1, -2)) * scale
+            scores = softcap * torch.tanh(scores / softcap)
+            mask = _doc_mask(e - s, causal, sliding_window, q.device)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            if dropout_p > 0:
+                probs = F.dropout(probs, dropout_p)
+            od = (probs @ vd.float()).to(q.dtype)
+        out[s:e] = od.transpose(0, 1)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Block tables
+# --------------------------------------------------------------------------------------------
+
+def host_block_table(lengths, block: int, kind: str) -> torch.Tensor:
+    """(document, first token) per block of `block` tokens, on the host, heaviest blocks first.
+
+    A query block's cost grows with how far into its document it sits (causal), a key block's
+    with how many queries follow it; launching the heavy ones first keeps the GPU's tail short.
+    """
+    lens = torch.as_tensor(list(lengths), dtype=torch.int64)
+    n = lens.numel()
+    nb = (lens + block - 1) // block
+    total = int(nb.sum())
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    doc = torch.repeat_interleave(torch.arange(n), nb)
+    first_blk = torch.cumsum(nb, 0) - nb
+    blk = torch.arange(total) - torch.repeat_interleave(first_blk, nb)
+    offset = blk * block
+    work = offset + block if kind == "q" else lens[doc] - offset
+    order = torch.argsort(-work, stable=True)
+    table = torch.stack([doc, cu[doc] + offset], dim=1)[order]
+    return table.to(torch.int32).contiguous()
+
+
+def device_block_table(cu_seqlens: torch.Tensor, total_tokens: int, block: int) -> tuple[torch.Tensor, int]:
+    """A block table built on the device from `cu_seqlens` alone, with no device-to-host sync.
+
+    The block count is not known on the host, so the table has the host-known upper bound
+    cdiv(T, block) + n_docs rows; rows past the real count hold document -1 and exit at once.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    n = cu.numel() - 1
+    bound = triton.cdiv(max(total_tokens, 1), block) + n
+    lens = cu[1:] - cu[:-1]
+    nb = (lens + block - 1) // block
+    ends = torch.cumsum(nb, 0)
+    p = torch.arange(bound, device=cu.device)
+    doc = torch.searchsorted(ends, p, right=True)
+    valid = doc < n
+    docc = doc.clamp(max=max(n - 1, 0))
+    start = cu[docc] + (p - (ends[docc] - nb[docc])) * block
+    table = torch.stack([torch.where(valid, docc, -1), torch.where(valid, start, 0)], dim=1)
+    return table.to(torch.int32).contiguous(), bound
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2: available in every Triton version and in the interpreter; saturates to
+    # +-1 without NaN because 2 / (inf + 1) == 0.
+    e = tl.exp2(x * 2.8853900817779268)  # 2 * log2(e)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def _scores(qk, mul_a, mul_b, HAS_SOFTCAP: tl.constexpr):
+    # Scores in base-2 units. Without softcap mul_a = scale * log2e. With softcap
+    # mul_a = scale / cap and mul_b = cap * log2e, and t = tanh(.) is returned for the derivative.
+    if HAS_SOFTCAP:
+        t = _tanh(qk * mul_a)
+        return t * mul_b, t
+    else:
+        return qk * mul_a, qk
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, offs_d, lo, hi,
+               doc_end, mul_a, mul_b, window,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    # Addresses are built once and advanced per step (int64: T * stride may pass 2**31).
+    rows0 = (lo + offs_n0).to(tl.int64)
+    k_ptrs = k_base + rows0[:, None] * sk_t + offs_d[None, :]
+    v_ptrs = v_base + rows0[:, None] * sv_t + offs_d[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASK:
+            kv_ok = offs_n < doc_end
+            k = tl.load(k_ptrs, mask=kv_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=kv_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        k_ptrs += BLOCK_N * sk_t
+        v_ptrs += BLOCK_N * sv_t
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s, _t = _scores(qk, mul_a, mul_b, HAS_SOFTCAP)
+        if MASK:
+            ok = kv_ok[None, :]
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= offs_m[:, None])
+            if HAS_WINDOW:
+                ok = ok & ((offs_m[:, None] - offs_n[None, :]) < window)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # Accumulate inside the MMA (acc operand) rather than with a separate add.
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _key_range(m0, doc_start, doc_end, window,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr):
+    # Keys a block of queries [m0, m0 + BLOCK_M) must visit: [lo, hi), of which [lo, mid) needs no
+    # mask (every key is before every query and inside the document); [mid, hi) is masked.
+    if CAUSAL:
+        hi = tl.minimum(doc_end, m0 + BLOCK_M)
+    else:
+        hi = doc_end
+    if HAS_WINDOW:
+        lo = tl.maximum(doc_start, m0 - window + 1)
+        mid = lo
+    else:
+        lo = doc_start
+        if CAUSAL:
+            mid = lo + ((m0 - lo) // BLOCK_N) * BLOCK_N
+        else:
+            mid = lo + ((doc_end - lo) // BLOCK_N) * BLOCK_N
+    return lo, mid, hi
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE, CU, TBL_A, TBL_B,
+              sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, s_lse,
+              mul_a, mul_b, window,
+              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
+              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    head = tl.program_id(0)
+    pid = tl.program_id(1)
+    # Autotuning may pick either block size; the launcher passes a table for each.
+    if BLOCK_M == BLOCK_A:
+        tbl = TBL_A
+    else:
+        tbl = TBL_B
+    doc = tl.load(tbl + 2 * pid)
+    if doc < 0:
+        return
+    m0 = tl.load(tbl + 2 * pid + 1)
+    doc_start = tl.load(CU + doc)
+    doc_end = tl.load(CU + doc + 1)
+    kvh = head // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < doc_end
+    rows = offs_m.to(tl.int64)
+    q = tl.load(Q + head * sq_h + rows[:, None] * sq_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+
+    # A finite floor instead of -inf keeps rows whose first visited keys are all masked
+    # (sliding window) free of inf - inf = NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    k_base = K + kvh * sk_h
+    v_base = V + kvh * sv_h
+    lo, mid, hi = _key_range(m0, doc_start, doc_end, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, offs_d, lo, mid,
+                               doc_end, mul_a, mul_b, window, BLOCK_N, False, CAUSAL, HAS_WINDOW,
+                               HAS_SOFTCAP, DOT_PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, offs_d, mid, hi,
+                               doc_end, mul_a, mul_b, window, BLOCK_N, True, CAUSAL, HAS_WINDOW,
+                               HAS_SOFTCAP, DOT_PREC)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(O + head * so_h + rows[:, None] * so_t + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=m_ok[:, None])
+    tl.store(LSE + head * s_lse + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
+
+
+@triton.jit
+def _bwd_delta(O, DO, DELTA, T, so_t, so_h, sdo_t, sdo_h, s_delta,
+               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    head = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_t < T
+    rows = offs_t.to(tl.int64)
+    o = tl.load(O + head * so_h + rows[:, None] * so_t + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + head * sdo_h + rows[:, None] * sdo_t + offs_d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(DELTA + head * s_delta + offs_t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sq_t, sdo_t, offs_n, offs_d,
+                lo, hi, doc_end, mul_a, mul_b, window,
+                BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_m0 = tl.arange(0, BLOCK_M)
+    rows0 = (lo + offs_m0).to(tl.int64)
+    q_ptrs = q_base + rows0[:, None] * sq_t + offs_d[None, :]
+    do_ptrs = do_base + rows0[:, None] * sdo_t + offs_d[None, :]
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        if MASK:
+            m_ok = offs_m < doc_end
+            q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=m_ok[:, None], other=0.0)
+            lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        q_ptrs += BLOCK_M * sq_t
+        do_ptrs += BLOCK_M * sdo_t
+        # Transposed tiles ([keys, queries]) so dK/dV accumulate without transposing big tiles.
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+        sT, tT = _scores(qkT, mul_a, mul_b, HAS_SOFTCAP)
+        pT = tl.exp2(sT - lse[None, :])
+        if MASK:
+            ok = m_ok[None, :] & (offs_n[:, None] < doc_end)
+            if CAUSAL:
+                ok = ok & (offs_n[:, None] <= offs_m[None, :])
+            if HAS_WINDOW:
+                ok = ok & ((offs_m[None, :] - offs_n[:, None]) < window)
+            pT = tl.where(ok, pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, CU, TBL_A, TBL_B,
+                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h,
+                   sdk_t, sdk_h, sdv_t, sdv_h, s_lse,
+                   sm_scale, mul_a, mul_b, window,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    kvh = tl.program_id(0)
+    pid = tl.program_id(1)
+    if BLOCK_N == BLOCK_A:
+        tbl = TBL_A
+    else:
+        tbl = TBL_B
+    doc = tl.load(tbl + 2 * pid)
+    if doc < 0:
+        return
+    n0 = tl.load(tbl + 2 * pid + 1)
+    doc_start = tl.load(CU + doc)
+    doc_end = tl.load(CU + doc + 1)
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_ok = offs_n < doc_end
+    rows = offs_n.to(tl.int64)
+    k = tl.load(K + kvh * sk_h + rows[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    v = tl.load(V + kvh * sv_h + rows[:, None] * sv_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Queries that can see this key block: [q_lo, q_hi). Causal without window: a masked diagonal
+    # [n0, n0 + BLOCK_N), then unmasked whole query blocks, then a masked tail at the doc end.
+    if CAUSAL:
+        q_lo = n0
+    else:
+        q_lo = doc_start
+    if HAS_WINDOW:
+        q_hi = tl.minimum(doc_end, n0 + BLOCK_N - 1 + window)
+    else:
+        q_hi = doc_end
+    if CAUSAL and not HAS_WINDOW:
+        # Whole query steps: BLOCK_N need not be a multiple of BLOCK_M.
+        diag_end = tl.minimum(n0 + ((BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, q_hi)
+        full_end = diag_end + tl.maximum(q_hi - diag_end, 0) // BLOCK_M * BLOCK_M
+    else:
+        diag_end = q_hi
+        full_end = q_hi
+
+    for g in range(GROUP):
+        head = kvh * GROUP + g
+        q_base = Q + head * sq_h
+        do_base = DO + head * sdo_h
+        lse_base = LSE + head * s_lse
+        delta_base = DELTA + head * s_lse
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sq_t, sdo_t,
+                             offs_n, offs_d, q_lo, diag_end, doc_end, mul_a, mul_b, window,
+                             BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sq_t, sdo_t,
+                             offs_n, offs_d, diag_end, full_end, doc_end, mul_a, mul_b, window,
+                             BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sq_t, sdo_t,
+                             offs_n, offs_d, full_end, q_hi, doc_end, mul_a, mul_b, window,
+                             BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    dk = dk * sm_scale
+    tl.store(DK + kvh * sdk_h + rows[:, None] * sdk_t + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=n_ok[:, None])
+    tl.store(DV + kvh * sdv_h + rows[:, None] * sdv_t + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=n_ok[:, None])
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, offs_d, lo, hi, doc_end,
+              mul_a, mul_b, window,
+              BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    rows0 = (lo + offs_n0).to(tl.int64)
+    k_ptrs = k_base + rows0[:, None] * sk_t + offs_d[None, :]
+    v_ptrs = v_base + rows0[:, None] * sv_t + offs_d[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASK:
+            kv_ok = offs_n < doc_end
+            k = tl.load(k_ptrs, mask=kv_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=kv_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        k_ptrs += BLOCK_N * sk_t
+        v_ptrs += BLOCK_N * sv_t
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s, t = _scores(qk, mul_a, mul_b, HAS_SOFTCAP)
+        p = tl.exp2(s - lse[:, None])
+        if MASK:
+            ok = kv_ok[None, :]
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= offs_m[:, None])
+            if HAS_WINDOW:
+                ok = ok & ((offs_m[:, None] - offs_n[None, :]) < window)
+            p = tl.where(ok, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, CU, TBL_A, TBL_B,
+                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdq_t, sdq_h, s_lse,
+                 sm_scale, mul_a, mul_b, window,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    head = tl.program_id(0)
+    pid = tl.program_id(1)
+    if BLOCK_M == BLOCK_A:
+        tbl = TBL_A
+    else:
+        tbl = TBL_B
+    doc = tl.load(tbl + 2 * pid)
+    if doc < 0:
+        return
+    m0 = tl.load(tbl + 2 * pid + 1)
+    doc_start = tl.load(CU + doc)
+    doc_end = tl.load(CU + doc + 1)
+    kvh = head // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < doc_end
+    rows = offs_m.to(tl.int64)
+    q = tl.load(Q + head * sq_h + rows[:, None] * sq_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    do = tl.load(DO + head * sdo_h + rows[:, None] * sdo_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    lse = tl.load(LSE + head * s_lse + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + head * s_lse + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    k_base = K + kvh * sk_h
+    v_base = V + kvh * sv_h
+    lo, mid, hi = _key_range(m0, doc_start, doc_end, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, offs_d, lo, mid, doc_end,
+                   mul_a, mul_b, window, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, offs_d, mid, hi, doc_end,
+                   mul_a, mul_b, window, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    dq = dq * sm_scale
+    tl.store(DQ + head * sdq_h + rows[:, None] * sdq_t + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=m_ok[:, None])
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configurations
+# --------------------------------------------------------------------------------------------
+
+# Block sizes the GPU configs use; tables for both are passed so autotuning may pick either.
+# (engine.packed precomputes tables for exactly these sizes when a batch moves to the GPU.)
+TABLE_BLOCKS = (64, 128)
+
+
+def _cfg(bm, bn, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+# Hopper-minded candidates, few on purpose: each distinct (head_dim, group, flags, dtype) tunes once.
+_FWD_CONFIGS = {
+    64: [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 4)],
+    128: [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 4, 3)],
+    256: [_cfg(64, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2)],
+}
+# dK/dV: BLOCK_N is the key block (table), BLOCK_M the query step (any ratio works).
+_DKDV_CONFIGS = {
+    64: [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 2)],
+    128: [_cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 2)],
+    256: [_cfg(32, 64, 4, 1), _cfg(32, 64, 8, 2), _cfg(16, 64, 4, 2)],
+}
+# dQ: BLOCK_M is the query block (table), BLOCK_N the key step.
+_DQ_CONFIGS = {
+    64: [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
+    128: [_cfg(128, 32, 8, 2), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
+    256: [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 16, 4, 2)],
+}
+_ALL_KEY = ["HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_SOFTCAP"]
+
+
+def _prune(table):
+    def prune(configs, named_args, **kwargs):
+        d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+        return table[min(table, key=lambda x: abs(x - d))] if d not in table else table[d]
+    return prune
+
+
+def _short_bench(kernel_call, quantiles):
+    # Short timing windows: a config ranking needs a few runs, not triton's default 100 ms each.
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _tuned(kernel, table):
+    every = [c for cs in table.values() for c in cs]
+    prune = {"early_config_prune": _prune(table)}
+    try:
+        return triton.autotune(configs=every, key=_ALL_KEY, prune_configs_by=prune,
+                               do_bench=_short_bench)(kernel)
+    except TypeError:  # a Triton without the do_bench hook
+        return triton.autotune(configs=every, key=_ALL_KEY, prune_configs_by=prune)(kernel)
+
+
+_attn_fwd_tuned = _tuned(_attn_fwd, _FWD_CONFIGS)
+_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv, _DKDV_CONFIGS)
+_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq, _DQ_CONFIGS)
+
+# Fixed configs used when autotuning is off (interpreter, TUNESMITH_ATTN_AUTOTUNE=0, or tests
+# that pin blocks): {kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)} per head dim.
+_DEFAULTS = {
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)},
+    "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 2), 256: (32, 64, 4, 1)},
+    "dq": {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 32, 4, 2)},
+}
+_INTERPRET_BLOCKS = (16, 16)
+
+
+def _use_autotune() -> bool:
+    return not INTERPRET and os.environ.get("TUNESMITH_ATTN_AUTOTUNE", "1") != "0"
+
+
+def _fixed(kind: str, d: int, blocks: Optional[tuple[int, int]], fp32: bool = False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Pinned `blocks` are (table block, step block):
+    the table block is BLOCK_M for fwd/dq and BLOCK_N (key block) for dkdv."""
+    if blocks is not None:
+        if kind == "dkdv":
+            return blocks[1], blocks[0], 4, 2
+        return blocks[0], blocks[1], 4, 2
+    if INTERPRET:
+        return _INTERPRET_BLOCKS[0], _INTERPRET_BLOCKS[1], 4, 1
+    if fp32:
+        # fp32 on a GPU is for exact checks, not speed: small tiles fit shared memory at D=256.
+        return 32, 32, 4, 1
+    table = _DEFAULTS[kind]
+    return table[d] if d in table else table[min(table, key=lambda x: abs(x - d))]
+
+
+class _Launch:
+    """Shared arguments of one attention call (shapes, flags, tables)."""
+
+    def __init__(self, q, k, cu_seqlens, tables: TableFn, scale, causal, sliding_window, softcap,
+                 blocks, covers_all):
+        t, hq, d = q.shape
+        hkv = k.shape[1]
+        if hq % hkv:
+            raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+        if d < 16 or d > 256 or d & (d - 1):
+            raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
+        self.t, self.hq, self.hkv, self.d = t, hq, hkv, d
+        self.group = hq // hkv
+        self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        self.causal = bool(causal)
+        self.has_window = sliding_window is not None
+        self.window = int(sliding_window) if self.has_window else 0
+        if self.has_window and self.window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.has_softcap = softcap is not None and float(softcap) > 0
+        if self.has_softcap:
+            self.mul_a = self.scale / float(softcap)
+            self.mul_b = float(softcap) * LOG2E
+        else:
+            self.mul_a = self.scale * LOG2E
+            self.mul_b = 1.0
+        self.cu = cu_seqlens
+        self.tables = tables
+        self.covers_all = bool(covers_all)
+        self.blocks = blocks  # pinned (table block, step block) for tests, else None
+        # fp32 inputs get exact fp32 products (the point of fp32 is a tight check); 16-bit inputs
+        # use Triton's default.
+        self.fp32 = q.dtype == torch.float32
+        self.dot_prec = "ieee" if self.fp32 else None
+        self.flags = dict(GROUP=self.group, HEAD_DIM=d, CAUSAL=self.causal,
+                          HAS_WINDOW=self.has_window, HAS_SOFTCAP=self.has_softcap,
+                          DOT_PREC=self.dot_prec)
+
+    def run(self, kind, tuned, plain, heads, head_args, tail_args):
+        """Launch one kernel: `tuned` (autotuned) or `plain` with a fixed config. The block table
+        is indexed by BLOCK_M for fwd/dq (query blocks) and by BLOCK_N for dkdv (key blocks)."""
+        table_key = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
+        table_kind = "k" if kind == "dkdv" else "q"
+        if self.blocks is None and _use_autotune() and not self.fp32:
+            ta, na = self.tables(table_kind, TABLE_BLOCKS[0])
+            tb, nb = self.tables(table_kind, TABLE_BLOCKS[1])
+            counts = {TABLE_BLOCKS[0]: na, TABLE_BLOCKS[1]: nb}
+            grid = lambda meta: (heads, max(counts[meta[table_key]], 1))  # noqa: E731
+            tuned[grid](*head_args, ta, tb, *tail_args, BLOCK_A=TABLE_BLOCKS[0], **self.flags)
+            return
+        bm, bn, warps, stages = _fixed(kind, self.d, self.blocks, self.fp32)
+        tblock = bn if kind == "dkdv" else bm
+        ta, na = self.tables(table_kind, tblock)
+        plain[(heads, max(na, 1))](*head_args, ta, ta, *tail_args, BLOCK_A=tblock, **self.flags,
+                                    BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+
+def _forward(q, k, v, L: _Launch):
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((L.hq, max(L.t, 1)), dtype=torch.float32, device=q.device)
+    if L.t == 0:
+        return o, lse
+    tail = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            o.stride(0), o.stride(1), lse.stride(0), L.mul_a, L.mul_b, L.window)
+    L.run("fwd", _attn_fwd_tuned, _attn_fwd, L.hq, (q, k, v, o, lse, L.cu), tail)
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, L: _Launch):
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if L.t == 0:
+        return dq, dk.zero_(), dv.zero_()
+    delta = torch.empty_like(lse)
+    block = 64
+    _bwd_delta[(L.hq, triton.cdiv(L.t, block))](
+        o, do, delta, L.t, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+        HEAD_DIM=L.d, BLOCK=block)
+    if not L.covers_all:
+        # Tokens no document covers get no dK/dV program; zero them (skipped when the caller
+        # knows cu_seqlens spans the whole stream, which saves two memsets per layer).
+        dk.zero_()
+        dv.zero_()
+    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+              do.stride(0), do.stride(1))
+    dkdv_rest = common + (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+                          L.scale, L.mul_a, L.mul_b, L.window)
+    L.run("dkdv", _attn_bwd_dkdv_tuned, _attn_bwd_dkdv, L.hkv,
+          (q, k, v, do, dk, dv, lse, delta, L.cu), dkdv_rest)
+    dq_rest = common + (dq.stride(0), dq.stride(1), lse.stride(0), L.scale, L.mul_a, L.mul_b, L.window)
+    L.run("dq", _attn_bwd_dq_tuned, _attn_bwd_dq, L.hq, (q, k, v, do, dq, lse, delta, L.cu), dq_rest)
+    return dq, dk, dv
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, launch: _Launch):
+        o, lse = _forward(q, k, v, launch)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.launch = launch
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        if do.stride(-1) != 1:
+            do = do.contiguous()
+        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.launch)
+        return dq, dk, dv, None
+
+
+def _check(q, k, v, cu_seqlens):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q/k/v shapes disagree: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q/k/v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.device != q.device:
+        raise ValueError("cu_seqlens must be int32 on the same device as q")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride on head_dim")
+
+
+def varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, causal=True,
+                            sliding_window=None, softcap=None, tables: Optional[TableFn] = None,
+                            blocks: Optional[tuple[int, int]] = None, covers_all_tokens: bool = False):
+    """Triton varlen attention (differentiable). `tables` supplies block tables (see module
+    doc); without it they are built on the device from `cu_seqlens` (sync-free, a few tiny
+    launches per call). `blocks` pins (table block, step block) for every kernel (tests).
+    `covers_all_tokens`: the caller knows cu_seqlens[-1] == T (skips zeroing dK/dV); otherwise
+    outputs of tokens outside every document are unspecified and their dK/dV are zero.
+    `max_seqlen` is accepted for API symmetry; the block tables make it unnecessary."""
+    _check(q, k, v, cu_seqlens)
+    if tables is None:
+        t = q.shape[0]
+        cache: dict = {}
+
+        def tables(kind, block):  # noqa: F811 - both kinds share one device table per block
+            if block not in cache:
+                cache[block] = device_block_table(cu_seqlens, t, block)
+            return cache[block]
+    launch = _Launch(q, k, cu_seqlens, tables, scale, causal, sliding_window, softcap, blocks,
+                     covers_all_tokens)
+    return _VarlenAttention.apply(q, k, v, launch)

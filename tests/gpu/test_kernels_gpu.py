@@ -1,0 +1,284 @@
+"""The Triton kernels on a CUDA GPU at the reference workloads' shapes (16,384 tokens; hidden
+1024 / 2048 / 4096; vocabulary 151,936 and 128,256), bf16 and fp32, forward and backward against
+the torch references, plus a timing line per case against the reference (printed, not asserted).
+
+Run on the GPU host:  python -m pytest -m gpu tests/gpu/test_kernels_gpu.py -q -s
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from engine.kernels.activations import geglu, geglu_reference, swiglu, swiglu_reference  # noqa: E402
+from engine.kernels.fused_ce import (  # noqa: E402
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_reference,
+)
+from engine.kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
+from engine.kernels.rope import apply_rope, apply_rope_reference  # noqa: E402
+
+TOKENS = 16384
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
+# Norm-relative error allowed on gradients that sum over many terms in a different order.
+REL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _strict_fp32():
+    # fp32 comparisons mean fp32: no TF32 in either path.
+    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+    torch.cuda.empty_cache()
+
+
+def _ms(fn, iters=10, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _report(name, ms_ours, ms_ref, nbytes=None):
+    bw = f", {nbytes / ms_ours / 1e6:.0f} GB/s" if nbytes else ""
+    print(f"\n[timing] {name}: triton {ms_ours:.3f} ms, reference {ms_ref:.3f} ms "
+          f"({ms_ref / ms_ours:.2f}x){bw}")
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "shape,offset,weight_grad",
+    [
+        ((1, TOKENS, 1024), 0.0, False),
+        ((1, TOKENS, 2048), 1.0, True),
+        ((1, TOKENS, 4096), 0.0, True),
+        ((1, TOKENS, 16, 128), 0.0, False),  # Qwen3 q_norm over heads
+    ],
+)
+def test_rmsnorm(shape, offset, weight_grad, dtype):
+    g = _gen(1)
+    x = torch.randn(shape, device="cuda", generator=g).to(dtype)
+    w = (1.0 - offset + 0.1 * torch.randn(shape[-1], device="cuda", generator=g)).to(dtype)
+    dy = torch.randn(shape, device="cuda", generator=g).to(dtype)
+
+    def run(fn):
+        xi = x.clone().requires_grad_()
+        wi = w.clone().requires_grad_(weight_grad)
+        y = fn(xi, wi, 1e-6, offset)
+        kind = type(y.grad_fn).__name__
+        y.backward(dy)
+        return y.detach(), xi.grad, wi.grad, kind
+
+    y, dx, dw, kind = run(rms_norm)
+    assert "RMSNormFunction" in kind  # the dispatcher chose the kernel on CUDA
+    y_ref, dx_ref, dw_ref, _ = run(rms_norm_reference)
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    torch.testing.assert_close(dx, dx_ref, **TOL[dtype])
+    if weight_grad:
+        assert _rel(dw, dw_ref) < REL[dtype]
+    else:
+        assert dw is None
+
+    xg = x.clone().requires_grad_()
+    wg = w.clone().requires_grad_(weight_grad)
+    ms = _ms(lambda: rms_norm(xg, wg, 1e-6, offset).backward(dy))
+    ms_ref = _ms(lambda: rms_norm_reference(xg, wg, 1e-6, offset).backward(dy))
+    nbytes = 5 * x.numel() * x.element_size()  # fwd: read x, write y; bwd: read dy, x, write dx
+    _report(f"rms_norm fwd+bwd {tuple(shape)} {dtype} dW={weight_grad}", ms, ms_ref, nbytes)
+
+
+# ---------------------------------------------------------------- RoPE
+
+def _cos_sin(T, D, dtype, theta):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=32 * D, num_attention_heads=32, head_dim=D, rope_theta=theta)
+    rot = LlamaRotaryEmbedding(cfg).cuda()
+    lengths, total = [], 0
+    gen = torch.Generator().manual_seed(2)
+    while total < T:  # packed documents: positions restart at every start
+        n = int(torch.randint(16, 2048, (1,), generator=gen))
+        n = min(n, T - total)
+        lengths.append(n)
+        total += n
+    pos = torch.cat([torch.arange(n) for n in lengths]).cuda()[None]
+    return rot(torch.empty(1, device="cuda", dtype=dtype), pos)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hq,hk,d,theta", [(16, 8, 128, 1e6), (32, 8, 64, 5e5), (40, 8, 128, 1e6)])
+def test_rope(hq, hk, d, theta, dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cos, sin = _cos_sin(TOKENS, d, dtype, theta)
+    g = _gen(3)
+    pq = torch.randn(1, TOKENS, hq * d, device="cuda", generator=g).to(dtype).requires_grad_()
+    pk = torch.randn(1, TOKENS, hk * d, device="cuda", generator=g).to(dtype).requires_grad_()
+    gq = torch.randn(1, TOKENS, hq, d, device="cuda", generator=g).to(dtype)
+    gk = torch.randn(1, TOKENS, hk, d, device="cuda", generator=g).to(dtype)
+
+    def run(fn):
+        pq.grad = pk.grad = None
+        q, k = (pq * 1).view(1, TOKENS, hq, d), (pk * 1).view(1, TOKENS, hk, d)
+        qo, ko = fn(q, k, cos, sin)
+        torch.autograd.backward((qo, ko), (gq, gk))
+        return qo.detach(), ko.detach(), pq.grad.clone(), pk.grad.clone(), q.data_ptr() == qo.data_ptr()
+
+    qo, ko, dq, dk, inplace = run(apply_rope)
+    assert inplace
+    ref = run(lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, unsqueeze_dim=2))
+    for a, b in zip((qo, ko, dq, dk), ref[:4]):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+
+    q0, k0 = pq.detach().view(1, TOKENS, hq, d).clone(), pk.detach().view(1, TOKENS, hk, d).clone()
+    ms = _ms(lambda: apply_rope(q0, k0, cos, sin))
+    ms_ref = _ms(lambda: apply_rope_reference(q0, k0, cos, sin))
+    _report(f"rope fwd Hq={hq} Hkv={hk} D={d} {dtype}", ms, ms_ref, 2 * (q0.numel() + k0.numel()) * q0.element_size())
+
+
+# ---------------------------------------------------------------- SwiGLU / GeGLU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "inter,op",
+    [(3072, "swiglu"), (8192, "swiglu"), (12288, "swiglu"), (8192, "geglu"), (8192, "geglu_tanh")],
+)
+def test_gated_activation(inter, op, dtype):
+    if op == "swiglu":
+        fn, ref_fn = swiglu, swiglu_reference
+    else:
+        approx = "tanh" if op == "geglu_tanh" else "none"
+        fn = lambda g, u, **kw: geglu(g, u, approx, **kw)  # noqa: E731
+        ref_fn = lambda g, u: geglu_reference(g, u, approx)  # noqa: E731
+    g = _gen(4)
+    gate0 = (3 * torch.randn(TOKENS, inter, device="cuda", generator=g)).to(dtype)
+    up0 = torch.randn(TOKENS, inter, device="cuda", generator=g).to(dtype)
+    dh = torch.randn(TOKENS, inter, device="cuda", generator=g).to(dtype)
+
+    def run(f, grad, **kw):
+        gl, ul = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
+        out = f(gl * 1, ul * 1, **kw)
+        kind = type(out.grad_fn).__name__
+        out.backward(grad)
+        return gl.grad, ul.grad, kind
+
+    h = fn(gate0, up0)
+    torch.testing.assert_close(h, ref_fn(gate0, up0), **TOL[dtype])
+    dg, du, kind = run(fn, dh, inplace_backward=True)
+    assert "GatedActFunction" in kind
+    # Gold gradients: autograd through the reference in fp32 on the same inputs.
+    dg_ref, du_ref, _ = run(lambda a, b: ref_fn(a.float(), b.float()), dh.float())
+    torch.testing.assert_close(dg, dg_ref, **TOL[dtype])
+    torch.testing.assert_close(du, du_ref, **TOL[dtype])
+
+    gq, uq = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
+    ms = _ms(lambda: fn(gq * 1, uq * 1, inplace_backward=True).backward(dh))
+    ms_ref = _ms(lambda: ref_fn(gq * 1, uq * 1).backward(dh))
+    _report(f"{op} fwd+bwd [{TOKENS}, {inter}] {dtype} (incl. 2 copies)", ms, ms_ref)
+
+
+# ---------------------------------------------------------------- fused linear cross-entropy
+
+@contextlib.contextmanager
+def _peak_extra():
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = {}
+    yield out
+    torch.cuda.synchronize()
+    out["bytes"] = torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden_size,vocab", [(1024, 151936), (2048, 128256), (4096, 151936)])
+def test_fused_ce_frozen_head(hidden_size, vocab, dtype):
+    g = _gen(5)
+    n = TOKENS
+    hidden = torch.randn(n, hidden_size, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=g) / hidden_size**0.5 * 2).to(dtype)
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    targets[torch.rand(n, device="cuda", generator=g) < 0.25] = -100
+    normalizer = torch.tensor(float((targets != -100).sum()) * 1.5, device="cuda")
+
+    h = hidden.clone().requires_grad_()
+    with _peak_extra() as peak:
+        loss = fused_linear_cross_entropy(h, weight, targets, normalizer=normalizer)
+        loss.backward()
+    assert "FusedLinearCrossEntropy" in type(loss.grad_fn).__name__
+    full_logits = n * vocab * hidden.element_size()
+    assert peak["bytes"] < full_logits / 4, f"peak {peak['bytes'] / 2**20:.0f} MiB: logits materialized?"
+
+    hr = hidden.clone().requires_grad_()
+    loss_ref = fused_linear_cross_entropy_reference(hr, weight, targets, normalizer=normalizer)
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=REL[dtype] / 2, atol=0)
+    assert h.grad.dtype == dtype
+    assert _rel(h.grad, hr.grad) < REL[dtype]
+
+    del loss_ref, hr
+    torch.cuda.empty_cache()
+    hb = hidden.clone().requires_grad_()
+    ms = _ms(lambda: fused_linear_cross_entropy(hb, weight, targets).backward(), iters=5, warmup=2)
+
+    def hf_style():  # what HF does: logits in the model dtype, then fp32 cross-entropy
+        logits = hb @ weight.t()
+        torch.nn.functional.cross_entropy(logits.float(), targets).backward()
+
+    ms_ref = _ms(hf_style, iters=3, warmup=1)
+    _report(f"fused CE fwd+bwd N={n} H={hidden_size} V={vocab} {dtype} "
+            f"(peak extra {peak['bytes'] / 2**20:.0f} MiB) vs HF-style full logits", ms, ms_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_ce_trained_head_bias_softcap(dtype):
+    g = _gen(6)
+    n, hs, vocab = 4096, 1024, 151936
+    hidden = torch.randn(n, hs, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(vocab, hs, device="cuda", generator=g) / hs**0.5 * 2).to(dtype)
+    bias = (0.5 * torch.randn(vocab, device="cuda", generator=g)).to(dtype)
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    targets[::5] = -100
+    kw = dict(softcap=30.0, logit_scale=1.5, chunk_tokens=1000)
+
+    def run(fn):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        loss = fn(h, w, targets, bias=b, **kw)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad, b.grad
+
+    out, ref = run(fused_linear_cross_entropy), run(fused_linear_cross_entropy_reference)
+    torch.testing.assert_close(out[0], ref[0], rtol=REL[dtype] / 2, atol=0)
+    for a, b in zip(out[1:], ref[1:]):
+        assert a.dtype == dtype
+        assert _rel(a, b) < REL[dtype]
