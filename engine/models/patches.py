@@ -1,0 +1,467 @@
+"""Per-architecture patch registry: swap module forwards for the fast paths.
+
+`apply_fast_paths(model, fast, device)` takes a PEFT-wrapped transformers causal LM and replaces
+the forwards of three kinds of module (never the decoder layers, so HF's gradient
+checkpointing, masks and kwargs plumbing stay as they are):
+
+- RMSNorm modules -> `engine.kernels.rmsnorm.rms_norm` (Gemma's ``1 + w`` via offset=1).
+- the gated MLP -> `engine.lora_autograd.lora_mlp` (fused LoRA gate/up/down with the gated
+  activation in between), or stock projections + the activation kernel when LoRA cannot fuse.
+- attention -> fused LoRA QKV, Qwen3's q/k RMSNorm, RoPE kernel in place on [B, T, H, D],
+  then whatever attention function `config._attn_implementation` names in transformers'
+  registry (so the packed varlen function of engine.attention, sdpa or eager all work, and the
+  packing kwargs cu_seq_lens_q/k, max_length_q/k, position_ids pass through untouched), then
+  fused LoRA O.
+
+The registry is keyed by `config.model_type`; unknown types keep the stock path. Each patched
+forward checks, per call, the state it was planned for (adapters enabled and unmerged, dtypes,
+no autocast, no KV cache) and otherwise calls the stock forward, so generation with a cache and
+`disable_adapter()` keep working. Nothing unsupported raises: it keeps the stock path and the
+report says why.
+
+The report maps each fast path (rmsnorm, rope, activations, lora_qkv, lora_o, lora_mlp) to
+"on" (every module of that kind patched), "partial k/n: <reason for the rest>", or
+"off: <reason>".
+
+Device policy: "auto" applies the patches on CUDA *and* CPU. On a CPU the kernels dispatch to
+their torch references and the LoRA Functions run as plain torch matmuls, so the demo and CI run
+the same code path as the GPU, with identical results up to rounding. Other device types
+(mps, xpu) keep the stock path under "auto".
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from engine.lora_autograd import (
+    GatedAct,
+    LoRAParts,
+    lora_linears,
+    lora_mlp,
+    lora_parts,
+    lora_unsupported_reason,
+    runtime_ok,
+)
+
+FAST_PATHS = ("rmsnorm", "rope", "activations", "lora_qkv", "lora_o", "lora_mlp")
+_MARK = "_tunesmith_stock_forward"
+
+
+# -- the registry ----------------------------------------------------------------------------------
+
+
+def _no_attn_kwargs(module: nn.Module) -> dict:
+    return {}
+
+
+def _window_kwargs(module: nn.Module) -> dict:
+    # Qwen2/Qwen3 layers carry their own window (None on full-attention layers).
+    return {"sliding_window": getattr(module, "sliding_window", None)}
+
+
+def _mistral_kwargs(module: nn.Module) -> dict:
+    # Mistral reads the window from the config rather than from the module.
+    window = getattr(module, "sliding_window", None)
+    if window is None:
+        window = getattr(module.config, "sliding_window", None)
+    return {"sliding_window": window}
+
+
+def _gemma2_kwargs(module: nn.Module) -> dict:
+    return {
+        "sliding_window": getattr(module, "sliding_window", None),
+        "softcap": getattr(module, "attn_logit_softcapping", None),
+    }
+
+
+@dataclass(frozen=True)
+class ArchPatch:
+    """What differs between architectures; module classes are f"{prefix}RMSNorm" etc."""
+
+    prefix: str
+    norm_offset: float = 0.0  # Gemma scales by (1 + w)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    attn_kwargs: Callable[[nn.Module], dict] = _no_attn_kwargs  # extra args the stock passes
+
+    def classes(self) -> tuple[str, str, str]:
+        return f"{self.prefix}RMSNorm", f"{self.prefix}Attention", f"{self.prefix}MLP"
+
+
+REGISTRY: dict[str, ArchPatch] = {
+    "llama": ArchPatch("Llama"),
+    "mistral": ArchPatch("Mistral", attn_kwargs=_mistral_kwargs),
+    "qwen2": ArchPatch("Qwen2", attn_kwargs=_window_kwargs),
+    "qwen3": ArchPatch("Qwen3", qk_norm=True, attn_kwargs=_window_kwargs),
+    "gemma": ArchPatch("Gemma", norm_offset=1.0),
+    # Gemma2's pre/post feed-forward norms are RMSNorm modules too; softcapping and the sliding
+    # window travel to the attention function as kwargs, as in the stock forward.
+    "gemma2": ArchPatch("Gemma2", norm_offset=1.0, attn_kwargs=_gemma2_kwargs),
+}
+
+
+# -- kernels -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Kernels:
+    """The kernel functions to use, or the reason each is unavailable."""
+
+    impl: str  # "auto": the kernels' own dispatch (Triton on CUDA); "triton": always Triton
+    rms_norm: Optional[Callable] = None
+    apply_rope: Optional[Callable] = None
+    activations: bool = False
+    missing: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, impl: str) -> "_Kernels":
+        k = cls(impl)
+        for key, mod_name, fn_name in (
+            ("rmsnorm", "engine.kernels.rmsnorm", "rms_norm"),
+            ("rope", "engine.kernels.rope", "apply_rope"),
+            ("activations", "engine.kernels.activations", "swiglu"),
+        ):
+            try:
+                mod = importlib.import_module(mod_name)
+                fn = getattr(mod, fn_name + ("_triton" if impl == "triton" else ""))
+            except Exception as exc:  # a broken kernel file must not stop training
+                k.missing[key] = f"off: {mod_name} unavailable ({type(exc).__name__}: {exc})"
+                continue
+            if key == "rmsnorm":
+                k.rms_norm = fn
+            elif key == "rope":
+                k.apply_rope = fn
+            else:
+                k.activations = True
+        return k
+
+
+def _act_kind(act_fn: nn.Module) -> tuple[Optional[str], str]:
+    """The gated-activation kind of an MLP's act_fn, or (None, reason)."""
+    name = type(act_fn).__name__
+    if isinstance(act_fn, nn.SiLU) or name == "SiLUActivation":
+        return "silu", ""
+    if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation"):
+        return "gelu_tanh", ""
+    if isinstance(act_fn, nn.GELU):
+        return ("gelu_tanh" if act_fn.approximate == "tanh" else "gelu"), ""
+    if name == "GELUActivation":
+        return "gelu", ""
+    return None, f"activation {name} has no gated kernel"
+
+
+# -- patched forwards -----------------------------------------------------------------------------
+
+
+def _rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    plan = self._tunesmith_plan
+    # Llama-style norms return weight * x.to(dtype): an fp32 weight on bf16 activations would
+    # promote the output, which the kernel does not; that rare mix keeps the stock forward.
+    if plan["offset"] == 0.0 and self.weight.dtype != hidden_states.dtype:
+        return plan["stock"](hidden_states)
+    return plan["fn"](hidden_states, self.weight, getattr(self, plan["eps_attr"]), plan["offset"])
+
+
+@dataclass
+class _MLPPlan:
+    stock: Callable
+    act: GatedAct
+    parts: Optional[tuple[LoRAParts, LoRAParts, LoRAParts]]  # None: LoRA not fused
+    act_kernel: bool  # stock projections around the activation kernel
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    plan: _MLPPlan = self._tunesmith_plan
+    if plan.parts is not None and runtime_ok(plan.parts, x):
+        return lora_mlp(x, *plan.parts, plan.act)
+    if plan.act_kernel and not torch.is_autocast_enabled(x.device.type):
+        return self.down_proj(plan.act(self.gate_proj(x), self.up_proj(x)))
+    return plan.stock(x)
+
+
+@dataclass
+class _AttnPlan:
+    stock: Callable
+    consumed: frozenset  # named parameters of the stock forward (not passed on to attention)
+    eager: Callable  # the module's own eager attention (Gemma2's applies softcapping)
+    attn_kwargs: Callable[[nn.Module], dict]
+    qk_norm: bool
+    qkv: Optional[tuple[LoRAParts, LoRAParts, LoRAParts]]
+    o: Optional[LoRAParts]
+    rope: Optional[Callable]  # kernel apply_rope; None: the torch rotation
+    rope_always_inplace: bool  # the forced-Triton path rotates in place even on CPU
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_torch(q, k, cos, sin):
+    # transformers' apply_rotary_pos_emb for the [B, T, H, D] layout (heads on dim 2).
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _attention_interface(impl: Optional[str], eager: Callable) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+    if impl in (None, "eager"):  # older transformers: eager is the module-level default
+        return eager
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+    plan: _AttnPlan = self._tunesmith_plan
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if args or cache is not None or position_embeddings is None or torch.is_autocast_enabled(
+        hidden_states.device.type
+    ):
+        # Generation with a KV cache (or an unforeseen call shape): the stock forward knows
+        # this transformers version's cache API.
+        if args:
+            return plan.stock(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        return plan.stock(
+            hidden_states=hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
+    for key in plan.consumed:
+        kwargs.pop(key, None)
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    if plan.qkv is not None and runtime_ok(plan.qkv, hidden_states):
+        q, k, v = lora_linears(hidden_states, plan.qkv)
+    else:
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+    if plan.qk_norm:
+        q, k = self.q_norm(q), self.k_norm(k)
+
+    cos, sin = position_embeddings
+    if plan.rope is None:
+        q, k = _rope_torch(q, k, cos, sin)
+    else:
+        if plan.qk_norm and (plan.rope_always_inplace or q.is_cuda):
+            # The in-place rotation cannot run on a view made inside another autograd Function
+            # (the RMSNorm kernel returns one); a private copy makes it legal. No-op otherwise.
+            q = q.clone() if q._is_view() else q.contiguous()
+            k = k.clone() if k._is_view() else k.contiguous()
+        q, k = plan.rope(q, k, cos, sin)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    attention = _attention_interface(self.config._attn_implementation, plan.eager)
+    attn_output, attn_weights = attention(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **plan.attn_kwargs(self),
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if plan.o is not None and runtime_ok((plan.o,), attn_output):
+        (attn_output,) = lora_linears(attn_output, (plan.o,))
+    else:
+        attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+# -- planning -------------------------------------------------------------------------------------
+
+
+class _Tally:
+    """Per fast path: modules patched, modules seen, and why the others were not."""
+
+    def __init__(self):
+        self.on: Counter = Counter()
+        self.seen: Counter = Counter()
+        self.why: dict[str, Counter] = {k: Counter() for k in FAST_PATHS}
+
+    def add(self, key: str, reason: Optional[str]) -> None:
+        self.seen[key] += 1
+        if reason is None:
+            self.on[key] += 1
+        else:
+            self.why[key][reason] += 1
+
+    def report(self, key: str, none_found: str) -> str:
+        if not self.seen[key]:
+            return f"off: {none_found}"
+        if self.on[key] == self.seen[key]:
+            return "on"
+        reason = self.why[key].most_common(1)[0][0]
+        reason = reason.removeprefix("off: ")
+        if self.on[key] == 0:
+            return f"off: {reason}"
+        return f"partial {self.on[key]}/{self.seen[key]}: {reason}"
+
+
+def _group_reason(layers: list[nn.Module]) -> Optional[str]:
+    for layer in layers:
+        reason = lora_unsupported_reason(layer)
+        if reason is not None:
+            return reason
+    if all(type(layer) is nn.Linear for layer in layers):
+        return "no LoRA adapter on these projections"
+    return None
+
+
+def _switch(value: Any, name: str, device: torch.device) -> Optional[str]:
+    """None when fast path switch `name` is on for `device`, else the reason it is off."""
+    if value is True:
+        return None
+    if value is False:
+        return f"off: fast_paths.{name} is false"
+    if value == "auto":
+        if device.type in ("cuda", "cpu"):
+            return None
+        return f"off: auto keeps the stock path on {device.type}"
+    return f"off: fast_paths.{name} has unknown value {value!r}"
+
+
+def _stock_signature_names(forward: Callable) -> frozenset:
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        params = []
+    named = {
+        p.name
+        for p in params
+        if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    }
+    # Both names of the KV cache argument (5.24 renamed past_key_values -> cache).
+    named |= {"cache", "past_key_values"}
+    return frozenset(named - {"self", "hidden_states", "position_embeddings", "attention_mask"})
+
+
+def _install(module: nn.Module, forward: Callable, plan: Any) -> None:
+    module._tunesmith_plan = plan
+    setattr(module, _MARK, True)
+    # An instance attribute shadows the class's forward; nn.Module.__call__ picks it up.
+    module.forward = forward.__get__(module, type(module))
+
+
+def remove_fast_paths(model: nn.Module) -> int:
+    """Restore every stock forward `apply_fast_paths` replaced; returns how many."""
+    n = 0
+    for module in model.modules():
+        if module.__dict__.pop(_MARK, False):
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop("_tunesmith_plan", None)
+            n += 1
+    return n
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto") -> dict[str, str]:
+    """Patch `model` (a PEFT model over a transformers causal LM) in place; see module docs.
+
+    `fast` is an engine.config.FastPathConfig (kernels and lora_autograd are read here; fused
+    CE and packed attention belong to other modules). `kernel_impl="triton"` forces the Triton
+    kernels even on CPU tensors (tests, with TRITON_INTERPRET=1). Calling it again first undoes
+    the previous patches, so a changed config takes effect.
+    """
+    if kernel_impl not in ("auto", "triton"):
+        raise ValueError(f"kernel_impl must be 'auto' or 'triton', got {kernel_impl!r}")
+    device = torch.device(device)
+    remove_fast_paths(model)
+    hf = _hf_model(model)
+    model_type = getattr(getattr(hf, "config", None), "model_type", None)
+    arch = REGISTRY.get(model_type)
+    if arch is None:
+        return {k: f"off: model_type '{model_type}' has no patch" for k in FAST_PATHS}
+
+    kernels_off = _switch(getattr(fast, "kernels", "auto"), "kernels", device)
+    lora_off = _switch(getattr(fast, "lora_autograd", "auto"), "lora_autograd", device)
+    k = _Kernels.load(kernel_impl) if kernels_off is None else _Kernels(kernel_impl)
+    kernel_off = {
+        "rmsnorm": kernels_off or (k.missing.get("rmsnorm") if k.rms_norm is None else None),
+        "rope": kernels_off or (k.missing.get("rope") if k.apply_rope is None else None),
+        "activations": kernels_off or (k.missing.get("activations") if not k.activations else None),
+    }
+    act_impl = "triton" if kernel_impl == "triton" else "kernels"
+    norm_cls, attn_cls, mlp_cls = arch.classes()
+    tally = _Tally()
+
+    for module in list(hf.modules()):
+        cls = type(module).__name__
+        if cls == norm_cls:
+            tally.add("rmsnorm", kernel_off["rmsnorm"])
+            eps_attr = "variance_epsilon" if hasattr(module, "variance_epsilon") else "eps"
+            if kernel_off["rmsnorm"] is None and hasattr(module, eps_attr):
+                plan = {"stock": module.forward, "fn": k.rms_norm, "offset": arch.norm_offset, "eps_attr": eps_attr}
+                _install(module, _rmsnorm_forward, plan)
+
+        elif cls == mlp_cls:
+            kind, act_reason = _act_kind(getattr(module, "act_fn", None))
+            lora_reason = lora_off or _group_reason([module.gate_proj, module.up_proj, module.down_proj])
+            if kind is None:
+                lora_reason = lora_reason or act_reason
+            act_reason = kernel_off["activations"] or (act_reason or None)
+            fused = lora_reason is None
+            act = GatedAct(kind or "silu", act_impl if act_reason is None else "torch")
+            tally.add("lora_mlp", lora_reason)
+            tally.add("activations", act_reason)
+            if fused or act_reason is None:
+                parts = (
+                    tuple(lora_parts(m) for m in (module.gate_proj, module.up_proj, module.down_proj))
+                    if fused
+                    else None
+                )
+                _install(module, _mlp_forward, _MLPPlan(module.forward, act, parts, act_reason is None))
+
+        elif cls == attn_cls:
+            qkv_reason = lora_off or _group_reason([module.q_proj, module.k_proj, module.v_proj])
+            o_reason = lora_off or _group_reason([module.o_proj])
+            rope_reason = kernel_off["rope"]
+            tally.add("lora_qkv", qkv_reason)
+            tally.add("lora_o", o_reason)
+            tally.add("rope", rope_reason)
+            if qkv_reason is None or o_reason is None or rope_reason is None:
+                stock = module.forward
+                modeling = sys.modules.get(type(module).__module__)
+                eager = getattr(modeling, "eager_attention_forward", None)
+                if eager is None:
+                    from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+                plan = _AttnPlan(
+                    stock=stock,
+                    consumed=_stock_signature_names(stock),
+                    eager=eager,
+                    attn_kwargs=arch.attn_kwargs,
+                    qk_norm=arch.qk_norm,
+                    qkv=tuple(lora_parts(m) for m in (module.q_proj, module.k_proj, module.v_proj))
+                    if qkv_reason is None
+                    else None,
+                    o=lora_parts(module.o_proj) if o_reason is None else None,
+                    rope=k.apply_rope if rope_reason is None else None,
+                    rope_always_inplace=kernel_impl == "triton",
+                )
+                _install(module, _attention_forward, plan)
+
+    return {
+        "rmsnorm": tally.report("rmsnorm", kernel_off["rmsnorm"] or f"no {norm_cls} modules found"),
+        "rope": tally.report("rope", kernel_off["rope"] or f"no {attn_cls} modules found"),
+        "activations": tally.report("activations", kernel_off["activations"] or f"no {mlp_cls} modules found"),
+        "lora_qkv": tally.report("lora_qkv", lora_off or f"no {attn_cls} modules found"),
+        "lora_o": tally.report("lora_o", lora_off or f"no {attn_cls} modules found"),
+        "lora_mlp": tally.report("lora_mlp", lora_off or f"no {mlp_cls} modules found"),
+    }

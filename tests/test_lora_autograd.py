@@ -1,0 +1,276 @@
+"""Fused LoRA Functions (engine.lora_autograd) against PEFT's own autograd.
+
+Each case builds a small block of projections, wraps it with PEFT (B initialised randomly so
+every gradient is non-trivial), and compares outputs and gradients of x, A and B between
+PEFT's path and the fused Functions: fp32 tightly, bf16 against an fp64 reference with the
+fused error bounded by PEFT's own bf16 error.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from engine.lora_autograd import (
+    GatedAct,
+    lora_linears,
+    lora_mlp,
+    lora_parts,
+    lora_unsupported_reason,
+    runtime_ok,
+)
+
+HIDDEN, INTER, HEADS_Q, HEADS_KV, HEAD_DIM = 48, 80, 4, 2, 12
+
+
+class Block(nn.Module):
+    """The projections of one decoder layer, named as in Llama."""
+
+    def __init__(self, bias: bool = False):
+        super().__init__()
+        self.q_proj = nn.Linear(HIDDEN, HEADS_Q * HEAD_DIM, bias=bias)
+        self.k_proj = nn.Linear(HIDDEN, HEADS_KV * HEAD_DIM, bias=bias)
+        self.v_proj = nn.Linear(HIDDEN, HEADS_KV * HEAD_DIM, bias=bias)
+        self.o_proj = nn.Linear(HEADS_Q * HEAD_DIM, HIDDEN, bias=False)
+        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
+
+
+def make_block(targets, bias=False, seed=0, dtype=torch.float32, **lora_kwargs):
+    torch.manual_seed(seed)
+    block = Block(bias=bias)
+    cfg = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
+    cfg.update(lora_kwargs)
+    model = get_peft_model(block, LoraConfig(**cfg))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero; random B makes dA and dx non-trivial
+            nn.init.normal_(p, std=0.2)
+    return model.to(dtype)
+
+
+def inner(model):
+    return model.base_model.model
+
+
+def lora_params(model):
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def run(model, fn, x, upstream):
+    """Outputs and gradients (x + every LoRA parameter) of fn(block, x) with upstream grads."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    outs = fn(inner(model), x)
+    torch.autograd.backward(outs, upstream)
+    grads = {"x": x.grad}
+    # Parameters of projections the case does not use get no gradient; leave them out.
+    grads.update({n: p.grad for n, p in lora_params(model).items() if p.grad is not None})
+    return [o.detach() for o in outs], grads
+
+
+def qkv_stock(b, x):
+    return (b.q_proj(x), b.k_proj(x), b.v_proj(x))
+
+
+def qkv_fused(b, x):
+    return lora_linears(x, [lora_parts(b.q_proj), lora_parts(b.k_proj), lora_parts(b.v_proj)])
+
+
+def o_stock(b, x):
+    return (b.o_proj(x),)
+
+
+def o_fused(b, x):
+    return lora_linears(x, [lora_parts(b.o_proj)])
+
+
+def mlp_stock_for(kind):
+    def act(g):
+        if kind == "silu":
+            return torch.nn.functional.silu(g)
+        return torch.nn.functional.gelu(g, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+    return lambda b, x: (b.down_proj(act(b.gate_proj(x)) * b.up_proj(x)),)
+
+
+def mlp_fused_for(kind, impl="torch"):
+    act = GatedAct(kind, impl)
+    return lambda b, x: (
+        lora_mlp(x, lora_parts(b.gate_proj), lora_parts(b.up_proj), lora_parts(b.down_proj), act),
+    )
+
+
+CASES = {
+    "qkv": (qkv_stock, qkv_fused, HIDDEN),
+    "o": (o_stock, o_fused, HEADS_Q * HEAD_DIM),
+    "mlp_silu": (mlp_stock_for("silu"), mlp_fused_for("silu"), HIDDEN),
+    "mlp_gelu": (mlp_stock_for("gelu"), mlp_fused_for("gelu"), HIDDEN),
+    "mlp_gelu_tanh": (mlp_stock_for("gelu_tanh"), mlp_fused_for("gelu_tanh"), HIDDEN),
+}
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def inputs_for(model, stock, in_dim, dtype, seed=1, shape=(2, 7)):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, in_dim, generator=g).to(dtype)
+    with torch.no_grad():
+        outs = stock(inner(model), x)
+    upstream = [torch.randn(o.shape, generator=g).to(dtype) for o in outs]
+    return x, upstream
+
+
+def assert_close_all(a_outs, a_grads, b_outs, b_grads, rtol, atol):
+    for a, b in zip(a_outs, b_outs):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    assert a_grads.keys() == b_grads.keys()
+    for k in a_grads:
+        torch.testing.assert_close(a_grads[k], b_grads[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_matches_peft(case, bias):
+    stock, fused, in_dim = CASES[case]
+    model = make_block(ALL, bias=bias)
+    x, up = inputs_for(model, stock, in_dim, torch.float32)
+    ref = run(model, stock, x, up)
+    got = run(model, fused, x, up)
+    assert any(g.abs().max() > 0 for k, g in ref[1].items() if "lora_A" in k)
+    assert_close_all(*got, *ref, rtol=1e-5, atol=1e-5)
+
+
+def rel(a, ref):
+    return ((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_within_rounding(case):
+    """bf16 fused vs an fp64 run of the same weights: no worse than PEFT's own bf16 error."""
+    stock, fused, in_dim = CASES[case]
+    model16 = make_block(ALL, dtype=torch.bfloat16)
+    model64 = copy.deepcopy(model16).double()
+    x, up = inputs_for(model16, stock, in_dim, torch.bfloat16, shape=(3, 16))
+    ref = run(model64, stock, x.double(), [u.double() for u in up])
+    peft = run(model16, stock, x, up)
+    got = run(model16, fused, x, up)
+    for i in range(len(ref[0])):
+        e_got, e_peft = rel(got[0][i], ref[0][i]), rel(peft[0][i], ref[0][i])
+        assert e_got <= 2 * e_peft + 2e-3, (i, e_got, e_peft)
+    for k in ref[1]:
+        e_got, e_peft = rel(got[1][k], ref[1][k]), rel(peft[1][k], ref[1][k])
+        assert e_got <= 2 * e_peft + 1e-2, (k, e_got, e_peft)
+        assert got[1][k].dtype == peft[1][k].dtype
+
+
+def test_fp32_adapters_on_bf16_base():
+    """PEFT keeps fp32 adapters on a bf16 base (autocast_adapter_dtype); grads come back fp32."""
+    model = make_block(ALL, dtype=torch.bfloat16)
+    for n, p in lora_params(model).items():
+        p.data = p.data.float()
+    model64 = copy.deepcopy(model).double()
+    stock, fused, in_dim = CASES["mlp_silu"]
+    x, up = inputs_for(model, stock, in_dim, torch.bfloat16, shape=(2, 16))
+    ref = run(model64, stock, x.double(), [u.double() for u in up])
+    got = run(model, fused, x, up)
+    assert got[0][0].dtype == torch.bfloat16
+    for k in ref[1]:
+        assert got[1][k].dtype == (torch.bfloat16 if k == "x" else torch.float32)
+        assert rel(got[1][k], ref[1][k]) < 3e-2, k
+
+
+def test_partial_targets_and_ranks():
+    """Projections without LoRA run base-only inside the group; ranks may differ per module."""
+    model = make_block(["q_proj", "v_proj", "up_proj"], bias=True, rank_pattern={"v_proj": 6})
+    b = inner(model)
+    assert type(b.k_proj) is nn.Linear and b.v_proj.lora_A["default"].weight.shape[0] == 6
+    for case in ("qkv", "mlp_silu", "o"):
+        stock, fused, in_dim = CASES[case]
+        x, up = inputs_for(model, stock, in_dim, torch.float32)
+        ref, got = run(model, stock, x, up), run(model, fused, x, up)
+        assert_close_all(*got, *ref, rtol=1e-5, atol=1e-5)
+
+
+def test_input_without_grad_and_frozen_adapter():
+    model = make_block(ALL)
+    b = inner(model)
+    b.q_proj.lora_A["default"].weight.requires_grad_(False)
+    x = torch.randn(2, 5, HIDDEN)  # no grad: dx must not be computed (and not fail)
+    q, k, v = qkv_fused(b, x)
+    (q.sum() + k.square().sum() + v.sum()).backward()
+    assert b.q_proj.lora_A["default"].weight.grad is None
+    assert b.q_proj.lora_B["default"].weight.grad is not None
+    assert b.k_proj.lora_A["default"].weight.grad is not None
+
+
+def test_mlp_saves_no_activation_output():
+    """The MLP Function keeps x, gate, up and rank-r products only (h is recomputed)."""
+    model = make_block(ALL)
+    b = inner(model)
+    x = torch.randn(4, 9, HIDDEN, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp_fused_for("silu")(b, x)
+    big = [s for s in saved if s == (36, INTER)]  # token-sized [N, intermediate] tensors
+    assert len(big) == 2, saved  # gate and up; no act(gate) and no act(gate) * up
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+def test_mlp_triton_activation_through_interpreter(kind):
+    """The raw Triton activation launchers (in-place backward) inside LoRAMLP, on the CPU
+    through Triton's interpreter when no GPU is present (conftest sets TRITON_INTERPRET=1)."""
+    pytest.importorskip("engine.kernels.activations")
+    if not torch.cuda.is_available():
+        import os
+
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+    model = make_block(ALL)
+    stock = mlp_stock_for(kind)
+    x, up = inputs_for(model, stock, HIDDEN, torch.float32, shape=(1, 6))
+    ref = run(model, stock, x, up)
+    got = run(model, mlp_fused_for(kind, "triton"), x, up)
+    assert_close_all(*got, *ref, rtol=2e-5, atol=2e-5)
+
+
+# -- what keeps PEFT's path ------------------------------------------------------------------------
+
+
+def test_unsupported_layers_report_reasons():
+    b = inner(make_block(["q_proj"], lora_dropout=0.1))
+    assert "dropout" in lora_unsupported_reason(b.q_proj)
+    b = inner(make_block(["q_proj"], use_dora=True))
+    assert "DoRA" in lora_unsupported_reason(b.q_proj)
+    model = make_block(["q_proj"])
+    model.add_adapter("second", LoraConfig(r=2, target_modules=["q_proj"]))
+    assert "adapters" in lora_unsupported_reason(inner(model).q_proj)
+    model = make_block(["q_proj"])
+    inner(model).q_proj.merge()
+    assert "merged" in lora_unsupported_reason(inner(model).q_proj)
+    assert "not a PEFT" in lora_unsupported_reason(nn.Conv1d(2, 2, 1))
+    with pytest.raises(ValueError, match="dropout"):
+        lora_parts(inner(make_block(["q_proj"], lora_dropout=0.1)).q_proj)
+    assert lora_unsupported_reason(inner(make_block(["q_proj"])).q_proj) is None
+
+
+def test_runtime_check_follows_adapter_state():
+    model = make_block(ALL)
+    b = inner(model)
+    parts = [lora_parts(b.q_proj)]
+    x = torch.randn(2, HIDDEN)
+    assert runtime_ok(parts, x)
+    assert not runtime_ok(parts, x.double())  # dtype differs from the base weight
+    with model.disable_adapter():
+        assert not runtime_ok(parts, x)
+    assert runtime_ok(parts, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not runtime_ok(parts, x)

@@ -1,0 +1,291 @@
+"""The per-architecture patch registry (engine.models.patches) on tiny random models.
+
+For each supported model_type: the patched model gives the same loss and the same LoRA
+gradients as the stock HF + PEFT model on one packed row (positions restarting per document),
+in fp32 to 1e-4 relative. Also: attention kwargs reach the attention function unchanged,
+gradient checkpointing, bf16, the Triton path through the interpreter, fallbacks with reasons,
+and the per-call stock fallbacks (disabled adapters, KV cache).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.config import FastPathConfig
+from engine.models.patches import FAST_PATHS, REGISTRY, apply_fast_paths, remove_fast_paths
+
+CPU = torch.device("cpu")
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]
+LENGTHS = (9, 6, 13)  # one packed row of three documents
+ALL_ON = {k: "on" for k in FAST_PATHS}
+
+# Small windows so the sliding-window layers actually cut attention in a 28-token row.
+ARCH_EXTRA = {
+    "mistral": dict(sliding_window=8),
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "gemma2": dict(sliding_window=8, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+                   query_pre_attn_scalar=12),
+}
+
+
+def tiny(model_type, attn="eager", dtype=torch.float32, seed=0, lora=None, **extra):
+    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256)
+    if model_type == "qwen2":
+        kw["attention_bias"] = True  # Qwen2 always has q/k/v bias; make sure the config says so
+    kw.update(ARCH_EXTRA.get(model_type, {}))
+    kw.update(extra)
+    cfg = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    # Random norm weights: Gemma's start at 0 (1 + w) and Llama's at 1; both would hide bugs.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0 if REGISTRY[model_type].norm_offset == 0 else 0.0, 0.2)
+    lcfg = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    lcfg.update(lora or {})
+    peft_model = get_peft_model(model, LoraConfig(**lcfg))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return peft_model.to(dtype)
+
+
+def packed_batch(seed=1, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(LENGTHS)
+    ids = torch.randint(0, vocab, (1, total), generator=g)
+    pos = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
+    return ids, pos
+
+
+def step(model, ids, pos, **kwargs):
+    """Loss and LoRA gradients of one forward/backward over a packed row."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False, **kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for g in grads.values())
+    return out.loss.detach(), grads
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def assert_same_step(got, ref, tol):
+    (l1, g1), (l0, g0) = got, ref
+    assert rel(l1, l0) <= tol, (l1.item(), l0.item())
+    assert g1.keys() == g0.keys()
+    worst = max(g0, key=lambda n: rel(g1[n], g0[n]))
+    assert rel(g1[worst], g0[worst]) <= tol, (worst, rel(g1[worst], g0[worst]))
+    assert any("lora_A" in n and g.abs().max() > 0 for n, g in g0.items())
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_patched_matches_stock_fp32(model_type):
+    model = tiny(model_type)
+    ids, pos = packed_batch()
+    ref = step(model, ids, pos)
+    report = apply_fast_paths(model, FastPathConfig(), CPU)
+    assert report == ALL_ON
+    assert_same_step(step(model, ids, pos), ref, 1e-4)
+    # Packing matters: the same tokens as one document give a different loss.
+    one_doc = step(model, ids, torch.arange(ids.shape[1]).unsqueeze(0))
+    assert max(rel(one_doc[1][n], g) for n, g in ref[1].items()) > 1e-2
+
+
+# -- attention kwargs reach whatever attention function is active ---------------------------------
+
+RECORD = "tunesmith_test_record"
+_calls: list = []
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    _calls.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in kwargs.items()})
+    eager = sys.modules[type(module).__module__].eager_attention_forward  # Gemma2's has softcap
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_recorder():
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    except ImportError as exc:  # pragma: no cover - older transformers
+        pytest.skip(f"attention registries unavailable: {exc}")
+    AttentionInterface.register(RECORD, _recording_attention)
+    AttentionMaskInterface.register(RECORD, eager_mask)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3", "mistral"])
+def test_attention_kwargs_pass_through(model_type):
+    """The patched forward hands the attention function exactly what the stock one does:
+    scaling, dropout, sliding_window, softcap, and the packing kwargs of the collator."""
+    _register_recorder()
+    model = tiny(model_type, attn=RECORD)
+    ids, pos = packed_batch()
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    packing = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS), max_length_k=max(LENGTHS))
+    _calls.clear()
+    ref = step(model, ids, pos, **packing)
+    stock_calls = list(_calls)
+    assert apply_fast_paths(model, FastPathConfig(), CPU) == ALL_ON
+    _calls.clear()
+    got = step(model, ids, pos, **packing)
+    assert_same_step(got, ref, 1e-4)
+    assert len(_calls) == len(stock_calls) == 2
+    for mine, theirs in zip(_calls, stock_calls):
+        assert mine.keys() == theirs.keys()
+        for key in theirs:
+            if torch.is_tensor(theirs[key]):
+                assert torch.equal(mine[key], theirs[key]), key
+            else:
+                assert mine[key] == theirs[key], key
+    assert "cu_seq_lens_q" in stock_calls[0] and "position_ids" in stock_calls[0]
+    if model_type == "gemma2":
+        assert stock_calls[0]["softcap"] == 20.0 and stock_calls[0]["sliding_window"] == 8
+
+
+def test_packed_varlen_attention_from_engine():
+    """With engine.attention's packed varlen function active, patched == stock."""
+    attention = pytest.importorskip("engine.attention")
+    packed = pytest.importorskip("engine.packed")
+    model = tiny("qwen3")
+    assert attention.enable_packed_attention(model) == "on"
+    ids, _ = packed_batch()
+    kwargs = packed.PackedSeqInfo.from_lengths(LENGTHS).model_kwargs()
+    pos = kwargs.pop("position_ids")
+    ref = step(model, ids, pos, **kwargs)
+    assert apply_fast_paths(model, FastPathConfig(), CPU) == ALL_ON
+    assert_same_step(step(model, ids, pos, **kwargs), ref, 1e-4)
+
+
+# -- checkpointing, bf16, the Triton path ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_gradient_checkpointing(model_type):
+    model = tiny(model_type)
+    ids, pos = packed_batch()
+    ref = step(model, ids, pos)
+    apply_fast_paths(model, FastPathConfig(), CPU)
+    model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert model.get_base_model().model.gradient_checkpointing
+    assert_same_step(step(model, ids, pos), ref, 1e-4)
+
+
+def test_bf16_within_rounding():
+    """bf16 patched vs bf16 stock, both against fp32 stock on the same weights."""
+    model16 = tiny("qwen3", dtype=torch.bfloat16)
+    model32 = copy.deepcopy(model16).float()
+    ids, pos = packed_batch()
+    ref = step(model32, ids, pos)
+    stock = step(model16, ids, pos)
+    apply_fast_paths(model16, FastPathConfig(), CPU)
+    got = step(model16, ids, pos)
+    assert rel(got[0], ref[0]) <= 2 * rel(stock[0], ref[0]) + 2e-3
+    for n in ref[1]:
+        assert rel(got[1][n], ref[1][n]) <= 2 * rel(stock[1][n], ref[1][n]) + 1e-2, n
+
+
+def test_triton_kernels_through_interpreter():
+    """kernel_impl="triton": RMSNorm, in-place RoPE (after Qwen3's q/k norm) and the gated
+    activation run as Triton kernels, through the interpreter on a CPU."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+    model = tiny("qwen3", num_hidden_layers=1)
+    ids, pos = packed_batch()
+    ref = step(model, ids, pos)
+    assert apply_fast_paths(model, FastPathConfig(), CPU, kernel_impl="triton") == ALL_ON
+    assert_same_step(step(model, ids, pos), ref, 1e-4)
+
+
+# -- what stays stock, and why ------------------------------------------------------------------
+
+
+def test_unknown_architecture_keeps_stock_path():
+    cfg = AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64)
+    model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=2, target_modules=["c_attn"]))
+    report = apply_fast_paths(model, FastPathConfig(), CPU)
+    assert report == {k: "off: model_type 'gpt2' has no patch" for k in FAST_PATHS}
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_lora_dropout_keeps_peft_path_with_reason():
+    model = tiny("llama", lora=dict(lora_dropout=0.1))
+    report = apply_fast_paths(model, FastPathConfig(), CPU)
+    for key in ("lora_qkv", "lora_o", "lora_mlp"):
+        assert report[key] == "off: lora dropout 0.1 > 0"
+    assert report["rmsnorm"] == report["rope"] == report["activations"] == "on"
+    model.eval()  # dropout inactive: the kernel-only patches must still match stock
+    ids, pos = packed_batch()
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=pos).logits
+        remove_fast_paths(model)
+        ref = model(input_ids=ids, position_ids=pos).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_targets_and_switches():
+    model = tiny("qwen2", lora=dict(target_modules=["q_proj", "v_proj"]))
+    report = apply_fast_paths(model, FastPathConfig(kernels=False), CPU)
+    assert report["lora_qkv"] == "on"  # k_proj (no LoRA) runs base-only inside the fused group
+    assert report["lora_o"] == "off: no LoRA adapter on these projections"
+    assert report["lora_mlp"] == "off: no LoRA adapter on these projections"
+    assert report["rmsnorm"] == report["rope"] == "off: fast_paths.kernels is false"
+    ids, pos = packed_batch()
+    remove_fast_paths(model)
+    ref = step(model, ids, pos)
+    apply_fast_paths(model, FastPathConfig(kernels=False), CPU)
+    assert_same_step(step(model, ids, pos), ref, 1e-4)
+
+    report = apply_fast_paths(model, FastPathConfig(lora_autograd=False), CPU)
+    assert report["lora_qkv"] == "off: fast_paths.lora_autograd is false"
+    assert report["rope"] == "on"
+    report = apply_fast_paths(model, FastPathConfig(), torch.device("meta"))
+    assert report["rmsnorm"].startswith("off: auto") and report["lora_qkv"].startswith("off: auto")
+
+
+def test_one_unsupported_layer_gives_partial_report():
+    model = tiny("llama")
+    layer0 = model.get_base_model().model.layers[0]
+    layer0.mlp.up_proj.lora_dropout["default"] = torch.nn.Dropout(0.2)
+    report = apply_fast_paths(model, FastPathConfig(), CPU)
+    assert report["lora_mlp"] == "partial 1/2: lora dropout 0.2 > 0"
+    assert report["activations"] == "on"  # that MLP still uses the activation kernel
+
+
+def test_runtime_fallbacks_and_removal():
+    model = tiny("gemma")
+    ids, pos = packed_batch()
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos).logits
+        with model.disable_adapter():
+            ref_base = model(input_ids=ids, position_ids=pos).logits
+        cache_ref = model(input_ids=ids[:, :9], use_cache=True)
+        next_ref = model(input_ids=ids[:, 9:10], past_key_values=cache_ref.past_key_values, use_cache=True).logits
+
+        apply_fast_paths(model, FastPathConfig(), CPU)
+        apply_fast_paths(model, FastPathConfig(), CPU)  # again: replaces, never stacks
+        torch.testing.assert_close(model(input_ids=ids, position_ids=pos).logits, ref, rtol=1e-5, atol=1e-5)
+        with model.disable_adapter():  # per-call check sends this to the stock path
+            got = model(input_ids=ids, position_ids=pos).logits
+        torch.testing.assert_close(got, ref_base, rtol=1e-5, atol=1e-5)
+        cache = model(input_ids=ids[:, :9], use_cache=True)
+        nxt = model(input_ids=ids[:, 9:10], past_key_values=cache.past_key_values, use_cache=True).logits
+        torch.testing.assert_close(nxt, next_ref, rtol=1e-5, atol=1e-5)
+
+    patched = [m for m in model.modules() if "_tunesmith_stock_forward" in m.__dict__]
+    assert len(patched) == 2 * 4 + 1  # per layer: 2 norms, attention, MLP; plus the final norm
+    assert remove_fast_paths(model) == len(patched)
+    assert not any("forward" in m.__dict__ for m in model.modules())
