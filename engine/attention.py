@@ -1,0 +1,296 @@
+"""Packed (varlen) attention for training: dispatch, and the transformers attention function.
+
+`varlen_attention` runs attention over packed documents: the Triton kernel on CUDA
+(engine.kernels.varlen_attention), flash-attn's varlen kernel when asked for and importable, and a
+per-document SDPA reference elsewhere (the CPU path).
+
+`enable_packed_attention(model)` registers "tunesmith_varlen" in transformers' AttentionInterface
+and switches a (PEFT-wrapped or plain) model to it. Each layer then reads the packing metadata the
+collator built once per batch (`cu_seq_lens_q`, `max_length_q` in the model kwargs, see
+engine.packed.PackedSeqInfo.model_kwargs) and never asks the device for lengths.
+
+No mask function is registered on purpose: transformers' mask builders return None at once for an
+implementation missing from AttentionMaskInterface (4.5x through 5.24), whereas a registered one
+makes `create_causal_mask` scan position_ids for packed rows, a device-to-host sync per forward.
+So no dense [T x T] mask is ever built and the step stays sync-free. The price: a 2-D padding mask
+never reaches this function, so batched padded generation must switch back first
+(`disable_packed_attention`); decoding with a KV cache and explicit 4-D masks fall back to a
+dense path here.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine import packed
+from engine.kernels.varlen_attention import varlen_attention_reference
+
+ATTN_NAME = "tunesmith_varlen"
+_OPTIONS_ATTR = "_tunesmith_attn_options"
+_PREVIOUS_ATTR = "_tunesmith_previous_attn"
+
+
+@dataclass(frozen=True)
+class PackedAttentionOptions:
+    # False: every layer rebuilds cu_seqlens from position_ids with a host sync, as peers do
+    # (the benchmark ablation, engine.config.FastPathConfig.cached_metadata).
+    cached_metadata: bool = True
+    # Use flash-attn's varlen kernel instead of ours when it is importable.
+    use_flash_attn: bool = False
+    # varlen_attention backend: "auto" (Triton on CUDA, reference on CPU); tests force "triton"
+    # to run the kernel through the interpreter inside a model.
+    backend: str = "auto"
+
+
+DEFAULT_OPTIONS = PackedAttentionOptions()
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True, sliding_window=None,
+                     softcap=None, backend: str = "auto", info: Optional[packed.PackedSeqInfo] = None,
+                     dropout_p: float = 0.0):
+    """Attention over packed documents: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
+
+    `cu_seqlens` int32 [n_docs + 1] on q's device; `max_seqlen` a Python int (flash-attn sizes
+    its grid with it; our kernel uses block tables instead). `sliding_window` W: query i sees
+    keys i - W < j <= i (transformers' meaning). `softcap`: s = cap * tanh(s / cap).
+    backend: "auto" (Triton on CUDA, reference elsewhere), "triton", "flash_attn", "reference".
+    `info`: the PackedSeqInfo owning `cu_seqlens`, if known (found automatically otherwise);
+    it supplies host-built block tables. `dropout_p` > 0 forces the reference (training only).
+    """
+    if backend == "auto":
+        d = q.shape[-1]
+        # Head dims the kernel does not tile (not a power of two, or > 256) take the reference.
+        supported = 16 <= d <= 256 and d & (d - 1) == 0
+        backend = "triton" if q.is_cuda and supported else "reference"
+    if dropout_p > 0.0:
+        backend = "reference"
+    if backend == "reference":
+        return varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale=scale, causal=causal,
+                                          sliding_window=sliding_window, softcap=softcap,
+                                          dropout_p=dropout_p)
+    if backend == "flash_attn":
+        return _flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window, softcap)
+    if backend != "triton":
+        raise ValueError(f"unknown attention backend {backend!r}")
+    from engine.kernels.varlen_attention import varlen_attention_triton
+
+    if info is None:
+        info = packed.lookup(cu_seqlens)
+    tables = info.block_table if info is not None and info.cu_seqlens.device == q.device else None
+    covers = info is not None and info.total_tokens == q.shape[0]
+    return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale=scale, causal=causal,
+                                   sliding_window=sliding_window, softcap=softcap, tables=tables,
+                                   covers_all_tokens=covers)
+
+
+def _flash_attn_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window, softcap):
+    from flash_attn import flash_attn_varlen_func
+
+    if max_seqlen is None:  # flash-attn sizes its grid from it; reading it is a sync
+        max_seqlen = (cu[1:] - cu[:-1]).max()
+    if isinstance(max_seqlen, torch.Tensor):
+        packed.COUNTERS["host_syncs"] += 1
+        max_seqlen = int(max_seqlen)
+    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+    return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0,
+                                  softmax_scale=scale, causal=causal, window_size=window,
+                                  softcap=float(softcap or 0.0))
+
+
+# ------------------------------------------------------------------------------------------
+# transformers integration
+# ------------------------------------------------------------------------------------------
+
+def _dense_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+                     softcap, is_causal):
+    """Eager-style attention for what packed rows do not cover: a KV cache (query shorter than
+    keys) or an explicit 4-D mask. query [B, Hq, Tq, D], key/value [B, Hkv, Tk, D]."""
+    b, hq, tq, d = query.shape
+    tk = key.shape[2]
+    group = hq // key.shape[1]
+    key = key.repeat_interleave(group, 1)
+    value = value.repeat_interleave(group, 1)
+    scores = (query.float() @ key.float().transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is not None:
+        m = attention_mask[:, :, :, :tk]
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    else:
+        qpos = torch.arange(tk - tq, tk, device=query.device)[:, None]
+        kpos = torch.arange(tk, device=query.device)[None, :]
+        keep = torch.ones(tq, tk, dtype=torch.bool, device=query.device)
+        if is_causal:
+            keep &= kpos <= qpos
+        if sliding_window is not None:
+            keep &= (qpos - kpos) < sliding_window
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if dropout > 0.0 and module.training:
+        probs = torch.nn.functional.dropout(probs, dropout)
+    out = (probs @ value.float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_SINGLE_DOC_INFOS: dict = {}
+
+
+def _single_documents(rows: int, length: int, device: torch.device) -> packed.PackedSeqInfo:
+    # Each row one document; the lengths come from shapes, so no sync. Cached so a run of
+    # unpacked batches of one shape builds this once, not once per layer.
+    key = (rows, length, str(device))
+    info = _SINGLE_DOC_INFOS.get(key)
+    if info is None:
+        if len(_SINGLE_DOC_INFOS) > 32:
+            _SINGLE_DOC_INFOS.clear()
+        info = packed.PackedSeqInfo.from_lengths([length] * rows).to(device)
+        _SINGLE_DOC_INFOS[key] = info
+    return info
+
+
+def tunesmith_varlen_attention_forward(module, query, key, value, attention_mask, scaling=None,
+                                       dropout=0.0, sliding_window=None, softcap=None, **kwargs):
+    """transformers attention function: query [B, Hq, T, D], key/value [B, Hkv, T, D] ->
+    ([B, T, Hq, D], None). Packed rows (B == 1) come with `cu_seq_lens_q`/`max_length_q`
+    from the collator; without them the documents are found from `position_ids` (a sync,
+    counted) or, with neither, every row is one document."""
+    opts: PackedAttentionOptions = getattr(module, _OPTIONS_ATTR, DEFAULT_OPTIONS)
+    b, hq, t, d = query.shape
+    scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
+    is_causal = kwargs.get("is_causal", None)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{ATTN_NAME} does not support attention sinks (s_aux); "
+                         "enable_packed_attention refuses such models")
+    if attention_mask is not None or key.shape[2] != t:
+        return _dense_attention(module, query, key, value, attention_mask, scaling, dropout,
+                                sliding_window, softcap, is_causal)
+
+    cu = kwargs.get("cu_seq_lens_q")
+    info = None
+    if cu is not None and opts.cached_metadata:
+        max_len = kwargs.get("max_length_q")
+        info = packed.lookup(cu)
+    else:
+        pos = kwargs.get("position_ids")
+        if pos is not None:
+            info = packed.PackedSeqInfo.from_position_ids(pos.expand(b, -1))
+        else:
+            info = _single_documents(b, t, query.device)
+        cu, max_len = info.cu_seqlens, info.max_seqlen
+    if cu.device != query.device or cu.dtype != torch.int32:
+        cu = cu.to(device=query.device, dtype=torch.int32)
+        info = None
+
+    if b == 1:  # views, whatever the layout the projections left
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    else:
+        q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
+    backend = opts.backend
+    if opts.use_flash_attn and query.is_cuda and flash_attn_available():
+        backend = "flash_attn"
+    drop = dropout if module.training else 0.0
+    out = varlen_attention(q, k, v, cu, max_len, scale=scaling, causal=is_causal,
+                           sliding_window=sliding_window, softcap=softcap, backend=backend, info=info,
+                           dropout_p=drop)
+    return out.view(b, t, hq, d), None
+
+
+def register() -> None:
+    """Register "tunesmith_varlen" with transformers' AttentionInterface (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, tunesmith_varlen_attention_forward)
+
+
+def _unwrap(model):
+    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
+    return get_base() if callable(get_base) else model
+
+
+def enable_packed_attention(model, *, cached_metadata: bool = True, use_flash_attn: bool = False,
+                            backend: str = "auto") -> str:
+    """Switch `model` (plain or PEFT-wrapped transformers model) to packed varlen attention.
+
+    Returns "on", or "off: <reason>" leaving the model as it was."""
+    try:
+        from transformers import PreTrainedModel
+    except Exception as exc:  # pragma: no cover - transformers is a dependency
+        return f"off: transformers unavailable ({exc})"
+    base = _unwrap(model)
+    if not isinstance(base, PreTrainedModel):
+        return f"off: {type(base).__name__} is not a transformers PreTrainedModel"
+    for name, mod in base.named_modules():
+        if isinstance(getattr(mod, "sinks", None), torch.Tensor):
+            return f"off: attention sinks ({name}.sinks) are not supported by {ATTN_NAME}"
+    can_set = getattr(base, "_can_set_attn_implementation", None)
+    if callable(can_set) and not can_set():
+        return f"off: {type(base).__name__} does not dispatch attention through AttentionInterface"
+    if float(getattr(base.config, "attention_dropout", 0.0) or 0.0) > 0.0:
+        return "off: attention dropout > 0 (the varlen kernel has no dropout)"
+
+    register()
+    previous = base.config._attn_implementation
+    try:
+        base.set_attn_implementation(ATTN_NAME)
+    except Exception as exc:
+        # Older releases lack set_attn_implementation or validate names strictly: set the field
+        # every attention module reads at call time.
+        try:
+            _set_config_impl(base, ATTN_NAME)
+        except Exception:
+            return f"off: could not switch attention implementation ({exc})"
+    if base.config._attn_implementation != ATTN_NAME:
+        return f"off: model kept attn_implementation={base.config._attn_implementation!r}"
+    options = PackedAttentionOptions(cached_metadata=cached_metadata, use_flash_attn=use_flash_attn,
+                                     backend=backend)
+    for mod in base.modules():
+        setattr(mod, _OPTIONS_ATTR, options)
+    if not hasattr(base, _PREVIOUS_ATTR):
+        setattr(base, _PREVIOUS_ATTR, previous)
+    if use_flash_attn and not flash_attn_available():
+        warnings.warn("flash-attn is not importable; using the Triton varlen kernel", stacklevel=2)
+    return "on"
+
+
+def _set_config_impl(base, name) -> None:
+    from transformers import PretrainedConfig
+
+    seen = set()
+    for mod in base.modules():
+        cfg = getattr(mod, "config", None)
+        if isinstance(cfg, PretrainedConfig) and id(cfg) not in seen:
+            seen.add(id(cfg))
+            if getattr(cfg, "_attn_implementation", None) != name:
+                cfg._attn_implementation = name
+
+
+def disable_packed_attention(model) -> str:
+    """Restore the attention implementation the model had before enable_packed_attention."""
+    base = _unwrap(model)
+    previous = getattr(base, _PREVIOUS_ATTR, None)
+    if previous is None:
+        return "off: packed attention was not enabled"
+    try:
+        base.set_attn_implementation(previous)
+    except Exception:
+        _set_config_impl(base, previous)
+    delattr(base, _PREVIOUS_ATTR)
+    for mod in base.modules():
+        if _OPTIONS_ATTR in mod.__dict__:
+            delattr(mod, _OPTIONS_ATTR)
+    return "restored " + str(previous)

@@ -1,0 +1,230 @@
+"""GPU checks of the varlen attention kernel: real W1-W3 shapes in bf16, no device syncs inside a
+packed decoder stack, and a timing print against SDPA / flex_attention (printed, not asserted).
+
+Run on the GPU host: pytest -m gpu tests/gpu/test_attention_gpu.py -s
+"""
+
+import math
+import time
+
+import pytest
+import torch
+
+from engine import packed
+from engine.attention import enable_packed_attention, varlen_attention
+from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
+from engine.packed import PackedSeqInfo
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOKENS = 16384
+
+
+def doc_lengths(total=TOKENS, seed=0):
+    """WORKLOADS.md recipe: LogNormal(5.3, 0.7) clipped to [16, 2048], filling `total` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lens, used = [], 0
+    while used < total:
+        n = int(min(max(math.exp(5.3 + 0.7 * torch.randn(1, generator=g).item()), 16), 2048))
+        n = min(n, total - used)
+        lens.append(n)
+        used += n
+    return lens
+
+
+def _rel(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
+
+
+def _check(lengths, hq, hkv, d, dtype, seed=0, tol=1e-2, **kw):
+    torch.manual_seed(seed)
+    info = PackedSeqInfo.from_lengths(lengths).to("cuda")
+    t = info.total_tokens
+    q = torch.randn(t, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(t, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(t, hkv, d, device="cuda", dtype=dtype)
+    do = torch.randn(t, hq, d, device="cuda", dtype=dtype)
+    qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+    out = varlen_attention(qt, kt, vt, info.cu_seqlens, info.max_seqlen, **kw)
+    out.backward(do)
+    qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
+    ref = varlen_attention_reference(qr, kr, vr, info.cu_seqlens, info.max_seqlen, **kw)
+    ref.backward(do.float())
+    errs = {"out": _rel(out, ref), "dq": _rel(qt.grad, qr.grad), "dk": _rel(kt.grad, kr.grad),
+            "dv": _rel(vt.grad, vr.grad)}
+    assert torch.isfinite(out).all()
+    assert max(errs.values()) < tol, errs
+    return errs
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (32, 8, 64), (32, 8, 128)],
+                         ids=["W1-16/8x128", "W2-32/8x64", "W3-32/8x128"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_real_shapes_bf16(hq, hkv, d, seed):
+    print(_check(doc_lengths(seed=seed), hq, hkv, d, torch.bfloat16, seed=seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kw", [{"sliding_window": 300}, {"softcap": 50.0},
+                                {"sliding_window": 128, "softcap": 30.0}], ids=["window", "softcap", "both"])
+def test_window_softcap_head_dim_256(dtype, kw):
+    # Gemma-2-like: head_dim 256, GQA 2, softcap 50, sliding windows shorter than documents.
+    _check(doc_lengths(total=4096, seed=3), 8, 4, 256, dtype, **kw)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_one_long_document_and_tiny_documents(d):
+    _check([TOKENS // 2], 16, 8, d, torch.bfloat16)
+    _check([1] * 300 + [17] * 50 + [2048], 16, 8, d, torch.bfloat16)
+
+
+def test_fp32_on_gpu_is_tight():
+    _check(doc_lengths(total=2048, seed=5), 8, 2, 64, torch.float32, tol=1e-4)
+
+
+def test_device_built_tables_match_host_tables():
+    lengths = doc_lengths(seed=7)
+    info = PackedSeqInfo.from_lengths(lengths).to("cuda")
+    q = torch.randn(info.total_tokens, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(info.total_tokens, 8, 128, device="cuda", dtype=torch.bfloat16)
+    a = varlen_attention_triton(q, k, k, info.cu_seqlens, tables=info.block_table)
+    b = varlen_attention_triton(q, k, k, info.cu_seqlens.clone())
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def _tiny_qwen3(layers=4):
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=1024, hidden_size=512, intermediate_size=1024,
+                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                                   head_dim=128, max_position_embeddings=4096, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
+
+
+def _step(model, lengths, seed):
+    # One training step's attention side: metadata built once on the host, moved once, then a
+    # packed forward + backward of the decoder stack.
+    info = PackedSeqInfo.from_lengths(lengths).to("cuda")
+    ids = torch.randint(0, 1024, (1, info.total_tokens), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(seed))
+    return info, ids
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_no_sync_inside_packed_decoder_stack(checkpointing):
+    model = _tiny_qwen3()
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert enable_packed_attention(model) == "on"
+    lengths = doc_lengths(total=8192, seed=11)
+
+    def run(info, ids):
+        out = model.model(input_ids=ids, use_cache=False, **info.model_kwargs())
+        out.last_hidden_state.float().square().mean().backward()
+
+    run(*_step(model, lengths, 0))  # warm-up: compile + autotune (these do synchronize)
+    torch.cuda.synchronize()
+    packed.reset_counters()
+    info, ids = _step(model, lengths, 1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(info, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    counts = packed.reset_counters()
+    assert counts == {"metadata_builds": 1, "host_syncs": 0}, counts
+
+
+def test_rebuilt_per_layer_ablation_syncs_per_layer():
+    model = _tiny_qwen3(layers=3)
+    assert enable_packed_attention(model, cached_metadata=False) == "on"
+    info, ids = _step(model, doc_lengths(total=4096, seed=12), 0)
+    packed.reset_counters()
+    with torch.no_grad():
+        model.model(input_ids=ids, use_cache=False, **info.model_kwargs())
+    counts = packed.reset_counters()
+    assert counts == {"metadata_builds": 3, "host_syncs": 3}, counts
+
+
+def test_flash_attn_backend_if_installed():
+    pytest.importorskip("flash_attn")
+    lengths = doc_lengths(total=4096, seed=13)
+    info = PackedSeqInfo.from_lengths(lengths).to("cuda")
+    q = torch.randn(info.total_tokens, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(info.total_tokens, 8, 128, device="cuda", dtype=torch.bfloat16)
+    a = varlen_attention(q, k, k, info.cu_seqlens, info.max_seqlen, backend="flash_attn")
+    b = varlen_attention(q, k, k, info.cu_seqlens, info.max_seqlen)
+    assert _rel(a, b) < 1e-2
+
+
+def _bench(fn, iters=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (32, 8, 64), (32, 8, 128)], ids=["W1", "W2", "W3"])
+def test_timing_print(hq, hkv, d):
+    """Forward+backward of one layer's attention over a W1-style packed row (not asserted)."""
+    lengths = doc_lengths(seed=21)
+    info = PackedSeqInfo.from_lengths(lengths).to("cuda")
+    t = info.total_tokens
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    flops_fwd = 4 * sum(n * (n + 1) / 2 for n in lengths) * hq * d
+    flops = flops_fwd * 3.5  # forward + backward (2 + 5 matmuls)
+    results = {}
+
+    def ours():
+        varlen_attention(q, k, v, info.cu_seqlens, info.max_seqlen).backward(do)
+    results["tunesmith triton"] = _bench(ours)
+
+    qb, kb, vb = (x.detach().transpose(0, 1)[None].requires_grad_() for x in (q, k, v))
+    dob = do.transpose(0, 1)[None]
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"),
+                                  torch.tensor(lengths, device="cuda"))
+    pos = torch.arange(t, device="cuda")
+    dense = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+    def sdpa():
+        torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=dense, enable_gqa=True).backward(dob)
+    try:
+        results["sdpa dense mask"] = _bench(sdpa, iters=5)
+    except Exception as exc:  # noqa: BLE001 - printed, not asserted
+        results["sdpa dense mask"] = f"failed: {type(exc).__name__}"
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def mask_mod(b, h, qi, ki):
+            return (doc[qi] == doc[ki]) & (ki <= qi)
+        block_mask = create_block_mask(mask_mod, None, None, t, t, device="cuda")
+        flex = torch.compile(flex_attention)
+
+        def run_flex():
+            flex(qb, kb, vb, block_mask=block_mask, enable_gqa=True).backward(dob)
+        results["flex_attention"] = _bench(run_flex)
+    except Exception as exc:  # noqa: BLE001
+        results["flex_attention"] = f"failed: {type(exc).__name__}: {exc}"[:200]
+
+    print(f"\nattention fwd+bwd, T={t}, {len(lengths)} docs, Hq/Hkv/D={hq}/{hkv}/{d}")
+    for name, ms in results.items():
+        if isinstance(ms, float):
+            print(f"  {name:18s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s")
+        else:
+            print(f"  {name:18s} {ms}")

@@ -1,0 +1,176 @@
+"""The "tunesmith_varlen" transformers attention: registration, switching models, and parity.
+
+A tiny Llama / Qwen3 built from a config (random weights) run on one packed row must give the
+same loss and gradients as running its documents one by one, unpacked, with stock SDPA.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+from engine import packed
+from engine.attention import (ATTN_NAME, disable_packed_attention, enable_packed_attention,
+                              varlen_attention)
+from engine.kernels.varlen_attention import varlen_attention_reference
+from engine.packed import PackedSeqInfo
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = [5, 1, 12, 9]
+
+
+def _tiny(kind, attn="sdpa"):
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  attn_implementation=attn)
+    if kind == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=16, **common)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(head_dim=16, **common)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    return cls(cfg).float()
+
+
+def _doc_loss(logits, ids):
+    # Next-token loss inside one document, summed (a document's last token has no target).
+    return torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[1:], reduction="sum")
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _packed_run(model, ids, info):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids[None], use_cache=False, **info.model_kwargs())
+    loss = sum(_doc_loss(out.logits[:, s:e], ids[s:e])
+               for s, e in zip(info.cu_seqlens[:-1].tolist(), info.cu_seqlens[1:].tolist()))
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _unpacked_run(model, ids, info):
+    model.zero_grad(set_to_none=True)
+    loss = 0.0
+    for s, e in zip(info.cu_seqlens[:-1].tolist(), info.cu_seqlens[1:].tolist()):
+        out = model(input_ids=ids[None, s:e], use_cache=False)
+        loss = loss + _doc_loss(out.logits, ids[s:e])
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _assert_same(a, b, tol):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, atol=tol, rtol=tol)
+    assert ga.keys() == gb.keys() and ga
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], atol=tol, rtol=tol, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_packed_matches_unpacked(kind, backend):
+    model = _tiny(kind)
+    info = PackedSeqInfo.from_lengths(LENGTHS)
+    ids = torch.randint(0, 97, (info.total_tokens,), generator=torch.Generator().manual_seed(1))
+    want = _unpacked_run(model, ids, info)
+    assert enable_packed_attention(model, backend=backend) == "on"
+    assert model.config._attn_implementation == ATTN_NAME
+    packed.reset_counters()
+    got = _packed_run(model, ids, info)
+    # Cached metadata: the layers built nothing and never read the device.
+    assert packed.reset_counters() == {"metadata_builds": 0, "host_syncs": 0}
+    _assert_same(got, want, 2e-4 if backend == "triton" else 1e-5)
+    # Without packing metadata the same row would attend across documents: the test can fail.
+    model.zero_grad(set_to_none=True)
+    cross = model(input_ids=ids[None], use_cache=False).logits
+    plain = model(input_ids=ids[None], use_cache=False, **info.model_kwargs()).logits
+    assert (cross - plain).abs().max() > 1e-3
+
+
+def test_rebuilt_per_layer_ablation_counts_builds():
+    model = _tiny("qwen3")
+    info = PackedSeqInfo.from_lengths(LENGTHS)
+    ids = torch.randint(0, 97, (info.total_tokens,), generator=torch.Generator().manual_seed(2))
+    want = _unpacked_run(model, ids, info)
+    assert enable_packed_attention(model, cached_metadata=False) == "on"
+    packed.reset_counters()
+    got = _packed_run(model, ids, info)
+    # One rebuild from position_ids per layer (host syncs are only counted on a GPU).
+    assert packed.reset_counters()["metadata_builds"] == model.config.num_hidden_layers
+    _assert_same(got, want, 1e-5)
+
+
+def test_position_ids_only_and_no_kwargs():
+    model = _tiny("llama")
+    info = PackedSeqInfo.from_lengths(LENGTHS)
+    ids = torch.randint(0, 97, (info.total_tokens,), generator=torch.Generator().manual_seed(3))
+    assert enable_packed_attention(model) == "on"
+    with torch.no_grad():
+        full = model(input_ids=ids[None], use_cache=False, **info.model_kwargs()).logits
+        by_pos = model(input_ids=ids[None], use_cache=False, position_ids=info.position_ids[None]).logits
+        torch.testing.assert_close(by_pos, full)
+        # No metadata at all: each row is one document, as stock causal attention would do.
+        rows = ids[:12].view(2, 6)
+        ours = model(input_ids=rows, use_cache=False).logits
+        disable_packed_attention(model)
+        assert model.config._attn_implementation == "sdpa"
+        stock = model(input_ids=rows, use_cache=False).logits
+    torch.testing.assert_close(ours, stock, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_with_cache_matches_sdpa():
+    model = _tiny("qwen3").eval()
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert enable_packed_attention(model) == "on"
+        got = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+
+
+def test_peft_wrapped_model_and_no_dense_mask():
+    peft = pytest.importorskip("peft")
+    from transformers import masking_utils
+
+    model = _tiny("qwen3")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert enable_packed_attention(model) == "on"
+    base = model.get_base_model()
+    assert base.config._attn_implementation == ATTN_NAME
+    # transformers builds no [T x T] mask (and does not scan position_ids) for this implementation.
+    info = PackedSeqInfo.from_lengths(LENGTHS)
+    embeds = torch.zeros(1, info.total_tokens, 64)
+    # The cache argument was renamed across transformers 5.x; cache_position existed in older ones.
+    params = inspect.signature(masking_utils.create_causal_mask).parameters
+    extra = {"cache" if "cache" in params else "past_key_values": None}
+    if "cache_position" in params:
+        extra["cache_position"] = torch.arange(info.total_tokens)
+    mask = masking_utils.create_causal_mask(config=base.config, inputs_embeds=embeds, attention_mask=None,
+                                            position_ids=info.position_ids[None], **extra)
+    assert mask is None
+    ids = torch.randint(0, 97, (1, info.total_tokens))
+    out = model(input_ids=ids, use_cache=False, **info.model_kwargs())
+    out.logits.sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_refusals_leave_model_alone():
+    model = _tiny("llama")
+    model.config.attention_dropout = 0.1
+    assert enable_packed_attention(model).startswith("off:")
+    assert model.config._attn_implementation == "sdpa"
+    assert enable_packed_attention(torch.nn.Linear(2, 2)).startswith("off:")
+
+
+def test_varlen_attention_dispatch_cpu_is_reference():
+    info = PackedSeqInfo.from_lengths([3, 8])
+    q, k, v = torch.randn(11, 4, 16), torch.randn(11, 2, 16), torch.randn(11, 2, 16)
+    out = varlen_attention(q, k, v, info.cu_seqlens, info.max_seqlen, sliding_window=4, softcap=3.0)
+    ref = varlen_attention_reference(q, k, v, info.cu_seqlens, sliding_window=4, softcap=3.0)
+    torch.testing.assert_close(out, ref)
+    with pytest.raises(ValueError, match="backend"):
+        varlen_attention(q, k, v, info.cu_seqlens, info.max_seqlen, backend="nope")
