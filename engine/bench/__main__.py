@@ -1,0 +1,370 @@
+"""`python -m engine.bench` (and `tunesmith bench`): the reference-workload benchmark.
+
+    python -m engine.bench --workloads W1,W2,W3 --max-seconds 540     # speed, all peers
+    python -m engine.bench --workloads W1 --impls ours --ours-variants all-on,no-kernels,no-fused-ce
+    python -m engine.bench --parity                                   # ours vs HF + PEFT, fp32 and bf16
+    python -m engine.bench --memcap                                   # W7, longest sequence at 16 GiB
+    python -m engine.bench --cpu-smoke --results /tmp/r.jsonl         # tiny end-to-end run on a CPU
+    python -m engine.bench --summarize [--merge more.jsonl]           # RESULTS.md from results.jsonl
+    python -m engine.bench --dry-run                                  # the plan, nothing built
+
+Exit status: 0 when everything asked for ran (peers may be "not supported"), 1 when one of
+ours failed (error, OOM) in a speed run, 2 when parity failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from engine.bench.report import DEFAULT_MD, DEFAULT_RESULTS, progress
+
+DEFAULT_IMPLS = "ours,liger_flex,unsloth,hf_flex,hf_sdpa,liger_sdpa"
+KNOWN_IMPLS = ("ours", "hf_sdpa", "hf_flex", "hf_eager", "liger_sdpa", "liger_flex", "unsloth")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default=None,
+                   help="comma list of W1..W7 (W5b: GPT-OSS MoE block); default W1,W2,W3 (parity: W1,W2)")
+    p.add_argument("--impls", default=DEFAULT_IMPLS,
+                   help=f"comma list, run in this order; known: {', '.join(KNOWN_IMPLS)} (default {DEFAULT_IMPLS})")
+    p.add_argument("--ours-variants", default="all-on",
+                   help="fast-path ablations of ours: all-on, no-kernels, no-lora-autograd, no-fused-ce, "
+                        "no-packed-attention, rebuilt-metadata, all-off, offload-single, offload-double, "
+                        "or field=value[+field=value] over FastPathConfig")
+    p.add_argument("--order", choices=("impl", "workload"), default="impl",
+                   help="impl: each implementation on every workload before the next (default; the "
+                        "important ones first under a time budget); workload: one workload at a time")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 8; --cpu-smoke 2)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; --cpu-smoke 1)")
+    p.add_argument("--results", default=str(DEFAULT_RESULTS), help="JSON-lines file records are appended to")
+    p.add_argument("--md", default=str(DEFAULT_MD), help="RESULTS.md path for --summarize")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="wall-clock budget of the whole command; what does not fit is recorded as skipped")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (N, ceiling, batches, impls); build nothing")
+    p.add_argument("--summarize", action="store_true", help="regenerate RESULTS.md from --results and exit")
+    p.add_argument("--merge", default=None, help="with --summarize: first append the records of this file")
+    p.add_argument("--parity", action="store_true", help="one step of ours vs HF + PEFT fp32, in fp32 and bf16")
+    p.add_argument("--parity-layers", type=int, default=2)
+    p.add_argument("--parity-vocab", type=int, default=None, help="shrink the vocabulary for parity")
+    p.add_argument("--parity-tokens", type=int, default=2048)
+    p.add_argument("--parity-dtypes", default="float32,bfloat16")
+    p.add_argument("--parity-bf16-vs-hf", action="store_true",
+                   help="in bf16 also pass when ours is within 1.25x of stock HF + PEFT bf16's own error "
+                        "against the fp32 reference (the 1e-2 tolerance is strict by default)")
+    p.add_argument("--memcap", action="store_true", help="W7: longest single sequence under a memory cap")
+    p.add_argument("--memcap-impls", default="ours")
+    p.add_argument("--memcap-gib", type=float, default=16.0)
+    p.add_argument("--memcap-max-tokens", type=int, default=131_072)
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny model on the CPU: ours + hf_sdpa for 2 steps, then fp32 parity")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--unsloth-site", default=None,
+                   help="unpacked Unsloth bundle (the 'site' folder of .peer/unsloth-site.tgz); "
+                        "default $TUNESMITH_UNSLOTH_SITE")
+    # Internal: the Unsloth child process.
+    p.add_argument("--child-impl", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _list(s: str | None) -> list[str]:
+    return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+def _device(args):
+    import torch
+
+    if args.device == "cpu" or args.cpu_smoke:
+        return torch.device("cpu")
+    if args.device == "cuda" or torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def plan_impls(wl, impls: list[str], variants: list[str]) -> list[tuple[str, dict]]:
+    """(impl, options) in run order; "ours" expands to one entry per variant."""
+    if wl.kind == "moe_block":
+        from engine.bench.peers.moe import available_experts_impls
+
+        out = [("ours", {"variant": "all-on"})] if "ours" in impls else []
+        if any(i != "ours" for i in impls):
+            out += [(f"hf_moe_{name}", {}) for name in ("eager", "grouped_mm", "batched_mm")
+                    if name == "eager" or name in available_experts_impls()]
+        return out
+    out = []
+    for impl in impls:
+        if impl == "ours":
+            out += [("ours", {"variant": v}) for v in variants]
+        else:
+            out.append((impl, {}))
+    return out
+
+
+def setup_for(impl: str, options: dict):
+    from engine.bench.ours import setup_ours
+    from engine.bench.peers.hf import setup_hf
+    from engine.bench.peers.moe import setup_moe_block
+
+    if impl == "ours":
+        return setup_ours(options.get("variant", "all-on"))
+    if impl.startswith("hf_moe_"):
+        return setup_moe_block(impl[len("hf_moe_"):])
+    attn = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
+    family, _, kind = impl.partition("_")
+    if family in ("hf", "liger") and kind in attn:
+        return setup_hf(attn[kind], liger=family == "liger")
+    raise SystemExit(f"unknown impl {impl!r}; known: {', '.join(KNOWN_IMPLS)}")
+
+
+def base_record(args, env: dict, mode: str = "bench") -> dict:
+    from engine.bench.report import now_iso
+
+    return {"date": now_iso(), "run_id": args.run_id, "mode": mode, **env}
+
+
+def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dict]:
+    from engine.bench.batches import make_batches
+    from engine.bench.peers.unsloth import run_child
+    from engine.bench.report import append_record
+    from engine.bench.runner import Context, run_impl
+    from engine.bench.workloads import ceiling_tokens_per_s, matmul_params
+
+    records = []
+    memcaps = [wl for wl in workloads if wl.kind == "memcap"]
+    speed = [wl for wl in workloads if wl.kind != "memcap"]
+    batches, longest = {}, {}
+    for wl in speed:
+        batches[wl.id] = make_batches(args.warmup + args.steps, wl.tokens, wl.config["vocab_size"], wl.packing)
+        docs = sum(len(b.lengths) for b in batches[wl.id]) / len(batches[wl.id])
+        longest[wl.id] = 0.0
+        progress(f"== {wl.id} {wl.title}: {wl.tokens} tokens/step, {docs:.1f} documents/step, "
+                 f"N={matmul_params(wl) / 1e9:.3f}B, ceiling {ceiling_tokens_per_s(wl):,.0f} tokens/s")
+    # Impl-major by default: under a time budget every workload gets ours and the best peers
+    # before any workload gets the slow baselines.
+    jobs = [(wl, impl, opts) for wl in speed for impl, opts in plan_impls(wl, impls, variants)]
+    if args.order == "impl":
+        rank = {}
+        for wl, impl, opts in jobs:
+            rank.setdefault((impl, opts.get("variant")), len(rank))
+        jobs.sort(key=lambda j: rank[(j[1], j[2].get("variant"))])
+    for wl, impl, options in jobs:
+        base = base_record(args, env)
+        left = budget.remaining()
+        need = max(15.0, 0.6 * longest[wl.id])  # a peer rarely takes less than this workload's slowest so far
+        if left < need and impl != "unsloth":
+            rec = dict(base, workload=wl.id, impl=impl, options=options,
+                       status=f"skipped: time budget ({left:.0f} s left, ~{need:.0f} s needed)")
+            progress(f"{wl.id} {impl}: {rec['status']}")
+        elif impl == "unsloth":
+            if device.type != "cuda":
+                rec = dict(base, workload=wl.id, impl=impl, options={}, status="not supported: Unsloth needs a CUDA GPU")
+            else:
+                rec = run_child(wl.id, args, budget, base)
+            progress(f"{wl.id} unsloth: {rec.get('status')}")
+        else:
+            ctx = Context(wl, batches[wl.id], device, args.warmup, args.steps, budget, args)
+            rec = run_impl(setup_for(impl, options), ctx, impl, base, options)
+        longest[wl.id] = max(longest[wl.id], rec.get("wall_s") or 0.0)
+        if wl.kind == "train" and device.type == "cuda":  # the ceiling is the H200's
+            rec["ceiling_tokens_per_s"] = ceiling_tokens_per_s(wl)
+            if rec.get("status") == "ok" and rec.get("tokens_per_s"):
+                rec["ceiling_fraction"] = rec["tokens_per_s"] / rec["ceiling_tokens_per_s"]
+        rec.setdefault("ceiling_fraction", None)
+        rec["mode"] = "bench"
+        append_record(args.results, rec)
+        records.append(rec)
+    if memcaps:
+        records += run_memcaps(args, memcaps, device, budget, env)
+    return records
+
+
+def run_memcaps(args, workloads, device, budget, env) -> list[dict]:
+    from engine.bench.memcap import UNIT, run_memcap
+    from engine.bench.report import append_record
+    from engine.bench.runner import NotSupported, free_memory
+
+    records = []
+    for wl in workloads:
+        for impl in _list(args.memcap_impls):
+            rec = dict(base_record(args, env, "memcap"), workload=wl.id, impl=impl,
+                       options={"cap_gib": args.memcap_gib})
+            progress(f"== {wl.id} {impl}: memcap search up to {args.memcap_max_tokens} tokens at {args.memcap_gib} GiB")
+            try:
+                rec.update(run_memcap(wl, impl, device, budget, cap_gib=args.memcap_gib,
+                                      hi_units=max(1, args.memcap_max_tokens // UNIT)))
+            except NotSupported as exc:
+                rec["status"] = f"not supported: {exc}"
+            except Exception as exc:
+                import traceback
+
+                traceback.print_exc(file=sys.stdout)
+                rec["status"] = f"error: {type(exc).__name__}: {str(exc).strip()[:300]}"
+                traceback.clear_frames(exc.__traceback__)
+            free_memory(device)
+            progress(f"{wl.id} {impl} memcap: {rec.get('status')}, longest {rec.get('longest_tokens')} tokens")
+            append_record(args.results, rec)
+            records.append(rec)
+    return records
+
+
+def run_parities(args, workloads, device, env, dtypes) -> tuple[list[dict], bool]:
+    from engine.bench.parity import run_parity
+    from engine.bench.report import append_record
+    from engine.bench.workloads import shrink
+
+    rows, ok = [], True
+    for wl in workloads:
+        if wl.kind != "train" and wl.id != "CPU-tiny":
+            progress(f"parity: {wl.id} skipped (only dense training workloads have a parity check)")
+            continue
+        small = wl if wl.id == "CPU-tiny" else shrink(wl, args.parity_layers, args.parity_vocab, args.parity_tokens)
+        small = small.with_changes(quant=None)
+        for row in run_parity(small, device, dtypes=dtypes, bf16_vs_hf=args.parity_bf16_vs_hf):
+            rec = dict(base_record(args, env, "parity"), **row)
+            append_record(args.results, rec)
+            rows.append(rec)
+            ok &= row["status"].startswith("ok")
+    return rows, ok
+
+
+def dry_run(args, workloads, impls, variants) -> int:
+    import importlib.util
+
+    from engine.bench.batches import make_batches
+    from engine.bench.peers.unsloth import find_site
+    from engine.bench.workloads import ceiling_tokens_per_s, matmul_params
+
+    print(f"steps {args.steps} timed after {args.warmup} warm-up; results -> {args.results}; "
+          f"budget {args.max_seconds or 'none'} s", flush=True)
+    for name in ("liger_kernel", "bitsandbytes", "unsloth"):
+        print(f"  {name}: {'importable' if importlib.util.find_spec(name) else 'not importable here'}", flush=True)
+    print(f"  unsloth bundle: {find_site(args.unsloth_site) or 'none (pass --unsloth-site)'}", flush=True)
+    for wl in workloads:
+        batches = make_batches(args.warmup + args.steps, wl.tokens, wl.config["vocab_size"], wl.packing)
+        docs = [len(b.lengths) for b in batches]
+        print(f"{wl.id} {wl.title} [{wl.kind}{', ' + wl.quant if wl.quant else ''}]: N={matmul_params(wl):,} "
+              f"ceiling {ceiling_tokens_per_s(wl):,.0f} tokens/s; {wl.tokens} tokens/step, documents/step "
+              f"{min(docs)}-{max(docs)} (mean {sum(docs) / len(docs):.1f}); target: {wl.target}", flush=True)
+        if wl.kind == "memcap":
+            print(f"  memcap impls: {args.memcap_impls}, cap {args.memcap_gib} GiB, up to {args.memcap_max_tokens}")
+        else:
+            print("  impls: " + ", ".join(f"{i}[{o['variant']}]" if o.get("variant") else i
+                                          for i, o in plan_impls(wl, impls, variants)), flush=True)
+    return 0
+
+
+def merge(src: str, dst: str) -> int:
+    from engine.bench.report import append_record, read_records
+
+    have = {json.dumps(r, sort_keys=True) for r in read_records(dst)}
+    n = 0
+    for r in read_records(src):
+        if json.dumps(r, sort_keys=True) not in have:
+            append_record(dst, r)
+            n += 1
+    progress(f"merged {n} new records from {src} into {dst}")
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.run_id is None:
+        args.run_id = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+    if args.steps is None:
+        args.steps = 2 if args.cpu_smoke else 8
+    if args.warmup is None:
+        args.warmup = 1 if args.cpu_smoke else 3
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+
+    if args.child_impl == "unsloth":  # must import unsloth before anything imports transformers
+        from engine.bench.peers.unsloth import child_main
+
+        return child_main(args)
+
+    from engine.bench.report import format_table, summarize
+
+    if args.summarize:
+        if args.merge:
+            merge(args.merge, args.results)
+        summarize(args.results, args.md)
+        progress(f"wrote {args.md}")
+        return 0
+
+    from engine.bench.workloads import CPU_TINY, get_workload
+
+    impls = _list(args.impls)
+    for i in impls:
+        if i not in KNOWN_IMPLS:
+            raise SystemExit(f"unknown impl {i!r}; known: {', '.join(KNOWN_IMPLS)}")
+    variants = _list(args.ours_variants) or ["all-on"]
+    from engine.bench.ours import variant_fields
+
+    for v in variants:
+        variant_fields(v)  # a typo fails now, not after an hour of other runs
+    if args.cpu_smoke:
+        workloads = [CPU_TINY]
+        if args.impls == DEFAULT_IMPLS:
+            impls = ["ours", "hf_sdpa"]
+    elif args.memcap and not args.workloads:
+        workloads = [get_workload("W7")]
+    else:
+        default = "W1,W2" if args.parity else "W1,W2,W3"
+        workloads = [get_workload(w) for w in _list(args.workloads or default)]
+
+    if args.dry_run:
+        return dry_run(args, workloads, impls, variants)
+
+    import torch
+
+    from engine.bench.report import environment
+    from engine.bench.runner import Budget
+
+    device = _device(args)
+    if device.type != "cuda" and not args.cpu_smoke and args.device != "cpu":
+        raise SystemExit("no CUDA GPU here: use --cpu-smoke, --dry-run, or --device cpu to force a CPU run")
+    budget = Budget(args.max_seconds, start)
+    env = environment(args.unsloth_site)
+    progress(f"device {env['gpu']}; commit {env['commit']}; versions {env['versions']}; run {args.run_id}")
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+    records: list[dict] = []
+    failed = False
+    parity_ok = True
+    if args.cpu_smoke:
+        records = run_speed(args, workloads, impls, variants, device, budget, env)
+        _, parity_ok = run_parities(args, workloads, device, env, ["float32"])
+    elif args.parity:
+        _, parity_ok = run_parities(args, workloads, device, env, _list(args.parity_dtypes))
+    elif args.memcap:
+        records = run_memcaps(args, workloads, device, budget, env)
+    else:
+        records = run_speed(args, workloads, impls, variants, device, budget, env)
+
+    if records:
+        print("\n" + format_table(records), flush=True)
+    failed = any(r["impl"] == "ours" and (r.get("status") == "oom" or str(r.get("status", "")).startswith("error"))
+                 for r in records)
+    if os.path.abspath(args.results) == os.path.abspath(str(DEFAULT_RESULTS)):
+        summarize(args.results, args.md)
+    progress(f"records appended to {args.results}; {time.monotonic() - start:.0f} s in all")
+    if not parity_ok:
+        print("PARITY FAILED: the engine's loss or LoRA gradients differ from HF + PEFT (fp32) beyond the "
+              "WORKLOADS.md tolerance (fp32 <= 1e-4, bf16 <= 1e-2); see the parity lines above.", flush=True)
+        return 2
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

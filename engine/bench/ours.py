@@ -1,0 +1,158 @@
+"""The Tunesmith engine as a benchmark implementation, through the engine's own code path.
+
+`attach_lora` -> `prepare_model` -> per step `PackedBatch.to(device)` + `forward_loss` +
+backward + AdamW, exactly what the TrainingSession runs. Variants switch single fast paths
+off for ablations (`--ours-variants all-on,no-kernels,...` or `field=value+field=value`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+
+from engine.bench.runner import Context, NotSupported, NotYetSupported, Prepared
+
+VARIANTS: dict[str, dict] = {
+    "all-on": {},
+    "no-kernels": {"kernels": False},
+    "no-lora-autograd": {"lora_autograd": False},
+    "no-fused-ce": {"fused_ce": False},
+    "no-packed-attention": {"packed_attention": False},
+    "rebuilt-metadata": {"cached_metadata": False},
+    "all-off": {"kernels": False, "lora_autograd": False, "fused_ce": False, "packed_attention": False},
+    "offload-single": {"offload": "single"},
+    "offload-double": {"offload": "double"},
+    "no-moe-grouping": {"moe_grouping": False},
+}
+
+
+def _parse_value(v: str):
+    low = v.strip().lower()
+    if low in ("true", "on", "1"):
+        return True
+    if low in ("false", "off", "0"):
+        return False
+    try:
+        return int(v)
+    except ValueError:
+        return v
+
+
+def variant_fields(variant: str) -> dict:
+    """FastPathConfig overrides of a named variant or of `field=value+field=value`."""
+    if variant in VARIANTS:
+        return dict(VARIANTS[variant])
+    out = {}
+    for part in variant.split("+"):
+        if "=" not in part:
+            raise SystemExit(f"unknown ours variant {variant!r}; known: {', '.join(VARIANTS)} "
+                             "or field=value[+field=value]")
+        k, v = part.split("=", 1)
+        out[k.strip()] = _parse_value(v)
+    return out
+
+
+def fast_path_config(fields: dict):
+    from engine.config import FastPathConfig
+
+    known = {f.name for f in dataclasses.fields(FastPathConfig)}
+    missing = [k for k in fields if k not in known]
+    if missing:
+        raise NotYetSupported(f"engine.config.FastPathConfig has no {', '.join(missing)} switch")
+    return FastPathConfig(**fields)
+
+
+def _call_with_supported(fn, *args, **kwargs):
+    """Pass only keyword arguments `fn` accepts: the engine's signatures are still moving."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+def lora_config(workload):
+    from engine.config import LoraConfig
+
+    return LoraConfig(r=16, alpha=16.0, dropout=0.0, target_modules=list(workload.lora_targets))
+
+
+def prepare_ours(model, workload, device, fields: dict, gradient_checkpointing: bool = True):
+    """Attach LoRA and switch the fast paths on; returns (peft model, fast path config, report)."""
+    from engine.models.lora import attach_lora
+    from engine.train.step import prepare_model
+
+    fp = fast_path_config(fields)
+    model = attach_lora(model, lora_config(workload))
+    report = prepare_model(model, fp, device, gradient_checkpointing=gradient_checkpointing)
+    model.train()
+    return model, fp, dict(report or {})
+
+
+def loss_fn(model, fp, report: dict):
+    """step(batch) -> scalar loss, with the switches prepare_model settled on."""
+    from engine.train.step import forward_loss
+
+    fused = report.get("fused_ce", "on" if fp.fused_ce is not False else "off") == "on"
+    chunk = None if fp.ce_chunk_tokens == "auto" else fp.ce_chunk_tokens
+
+    def run(batch):
+        return _call_with_supported(forward_loss, model, batch, normalizer=batch.num_trained_tokens,
+                                    fused_ce=fused, cached_metadata=fp.cached_metadata,
+                                    ce_chunk_tokens=chunk)
+
+    return run, fused
+
+
+def setup_ours(variant: str):
+    def setup(ctx: Context) -> Prepared:
+        import torch
+
+        from engine.bench.workloads import build_model
+        from engine.data.collate import PackedBatch
+
+        wl = ctx.workload
+        fields = variant_fields(variant)
+        fast_path_config(fields)  # fail before building a big model
+        if fields.get("moe_grouping") is not None or wl.kind == "moe_block":
+            raise NotYetSupported("grouped MoE (engine.moe) does not exist yet")
+        if wl.quant == "nf4":
+            _need_bnb(ctx.device)
+        model = build_model(wl, dtype=torch.bfloat16 if ctx.device.type == "cuda" else torch.float32,
+                            device=ctx.device, attn_implementation="sdpa")
+        model, fp, report = prepare_ours(model, wl, ctx.device, fields)
+        run, fused = loss_fn(model, fp, report)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        # Collation is host work a data loader does ahead of the GPU; it is timed apart and
+        # kept out of the step time, as the peers' inputs are also built before timing.
+        t0 = time.perf_counter()
+        packed = [PackedBatch.from_documents(b.documents()) for b in ctx.batches]
+        collate_ms = 1e3 * (time.perf_counter() - t0) / max(1, len(packed))
+
+        def step(i):
+            batch = packed[i].to(ctx.device)
+            loss = run(batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        options = {"variant": variant, "fast_paths": dataclasses.asdict(fp), "fast_paths_report": report,
+                   "fused_ce": fused, "attn_build": "sdpa", "lora_params": _count_trainable(model)}
+        return Prepared(step, options, {"collate_ms": round(collate_ms, 2)}, keep=[model, opt, packed])
+
+    return setup
+
+
+def _count_trainable(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _need_bnb(device) -> None:
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:
+        raise NotSupported(f"bitsandbytes does not import ({type(exc).__name__}: {exc})") from None
+    if device.type != "cuda":
+        raise NotSupported("QLoRA (NF4) workloads need a CUDA GPU")
