@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--md", default=str(DEFAULT_MD), help="RESULTS.md path for --summarize")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="wall-clock budget of the whole command; what does not fit is recorded as skipped")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile two more by op and print where the time goes")
     p.add_argument("--dry-run", action="store_true", help="print the plan (N, ceiling, batches, impls); build nothing")
     p.add_argument("--summarize", action="store_true", help="regenerate RESULTS.md from --results and exit")
     p.add_argument("--merge", default=None, help="with --summarize: first append the records of this file")

@@ -221,6 +221,10 @@ def run_impl(setup: Callable[[Context], Prepared], ctx: Context, impl: str, base
             rec["setup_s"] = round(time.monotonic() - t_start, 2)
             progress(f"{label}: set up in {rec['setup_s']} s; options {prep.options}")
             rec.update(measure(prep, ctx, label))
+            if ctx.args is not None and getattr(ctx.args, "profile", False):
+                from engine.bench.profile import profile_steps
+
+                rec.update(profile_steps(prep, ctx, label))
     except BudgetExceeded as exc:
         status = f"skipped: {exc}"
         rec.update(getattr(exc, "partial", {}))

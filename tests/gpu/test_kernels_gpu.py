@@ -196,8 +196,13 @@ def test_gated_activation(inter, op, dtype):
     assert "GatedActFunction" in kind
     # Gold gradients: autograd through the reference in fp32 on the same inputs.
     dg_ref, du_ref, _ = run(lambda a, b: ref_fn(a.float(), b.float()), dh.float())
-    torch.testing.assert_close(dg, dg_ref, **TOL[dtype])
-    torch.testing.assert_close(du, du_ref, **TOL[dtype])
+    # The tanh-GELU derivative goes through tanh twice; Triton's tanh and torch's differ in
+    # the last fp32 bits (seen on the H200: 14 of 134M elements off by 1.2e-5).
+    tol = dict(TOL[dtype])
+    if op == "geglu_tanh" and dtype == torch.float32:
+        tol["atol"] = max(tol["atol"], 5e-5)
+    torch.testing.assert_close(dg, dg_ref, **tol)
+    torch.testing.assert_close(du, du_ref, **tol)
 
     gq, uq = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
     ms = _ms(lambda: fn(gq * 1, uq * 1, inplace_backward=True).backward(dh))
