@@ -26,6 +26,9 @@ def now_iso() -> str:
 
 
 def git_commit() -> str:
+    # The GPU host gets a copy of the working tree without .git: the caller passes the commit.
+    if os.environ.get("TUNESMITH_COMMIT"):
+        return os.environ["TUNESMITH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH_DIR, capture_output=True,
                              text=True, timeout=10)
