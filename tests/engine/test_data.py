@@ -147,3 +147,9 @@ def test_packed_batch_targets_never_cross_documents():
     assert batch.num_trained_tokens == 3
     assert batch.info.cu_seqlens.tolist() == [0, 3, 5, 6]
     assert batch.info.position_ids.tolist() == [0, 1, 2, 0, 1, 0]
+
+
+def test_unreachable_hub_data_set_says_so(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match="Hugging Face Hub"):
+        load_raw(DataConfig(source="someone/dataset-that-is-not-cached"))
