@@ -153,3 +153,22 @@ def test_unreachable_hub_data_set_says_so(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match="Hugging Face Hub"):
         load_raw(DataConfig(source="someone/dataset-that-is-not-cached"))
+
+
+def test_preview_shows_rows_example_and_packing(tmp_path, tokenizer):
+    from engine.data import preview
+
+    cfg = DataConfig()
+    p = preview.load_preview(cfg)
+    assert p.num_rows > 300 and p.format.kind == "instruction" and not p.problems
+    assert set(p.row(0)) == {"instruction", "input", "output"}
+    ex = preview.render_example(tokenizer, cfg, 0)
+    trained = "".join(t for t, on in ex.pieces if on)
+    assert trained.startswith("Answer:") and ex.n_trained < ex.n_tokens
+    lay = preview.packing_layout(tokenizer, cfg)
+    assert sum(map(len, lay.rows)) == lay.examples == p.num_rows
+    assert all(sum(r) <= lay.row_tokens for r in lay.rows) and lay.efficiency > 0.8
+
+    bad = write_jsonl(tmp_path / "d.jsonl", [{"a": 1}, {"a": 2}])
+    p = preview.load_preview(DataConfig(source=str(bad)))
+    assert p.format is None and "match no known shape" in p.error and p.num_rows == 2

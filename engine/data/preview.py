@@ -1,0 +1,118 @@
+"""Data inspection for the window, without training: raw rows, detected format, one rendered
+example with its trained-token mask, and the packing layout.
+
+Every function runs the same code the training run uses (sources, formats, render, packing),
+so what the window shows is what will be trained. The raw data set is memoized per source
+file version, because the window asks for rows, an example and the layout one after another.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from engine.config import DataConfig, ModelConfig
+from engine.data.formats import FormatSpec, detect_format, row_to_messages
+from engine.data.render import ensure_chat_template, tokenize_example
+from engine.data.sources import DataError, load_raw, resolve_source
+
+_RAW_CACHE: dict[tuple, Any] = {}
+
+
+def _raw(cfg: DataConfig):
+    path, builder = resolve_source(cfg.source)
+    stamp = os.stat(path).st_mtime_ns if builder is not None else None
+    key = (path, cfg.split, cfg.max_examples, stamp)
+    if key not in _RAW_CACHE:
+        _RAW_CACHE.clear()  # one data set at a time is what the window shows
+        _RAW_CACHE[key] = load_raw(cfg)
+    return _RAW_CACHE[key]
+
+
+@dataclass
+class DataPreview:
+    columns: list[str]
+    num_rows: int
+    format: Optional[FormatSpec]
+    mapping: dict[str, str]
+    problems: list[tuple[int, str]] = field(default_factory=list)  # (row index, reason)
+    error: Optional[str] = None  # the format could not be detected (rows still browsable)
+    _dataset: Any = None
+
+    def row(self, i: int) -> dict:
+        return dict(self._dataset[i])
+
+
+@dataclass
+class RenderedExample:
+    index: int
+    pieces: list[tuple[str, bool]]  # (token text, trained)
+    n_tokens: int
+    n_trained: int
+    truncated: bool
+    fallback_template: bool
+
+
+@dataclass
+class PackingLayout:
+    rows: list[list[int]]  # document lengths per packed row
+    row_tokens: int
+    efficiency: float
+    padding_avoided: int
+    examples: int
+    truncated: int
+    dropped: int
+    skipped: list[tuple[int, str]]
+
+
+def load_tokenizer(model_cfg: ModelConfig):
+    from engine.models.loading import load_tokenizer as load
+
+    return load(model_cfg)
+
+
+def load_preview(cfg: DataConfig) -> DataPreview:
+    """Rows and detected format; raises DataError when the file cannot be read at all."""
+    ds = _raw(cfg)
+    columns = list(ds.column_names)
+    try:
+        spec = detect_format(columns, cfg.format, cfg.columns)
+    except DataError as exc:
+        return DataPreview(columns, len(ds), None, {}, [], str(exc), ds)
+    problems = []
+    for i, row in enumerate(ds):
+        try:
+            row_to_messages(row, spec)
+        except ValueError as exc:
+            problems.append((i, str(exc)))
+    return DataPreview(columns, len(ds), spec, dict(spec.mapping), problems, None, ds)
+
+
+def render_example(tokenizer, cfg: DataConfig, index: int) -> RenderedExample:
+    ds = _raw(cfg)
+    if not 0 <= index < len(ds):
+        raise DataError(f"row {index} does not exist ({len(ds)} rows)")
+    spec = detect_format(list(ds.column_names), cfg.format, cfg.columns)
+    fallback = ensure_chat_template(tokenizer) if spec.kind != "text" else False
+    try:
+        example = row_to_messages(ds[index], spec)
+    except ValueError as exc:
+        raise DataError(f"row {index}: {exc}") from exc
+    tok = tokenize_example(tokenizer, example, cfg.train_on_responses_only)
+    truncated = len(tok.ids) > cfg.max_seq_len
+    ids, trained = tok.ids[: cfg.max_seq_len], tok.trained[: cfg.max_seq_len]
+    pieces = [(tokenizer.decode([i]), bool(t)) for i, t in zip(ids, trained)]
+    return RenderedExample(index, pieces, len(ids), sum(trained), truncated, fallback)
+
+
+def packing_layout(tokenizer, cfg: DataConfig) -> PackingLayout:
+    from engine.data.dataset import prepare_dataset
+
+    data = prepare_dataset(cfg, tokenizer, raw=_raw(cfg))
+    s = data.summary()
+    rows = [[len(data.docs[d]) for d in row] for row in data.packing.rows]
+    return PackingLayout(
+        rows, data.packing.row_tokens, data.packing.efficiency, s["padding_avoided_tokens"],
+        len(data.docs), data.truncated, data.dropped_overlong, data.skipped,
+    )
