@@ -224,3 +224,18 @@ print('ok')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ok" in out.stdout
+
+
+def test_accumulation_normalizes_by_trained_tokens(tmp_path):
+    """Two micro-batches of one row each give the same step as one micro-batch of two rows."""
+    from safetensors.torch import load_file
+
+    one = tiny_config(tmp_path / "one", steps=2, rows_per_micro_batch=2, grad_accum=1)
+    two = tiny_config(tmp_path / "two", steps=2, rows_per_micro_batch=1, grad_accum=2)
+    r1, _ = run(one, run_dir=tmp_path / "one" / "run")
+    r2, _ = run(two, run_dir=tmp_path / "two" / "run")
+    assert r1.summary["final_loss"] == pytest.approx(r2.summary["final_loss"], rel=1e-5)
+    a = load_file(tmp_path / "one" / "run" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "two" / "run" / "adapter" / "adapter_model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
