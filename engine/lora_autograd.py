@@ -161,73 +161,155 @@ def runtime_ok(parts: Sequence[LoRAParts], x: torch.Tensor) -> bool:
     return True
 
 
+# -- a planned group of projections and its per-step weight cache ------------------------------
+
+
+class LoRAGroup:
+    """Projections sharing one input, resolved once (at patch time) into plain attributes.
+
+    Besides saving the per-call attribute chains of `LoRAParts`, the group caches what the
+    Functions derive from the adapter weights: the A matrices stacked and cast to the compute
+    dtype, and each B cast and pre-multiplied by its scale. Adapters change only at optimizer
+    steps, while the Functions read them in every forward, recompute and backward, so building
+    these once per step removes most of the small cast/cat kernels (and their launch cost) from
+    the step. The cache is keyed by each weight's identity, `_version` (bumped by any in-place
+    update: optimizer steps, `copy_` from a loaded state dict) and data pointer (`.data =`
+    swaps), so it is never served stale; entries are rebuilt, never updated in place, so a
+    Function's saved copy stays consistent with its forward.
+    """
+
+    __slots__ = ("parts", "bases", "scales", "ranks", "_lora", "_key", "_value")
+
+    def __init__(self, parts: Sequence[LoRAParts]):
+        self.parts = tuple(parts)
+        self.bases = tuple(p.base for p in self.parts)
+        self.scales = tuple(p.scale for p in self.parts)
+        # (lora_A module, lora_B module) per projection, None where it has no LoRA; `.weight`
+        # is read per call, so a replaced Parameter is picked up.
+        self._lora = tuple(
+            None if p.adapter is None else (p.layer.lora_A[p.adapter], p.layer.lora_B[p.adapter])
+            for p in self.parts
+        )
+        self.ranks = tuple(0 if m is None else m[0].weight.shape[0] for m in self._lora)
+        self._key = None
+        self._value = None
+
+    def ab(self) -> list[Optional[torch.Tensor]]:
+        """[A_1, B_1, A_2, B_2, ...] (the trainable inputs of the Functions), None without LoRA."""
+        out: list[Optional[torch.Tensor]] = []
+        for m in self._lora:
+            if m is None:
+                out += [None, None]
+            else:
+                out += [m[0].weight, m[1].weight]
+        return out
+
+    def runtime_ok(self, x: torch.Tensor) -> bool:
+        return runtime_ok(self.parts, x)
+
+    def weights(self, ab: Sequence[Optional[torch.Tensor]], dtype: torch.dtype):
+        """(A_all [R, in], (s_1 B_1, s_2 B_2, ...)) in `dtype`, built once per weight update.
+
+        A_all is None when no projection has LoRA; B entries are None where one has none.
+        """
+        key = [dtype]
+        for t in ab:
+            if t is not None:
+                key += (id(t), t._version, t.data_ptr())
+        key = tuple(key)
+        if key != self._key:
+            self._value = _build_weights(ab, self.scales, dtype)
+            # Holding the tensors (in _value's sources) keeps their ids from being reused.
+            self._key = key
+        return self._value
+
+
+def _build_weights(ab, scales, dtype):
+    with torch.no_grad():
+        As = [ab[i].to(dtype) for i in range(0, len(ab), 2) if ab[i] is not None]
+        a_all = None if not As else (As[0] if len(As) == 1 else torch.cat(As, 0))
+        if a_all is not None and a_all is ab[0]:
+            # The parameter itself (same dtype, single A): detach so no cached object aliases
+            # the autograd leaf.
+            a_all = a_all.detach()
+        bs = []
+        for i in range(len(scales)):
+            B = ab[2 * i + 1]
+            if B is None:
+                bs.append(None)
+                continue
+            s = scales[i]
+            # Folding the scale into B here removes a multiply from every backward (dy B) and
+            # keeps the forward's addmm at alpha=1; numerics differ by one rounding of s*B.
+            if B.dtype == dtype:
+                bs.append(B.detach() * s if s != 1 else B.detach())
+            elif s == 1:
+                bs.append(B.to(dtype))
+            else:
+                bs.append(torch.mul(B, s).to(dtype))
+    return a_all, tuple(bs), tuple(t for t in ab if t is not None)
+
+
+def as_group(parts) -> LoRAGroup:
+    return parts if isinstance(parts, LoRAGroup) else LoRAGroup(parts)
+
+
 # -- the math shared by the Functions (plain tensors, no autograd) ----------------------------
 
 
-def _ab_flat(parts: Sequence[LoRAParts]) -> list[Optional[torch.Tensor]]:
-    out: list[Optional[torch.Tensor]] = []
-    for p in parts:
-        out += [p.A, p.B]
-    return out
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype) -> torch.Tensor:
+    """s * (a @ b) in `dtype`: the scale rides on the GEMM's alpha (beta=0 ignores the
+    uninitialized buffer), so the only extra kernel is the cast when `dtype` differs."""
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    out.addmm_(a, b, beta=0, alpha=s)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
-def _stacked_A(ab: Sequence[Optional[torch.Tensor]], dtype) -> Optional[torch.Tensor]:
-    As = [ab[i].to(dtype) for i in range(0, len(ab), 2) if ab[i] is not None]
-    if not As:
-        return None
-    return As[0] if len(As) == 1 else torch.cat(As, 0)
-
-
-def _group_forward(x, bases, scales, ab):
+def _group_forward(x, group: LoRAGroup, w):
     """Outputs of projections sharing input x [N, in], and xa = x @ [A_1; A_2; ...]^T [N, R]."""
-    a_all = _stacked_A(ab, x.dtype)
-    xa = None if a_all is None else x @ a_all.t()
+    a_all, bs, _ = w
+    xa = None if a_all is None else torch.mm(x, a_all.t())
     ys, col = [], 0
-    for i, base in enumerate(bases):
+    for base, B, r in zip(group.bases, bs, group.ranks):
         y = base_linear(x, base)
-        A, B = ab[2 * i], ab[2 * i + 1]
-        if A is not None:
-            r = A.shape[0]
-            y.addmm_(xa[:, col : col + r], B.to(x.dtype).t(), alpha=scales[i])
+        if B is not None:
+            y.addmm_(xa[:, col : col + r], B.t())
             col += r
         ys.append(y)
     return ys, xa
 
 
-def _group_backward(dys, x, xa, bases, scales, ab, need_dx: bool, need_ab: Sequence[bool]):
+def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab: Sequence[bool]):
     """Gradients for a projection group: (dx or None, [dA_1, dB_1, ...] with None where unneeded)."""
     dtype = x.dtype
+    a_all, bs, _ = w
     dx = None
-    g_parts = []  # s_i * dy_i B_i, stacked to [N, R] to pair with the stacked A
+    g_parts = []  # dy_i (s_i B_i), stacked to [N, R] to pair with the stacked A
     dab: list[Optional[torch.Tensor]] = [None] * len(ab)
     col = 0
-    for i, base in enumerate(bases):
+    for i, (base, B, r) in enumerate(zip(group.bases, bs, group.ranks)):
         dy = dys[i]
         if need_dx:
-            w = base_weight(base, dtype)
-            dx = dy @ w if dx is None else dx.addmm_(dy, w)
-        A, B = ab[2 * i], ab[2 * i + 1]
-        if A is None:
+            wt = base_weight(base, dtype)
+            dx = torch.mm(dy, wt) if dx is None else dx.addmm_(dy, wt)
+        if B is None:
             continue
-        r = A.shape[0]
         if need_ab[2 * i + 1]:
-            dab[2 * i + 1] = (dy.t() @ xa[:, col : col + r]).mul_(scales[i]).to(B.dtype)
-        g_parts.append((dy @ B.to(dtype)).mul_(scales[i]))
+            dab[2 * i + 1] = _scaled_mm(dy.t(), xa[:, col : col + r], group.scales[i], ab[2 * i + 1].dtype)
+        g_parts.append(torch.mm(dy, B))
         col += r
     if g_parts:
         g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts, 1)
         if need_dx:
-            dx.addmm_(g, _stacked_A(ab, dtype))
+            dx.addmm_(g, a_all)
         if any(need_ab[0::2]):
-            da_all = g.t() @ x  # [R, in]: every dA of the group in one matmul
+            da_all = torch.mm(g.t(), x)  # [R, in]: every dA of the group in one matmul
             row = 0
-            for i in range(len(bases)):
-                A = ab[2 * i]
-                if A is None:
+            for i, r in enumerate(group.ranks):
+                if not r:
                     continue
-                r = A.shape[0]
                 if need_ab[2 * i]:
-                    dab[2 * i] = da_all[row : row + r].to(A.dtype)
+                    dab[2 * i] = da_all[row : row + r].to(ab[2 * i].dtype)
                 row += r
     return dx, dab
 
@@ -236,52 +318,73 @@ def _group_backward(dys, x, xa, bases, scales, ab, need_dx: bool, need_ab: Seque
 
 
 class LoRALinears(torch.autograd.Function):
-    """Projections sharing one 2-D input: forward(x, bases, scales, A_1, B_1, ...) -> (y_1, ...)."""
+    """Projections sharing one 2-D input: forward(x, group, A_1, B_1, ...) -> (y_1, ...)."""
 
     @staticmethod
-    def forward(ctx, x, bases, scales, *ab):
-        ys, xa = _group_forward(x, bases, scales, ab)
-        ctx.bases, ctx.scales = bases, scales
-        ctx.save_for_backward(x, xa, *ab)
+    def forward(ctx, x, group, *ab):
+        w = group.weights(ab, x.dtype)
+        ys, xa = _group_forward(x, group, w)
+        # The cached low-precision weights are kept on ctx (they are not autograd inputs and
+        # are never modified in place); only the activations go through save_for_backward,
+        # which is what checkpointing recomputes.
+        ctx.group, ctx.w = group, w
+        ctx.ab_dtypes = [None if t is None else t.dtype for t in ab]
+        ctx.save_for_backward(x, xa)
         return tuple(ys)
 
     @staticmethod
     def backward(ctx, *dys):
-        x, xa, *ab = ctx.saved_tensors
+        x, xa = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dx, dab = _group_backward(dys, x, xa, ctx.bases, ctx.scales, ab, need[0], need[3:])
-        return (dx, None, None, *dab)
+        dx, dab = _group_backward(dys, x, xa, ctx.group, ctx.w, _DtypeOnly.wrap(ctx.ab_dtypes), need[0], need[2:])
+        return (dx, None, *dab)
 
 
 class LoRAMLP(torch.autograd.Function):
-    """down(act(gate(x), up(x))) with LoRA on each: forward(x, bases[3], scales[3], act, A/B x3)."""
+    """down(act(gate(x), up(x))) with LoRA on each: forward(x, gate_up, down, act, A/B x3)."""
 
     @staticmethod
-    def forward(ctx, x, bases, scales, act, *ab):
-        (gate, up), xa = _group_forward(x, bases[:2], scales[:2], ab[:4])
+    def forward(ctx, x, gate_up, down, act, *ab):
+        w_in = gate_up.weights(ab[:4], x.dtype)
+        w_out = down.weights(ab[4:], x.dtype)
+        (gate, up), xa = _group_forward(x, gate_up, w_in)
         h = act.forward_raw(gate, up)
-        (y,), ha = _group_forward(h, bases[2:], scales[2:], ab[4:])
-        ctx.bases, ctx.scales, ctx.act = bases, scales, act
+        (y,), ha = _group_forward(h, down, w_out)
+        ctx.groups, ctx.w, ctx.act = (gate_up, down), (w_in, w_out), act
+        ctx.ab_dtypes = [None if t is None else t.dtype for t in ab]
         # h ([N, inter]) is not saved: one elementwise pass rebuilds it in backward.
-        ctx.save_for_backward(x, xa, gate, up, ha, *ab)
+        ctx.save_for_backward(x, xa, gate, up, ha)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, xa, gate, up, ha, *ab = ctx.saved_tensors
+        x, xa, gate, up, ha = ctx.saved_tensors
         need = ctx.needs_input_grad
-        bases, scales = ctx.bases, ctx.scales
+        gate_up, down = ctx.groups
+        w_in, w_out = ctx.w
         need_ab = need[4:]
+        ab = _DtypeOnly.wrap(ctx.ab_dtypes)
         h, act_grad = ctx.act.backward_raw(gate, up)
-        dh, dab_down = _group_backward((dy,), h, ha, bases[2:], scales[2:], ab[4:], True, need_ab[4:])
+        dh, dab_down = _group_backward((dy,), h, ha, down, w_out, ab[4:], True, need_ab[4:])
         del h
         # May overwrite gate/up with their gradients (they are ours and used by nothing else).
         dgate, dup = act_grad(dh)
         del dh
-        dx, dab_in = _group_backward(
-            (dgate, dup), x, xa, bases[:2], scales[:2], ab[:4], need[0], need_ab[:4]
-        )
+        dx, dab_in = _group_backward((dgate, dup), x, xa, gate_up, w_in, ab[:4], need[0], need_ab[:4])
         return (dx, None, None, None, *dab_in, *dab_down)
+
+
+class _DtypeOnly:
+    """Stands in for an adapter weight in backward, where only its dtype is read."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    @staticmethod
+    def wrap(dtypes):
+        return [None if d is None else _DtypeOnly(d) for d in dtypes]
 
 
 # -- gated activations ---------------------------------------------------------------------------
@@ -355,28 +458,34 @@ class GatedAct:
 # -- entry points --------------------------------------------------------------------------------
 
 
-def lora_linears(x: torch.Tensor, parts: Sequence[LoRAParts]) -> tuple[torch.Tensor, ...]:
-    """The projections in `parts` applied to x [..., in] (q/k/v together, or o alone)."""
+def lora_linears(x: torch.Tensor, parts) -> tuple[torch.Tensor, ...]:
+    """The projections in `parts` applied to x [..., in] (q/k/v together, or o alone).
+
+    `parts` is a sequence of `LoRAParts` or, on hot paths, a `LoRAGroup` planned once (which
+    also caches the adapter weights in the compute dtype across calls).
+    """
+    group = as_group(parts)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    ys = LoRALinears.apply(
-        x2, tuple(p.base for p in parts), tuple(p.scale for p in parts), *_ab_flat(parts)
-    )
+    ys = LoRALinears.apply(x2, group, *group.ab())
     # Reshape outside the Function: a view returned from inside it could not be modified in
     # place later (the RoPE kernel rotates q/k in place).
     return tuple(y.view(*lead, y.shape[-1]) for y in ys)
 
 
-def lora_mlp(
-    x: torch.Tensor, gate: LoRAParts, up: LoRAParts, down: LoRAParts, act: "GatedAct"
-) -> torch.Tensor:
-    """down(act(gate(x), up(x))) for x [..., hidden]."""
+def lora_mlp(x: torch.Tensor, gate, up=None, down=None, act: "GatedAct" = None) -> torch.Tensor:
+    """down(act(gate(x), up(x))) for x [..., hidden].
+
+    Either lora_mlp(x, gate_parts, up_parts, down_parts, act) or, planned once,
+    lora_mlp(x, gate_up_group, down_group, act=act) with `LoRAGroup`s.
+    """
+    if isinstance(gate, LoRAGroup):
+        gate_up, down_g = gate, up
+    else:
+        gate_up, down_g = LoRAGroup((gate, up)), LoRAGroup((down,))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    parts = (gate, up, down)
-    y = LoRAMLP.apply(
-        x2, tuple(p.base for p in parts), tuple(p.scale for p in parts), act, *_ab_flat(parts)
-    )
+    y = LoRAMLP.apply(x2, gate_up, down_g, act, *gate_up.ab(), *down_g.ab())
     return y.view(*lead, y.shape[-1])
 
 

@@ -79,8 +79,33 @@ def count_ops(layers, dtype, tokens=64):
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         one_step(model, b, opt)
-    names = Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+    names = Counter()
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        names["all aten"] += 1
+        anc = e.cpu_parent
+        while anc is not None and not anc.name.startswith("LoRA"):
+            anc = anc.cpu_parent
+        if anc is not None:
+            names["inside the LoRA Functions (fwd, recompute, bwd)"] += 1
+        parent = e.cpu_parent
+        if parent is None or not parent.name.startswith("aten::"):
+            names["top-level aten (dispatches from Python/autograd)"] += 1
+        if not e.cpu_children and e.name not in _NO_KERNEL:
+            names["leaf compute (~device kernels)"] += 1
+            names[e.name] += 1
     return names, report
+
+
+# Metadata-only ops: no device kernel is launched for these.
+_NO_KERNEL = {
+    "aten::" + n for n in (
+        "as_strided view _unsafe_view reshape transpose t slice select expand unsqueeze squeeze "
+        "detach alias resolve_conj resolve_neg empty empty_strided empty_like split narrow "
+        "permute contiguous lift_fresh _reshape_alias unbind chunk split_with_sizes"
+    ).split()
+}
 
 
 def cmd_ops(args):
@@ -90,8 +115,10 @@ def cmd_ops(args):
     per_layer = b.copy()
     per_layer.subtract(a)
     print("fast paths:", report)
-    print(f"aten ops per decoder layer (fwd + recompute + bwd + optimizer), dtype={args.dtype}: "
-          f"{sum(per_layer.values())}")
+    print(f"per decoder layer (fwd + recompute + bwd + optimizer), dtype={args.dtype}:")
+    for key in ("inside the LoRA Functions (fwd, recompute, bwd)", "all aten", "top-level aten (dispatches from Python/autograd)", "leaf compute (~device kernels)"):
+        print(f"  {per_layer.pop(key):5d} {key}")
+    print("leaf compute ops by name:")
     for name, n in per_layer.most_common(args.top):
         print(f"  {n:5d} {name}")
 

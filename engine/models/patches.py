@@ -43,12 +43,11 @@ from torch import nn
 
 from engine.lora_autograd import (
     GatedAct,
-    LoRAParts,
+    LoRAGroup,
     lora_linears,
     lora_mlp,
     lora_parts,
     lora_unsupported_reason,
-    runtime_ok,
 )
 
 FAST_PATHS = ("rmsnorm", "rope", "activations", "lora_qkv", "lora_o", "lora_mlp")
@@ -173,14 +172,15 @@ def _rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 class _MLPPlan:
     stock: Callable
     act: GatedAct
-    parts: Optional[tuple[LoRAParts, LoRAParts, LoRAParts]]  # None: LoRA not fused
+    groups: Optional[tuple[LoRAGroup, LoRAGroup]]  # (gate/up, down); None: LoRA not fused
     act_kernel: bool  # stock projections around the activation kernel
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     plan: _MLPPlan = self._tunesmith_plan
-    if plan.parts is not None and runtime_ok(plan.parts, x):
-        return lora_mlp(x, *plan.parts, plan.act)
+    groups = plan.groups
+    if groups is not None and groups[0].runtime_ok(x) and groups[1].runtime_ok(x):
+        return lora_mlp(x, groups[0], groups[1], act=plan.act)
     if plan.act_kernel and not torch.is_autocast_enabled(x.device.type):
         return self.down_proj(plan.act(self.gate_proj(x), self.up_proj(x)))
     return plan.stock(x)
@@ -193,8 +193,8 @@ class _AttnPlan:
     eager: Callable  # the module's own eager attention (Gemma2's applies softcapping)
     attn_kwargs: Callable[[nn.Module], dict]
     qk_norm: bool
-    qkv: Optional[tuple[LoRAParts, LoRAParts, LoRAParts]]
-    o: Optional[LoRAParts]
+    qkv: Optional[LoRAGroup]  # q/k/v planned once (with its per-step adapter weight cache)
+    o: Optional[LoRAGroup]
     rope: Optional[Callable]  # kernel apply_rope; None: the torch rotation
     rope_always_inplace: bool  # the forced-Triton path rotates in place even on CPU
 
@@ -241,7 +241,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    if plan.qkv is not None and runtime_ok(plan.qkv, hidden_states):
+    if plan.qkv is not None and plan.qkv.runtime_ok(hidden_states):
         q, k, v = lora_linears(hidden_states, plan.qkv)
     else:
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
@@ -274,8 +274,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         **kwargs,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    if plan.o is not None and runtime_ok((plan.o,), attn_output):
-        (attn_output,) = lora_linears(attn_output, (plan.o,))
+    if plan.o is not None and plan.o.runtime_ok(attn_output):
+        (attn_output,) = lora_linears(attn_output, plan.o)
     else:
         attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
@@ -422,12 +422,15 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
             tally.add("lora_mlp", lora_reason)
             tally.add("activations", act_reason)
             if fused or act_reason is None:
-                parts = (
-                    tuple(lora_parts(m) for m in (module.gate_proj, module.up_proj, module.down_proj))
+                groups = (
+                    (
+                        LoRAGroup([lora_parts(module.gate_proj), lora_parts(module.up_proj)]),
+                        LoRAGroup([lora_parts(module.down_proj)]),
+                    )
                     if fused
                     else None
                 )
-                _install(module, _mlp_forward, _MLPPlan(module.forward, act, parts, act_reason is None))
+                _install(module, _mlp_forward, _MLPPlan(module.forward, act, groups, act_reason is None))
 
         elif cls == attn_cls:
             qkv_reason = lora_off or _group_reason([module.q_proj, module.k_proj, module.v_proj])
@@ -448,10 +451,10 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     eager=eager,
                     attn_kwargs=arch.attn_kwargs,
                     qk_norm=arch.qk_norm,
-                    qkv=tuple(lora_parts(m) for m in (module.q_proj, module.k_proj, module.v_proj))
+                    qkv=LoRAGroup([lora_parts(m) for m in (module.q_proj, module.k_proj, module.v_proj)])
                     if qkv_reason is None
                     else None,
-                    o=lora_parts(module.o_proj) if o_reason is None else None,
+                    o=LoRAGroup([lora_parts(module.o_proj)]) if o_reason is None else None,
                     rope=k.apply_rope if rope_reason is None else None,
                     rope_always_inplace=kernel_impl == "triton",
                 )
