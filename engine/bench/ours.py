@@ -110,6 +110,7 @@ def setup_ours(variant: str):
 
         from engine.bench.workloads import build_model
         from engine.data.collate import PackedBatch
+        from engine.train.optim import make_optimizer
 
         wl = ctx.workload
         fields = variant_fields(variant)
@@ -122,7 +123,7 @@ def setup_ours(variant: str):
                             device=ctx.device, attn_implementation="sdpa")
         model, fp, report = prepare_ours(model, wl, ctx.device, fields)
         run, fused = loss_fn(model, fp, report)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        opt = make_optimizer([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
         # Collation is host work a data loader does ahead of the GPU; it is timed apart and
         # kept out of the step time, as the peers' inputs are also built before timing.

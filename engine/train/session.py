@@ -155,6 +155,7 @@ class TrainingSession:
         from engine.models.lora import attach_lora, lora_parameters
         from engine.packed import reset_counters
         from engine.train import checkpoint as ckpt
+        from engine.train.optim import make_optimizer
         from engine.train.schedule import StepPlan, lr_lambda
         from engine.train.step import forward_loss, prepare_model
 
@@ -201,9 +202,7 @@ class TrainingSession:
         n_train = sum(p.numel() for p in params)
         self.log(f"LoRA: {n_train:,} trainable parameters; fast paths: " + ", ".join(f"{k}={v}" for k, v in fast.items()))
 
-        optimizer = torch.optim.AdamW(
-            params, lr=t.lr, weight_decay=t.weight_decay, foreach=device.type == "cuda"
-        )
+        optimizer = make_optimizer(params, t.lr, t.weight_decay)
         plan = StepPlan(len(data.packing.rows), int(t.rows_per_micro_batch), t.grad_accum, t.seed)
         total = plan.total_steps(t.max_steps, t.epochs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.scheduler, t.warmup_steps, total))
