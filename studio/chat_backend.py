@@ -1,0 +1,48 @@
+"""Chat with a run's result: its base model plus the run's LoRA adapter, through
+engine.chat, comparing the fine-tuned reply with the base model's (the adapter switched off
+for the same weights, so the two differ only by the adapter).
+
+Everything here runs on a pool thread; one `ChatModel` serves one generation at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+
+class ChatModel:
+    def __init__(self, source: str):
+        """`source`: a run folder or a checkpoint folder (anything engine.export accepts)."""
+        import torch
+
+        from engine.chat import load_chat_model
+        from engine.export import find_adapter, run_config_for
+
+        self.adapter_dir = find_adapter(source)
+        cfg = run_config_for(self.adapter_dir)
+        if cfg is None:
+            raise RuntimeError(f"cannot find the run's config.yaml above {self.adapter_dir}, so the base model is unknown")
+        self.base_name = cfg.model.name_or_path
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model, self.tokenizer = load_chat_model(cfg.model, self.adapter_dir, self.device)
+        self._lock = threading.Lock()
+
+    def generate(self, prompt: str, max_new_tokens: int = 48, use_adapter: bool = True) -> str:
+        from engine.chat import generate_reply
+
+        with self._lock:
+            if use_adapter:
+                return generate_reply(self.model, self.tokenizer, prompt, max_new_tokens)
+            with self.model.disable_adapter():  # PEFT: the same weights without the adapter
+                return generate_reply(self.model, self.tokenizer, prompt, max_new_tokens)
+
+
+def load_chat_model(source: str) -> ChatModel:
+    return ChatModel(source)
+
+
+def compare(model: ChatModel, prompt: str, max_new_tokens: int, with_base: bool) -> dict[str, Optional[str]]:
+    tuned = model.generate(prompt, max_new_tokens, use_adapter=True)
+    base = model.generate(prompt, max_new_tokens, use_adapter=False) if with_base else None
+    return {"tuned": tuned, "base": base}

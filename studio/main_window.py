@@ -1,0 +1,322 @@
+"""The studio's main window: a step list on the left (Model → Data → Train → Monitor → Chat →
+Export, plus Hardware) and one page per step on the right.
+
+The window owns the shared state and the training worker, and routes engine events to the
+pages. It imports no torch: heavy work starts from `start_background()` after the window is
+on screen, on pool threads.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Callable, Optional
+
+from PySide6.QtCore import QTimer, Qt, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QHBoxLayout, QLabel, QMainWindow, QMessageBox, QStackedWidget, QWidget,
+)
+
+from engine import events as ev
+from engine.config import ConfigError
+from studio.panels.chat import ChatPanel
+from studio.panels.dataset import DataPanel
+from studio.panels.export import ExportPanel
+from studio.panels.hardware import HardwarePanel
+from studio.panels.model import ModelPanel
+from studio.panels.monitor import MonitorPanel
+from studio.panels.training import TrainingPanel
+from studio.settings import Settings
+from studio.state import StudioState
+from studio.tasks import run_task
+from studio.widgets.step_list import StepList
+from studio.worker import TrainingWorker
+
+MODEL, DATA, TRAIN, MONITOR, CHAT, EXPORT, HARDWARE = range(7)
+STEPS = [
+    ("Model", "Pick the base model"),
+    ("Data", "Load and inspect the examples"),
+    ("Train", "Hyperparameters and presets"),
+    ("Monitor", "Watch the run"),
+    ("Chat", "Talk to the result"),
+    ("Export", "Write the adapter or a merged model"),
+]
+
+
+def _detect_hardware():
+    from engine.hardware import detect
+
+    return detect()
+
+
+def _warm_engine() -> float:
+    """Import what a training run needs, on a pool thread, while the person is still choosing.
+
+    Importing torch, transformers, peft and datasets holds the GIL for stretches of hundreds of
+    milliseconds; done here, it never happens on the worker thread during a run, where it
+    would freeze the window (the event loop stays under 50 ms during a run because of this).
+    """
+    import importlib
+    import time
+
+    t0 = time.perf_counter()
+    for name in ("torch", "transformers", "peft", "datasets", "safetensors.torch",
+                 "engine.train.session", "engine.data.dataset", "engine.models.loading", "engine.models.lora",
+                 "engine.train.step", "engine.train.checkpoint", "engine.export", "engine.chat"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional piece missing shows up, readable, when it is used
+            pass
+    import transformers
+
+    # The model classes are imported lazily by transformers on first use; touch them now.
+    transformers.AutoModelForCausalLM, transformers.AutoTokenizer  # noqa: B018
+    return time.perf_counter() - t0
+
+
+class MainWindow(QMainWindow):
+    run_finished = Signal(object)  # the Finished or Failed event that ended a run
+    warmed_up = Signal(float)  # the engine's heavy imports are done (seconds they took)
+
+    def __init__(self, settings: Optional[Settings] = None, runs_dir: Optional[str] = None):
+        super().__init__()
+        self.setWindowTitle("Tunesmith Studio")
+        self.settings = settings or Settings()
+        self.state = StudioState(runs_dir or self.settings.runs_dir(), self)
+        self.worker: Optional[TrainingWorker] = None
+        self.finished_event = None
+        self.engine_warm = False
+        self._close_after_stop = False
+        # Asked before closing during a run; tests replace it to answer without a dialog.
+        self.confirm: Callable[[str, str], bool] = self._ask
+
+        self.steps = StepList()
+        for name, tip in STEPS:
+            self.steps.add_step(name, tip)
+        self.steps.add_step("Hardware", "What the engine detected", separated=True)
+
+        self.model_panel = ModelPanel(self.state, self.settings)
+        self.data_panel = DataPanel(self.state, self.settings)
+        self.training_panel = TrainingPanel(self.state, self.settings)
+        self.monitor_panel = MonitorPanel()
+        self.chat_panel = ChatPanel(self.state)
+        self.export_panel = ExportPanel(self.state)
+        self.hardware_panel = HardwarePanel(self.state)
+        self.pages = QStackedWidget()
+        for page in (self.model_panel, self.data_panel, self.training_panel, self.monitor_panel,
+                     self.chat_panel, self.export_panel, self.hardware_panel):
+            page.setObjectName("page")
+            self.pages.addWidget(page)
+        self.steps.step_selected.connect(self._show_step)
+
+        central = QWidget()
+        lay = QHBoxLayout(central)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(0)
+        lay.addWidget(self.steps)
+        lay.addWidget(self.pages, 1)
+        self.setCentralWidget(central)
+        self.device_label = QLabel("Detecting hardware…")
+        self.statusBar().addPermanentWidget(self.device_label)
+        self._build_menu()
+        self._wire()
+        # Ready to Train on the demo: its preset's hyperparameters suit the bundled tiny model.
+        self.training_panel.apply_preset("demo", quiet=True)
+        self.steps.select_step(MODEL)
+        self.resize(1200, 800)
+        geometry = self.settings.geometry()
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+        win_state = self.settings.window_state()
+        if win_state is not None:
+            self.restoreState(win_state)
+
+    # -- construction -----------------------------------------------------------------------
+    def _build_menu(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        for text, slot, key in (
+            ("Open config…", self.training_panel._load_dialog, QKeySequence.StandardKey.Open),
+            ("Save config…", self.training_panel._save_dialog, QKeySequence.StandardKey.Save),
+            ("Quit", self.close, QKeySequence.StandardKey.Quit),
+        ):
+            action = QAction(text, self)
+            action.setShortcut(key)
+            action.triggered.connect(slot)
+            file_menu.addAction(action)
+        run_menu = self.menuBar().addMenu("&Run")
+        for text, slot in (("Train", self.start_training), ("Pause", self.pause), ("Resume", self.resume), ("Stop", self.stop)):
+            action = QAction(text, self)
+            action.triggered.connect(slot)
+            run_menu.addAction(action)
+        help_menu = self.menuBar().addMenu("&Help")
+        about = QAction("About Tunesmith", self)
+        about.triggered.connect(lambda: QMessageBox.about(
+            self, "Tunesmith", "Tunesmith Studio: point-and-click LoRA / QLoRA fine-tuning on your own GPU."))
+        help_menu.addAction(about)
+
+    def _wire(self) -> None:
+        self.model_panel.report_ready.connect(lambda rep: self.steps.set_state(MODEL, "done" if rep else "failed"))
+        self.model_panel.model_chosen.connect(lambda _n: self.data_panel.model_changed())
+        self.data_panel.preview_ready.connect(lambda _p: self.steps.set_state(DATA, "done"))
+        self.data_panel.failed.connect(lambda _m: self.steps.set_state(DATA, "failed"))
+        self.training_panel.train_requested.connect(self.start_training)
+        self.monitor_panel.pause_requested.connect(self.pause)
+        self.monitor_panel.resume_requested.connect(self.resume)
+        self.monitor_panel.stop_requested.connect(self.stop)
+        self.export_panel.exported.connect(lambda _w: self.steps.set_state(EXPORT, "done"))
+        self.chat_panel.replied.connect(lambda _r: self.steps.set_state(CHAT, "done"))
+        self.hardware_panel.redetect_requested.connect(self.detect_hardware)
+
+    def _show_step(self, step: int) -> None:
+        self.pages.setCurrentIndex(step)
+        if step == EXPORT:
+            self.export_panel.refresh()
+        elif step == CHAT:
+            self.chat_panel.refresh()
+        elif step == HARDWARE:
+            self.hardware_panel.refresh()
+
+    def go_to(self, step: int) -> None:
+        self.steps.select_step(step)
+
+    # -- background start-up ----------------------------------------------------------------
+    def start_background(self) -> None:
+        """Called once the window is painted: hardware, model report and data preview."""
+        self.detect_hardware()
+        self.model_panel.refresh()
+        self.data_panel.reload()
+        run_task(_warm_engine, owner=self, on_done=self._warm_done, on_error=lambda m, _d: self._warm_done(0.0))
+
+    def _warm_done(self, seconds: float) -> None:
+        # torch + transformers + datasets leave ~600k objects on the heap; a full garbage
+        # collection walking them takes ~400 ms with the GIL held, and one could start on the
+        # worker thread in the middle of a run and freeze the window. Frozen objects are never
+        # walked again (they are the libraries, alive for the whole session anyway).
+        gc.freeze()
+        # Paint the (hidden) Monitor page once now, so its first paint (fonts, axis pictures)
+        # is not paid when Train switches to it mid-click.
+        self.monitor_panel.resize(self.pages.size())
+        self.monitor_panel.grab()
+        self.engine_warm = True
+        self.warmed_up.emit(seconds)
+
+    def detect_hardware(self) -> None:
+        run_task(_detect_hardware, owner=self, on_done=self._hardware_ready,
+                 on_error=lambda m, _d: self.device_label.setText(f"Hardware detection failed: {m}"))
+
+    def _hardware_ready(self, profile) -> None:
+        self.state.set_profile(profile)
+        if profile.gpu_name:
+            self.device_label.setText(f"{profile.gpu_name} · {profile.total_vram / 1024**3:.1f} GiB · {profile.kind}")
+        else:
+            self.device_label.setText(f"CPU only · {profile.cpu_count} cores")
+            self.device_label.setToolTip(profile.kind_reason)
+
+    # -- training ---------------------------------------------------------------------------
+    def is_training(self) -> bool:
+        return self.worker is not None and self.worker.is_running()
+
+    def start_training(self) -> bool:
+        if self.is_training():
+            self.go_to(MONITOR)
+            return False
+        try:
+            config = self.state.config()
+        except ConfigError as exc:
+            self.training_panel.validate()
+            self.go_to(TRAIN)
+            self.training_panel.banner.show_message(f"Fix the config before training: {exc}", "error")
+            return False
+        self.finished_event = None
+        self.monitor_panel.begin()
+        for step, st in ((TRAIN, "done"), (MONITOR, "active")):
+            self.steps.set_state(step, st)
+        self.training_panel.train.setEnabled(False)
+        self.worker = TrainingWorker(config)
+        # Queued explicitly: the slot must run on the GUI thread, never on the worker thread.
+        self.worker.event.connect(self._on_event, Qt.ConnectionType.QueuedConnection)
+        self.worker.finished.connect(self._worker_done)
+        self.go_to(MONITOR)
+        self.statusBar().showMessage("Training…")
+        self.worker.start()
+        return True
+
+    def pause(self) -> None:
+        if self.is_training():
+            self.worker.pause()
+
+    def resume(self) -> None:
+        if self.is_training():
+            self.worker.resume()
+
+    def stop(self) -> None:
+        if self.is_training():
+            self.monitor_panel.stopping()
+            self.worker.stop()
+
+    def _on_event(self, event) -> None:
+        m = self.monitor_panel
+        if isinstance(event, ev.StepMetrics):
+            m.step(event)
+        elif isinstance(event, ev.LogLine):
+            m.append_log(event.message, event.level)
+        elif isinstance(event, ev.RunStarted):
+            self.state.last_run_dir = event.run_dir
+            m.run_started(event)
+            self.state.run_dir_changed.emit(event.run_dir)
+        elif isinstance(event, ev.CheckpointSaved):
+            m.append_log(f"Checkpoint saved at step {event.step}: {event.path}")
+        elif isinstance(event, ev.Paused):
+            m.paused(event.step)
+            self.statusBar().showMessage(f"Paused at step {event.step}")
+        elif isinstance(event, ev.Resumed):
+            m.resumed(event.step)
+            self.statusBar().showMessage("Training…")
+        elif isinstance(event, ev.Finished):
+            self.finished_event = event
+            self.state.last_run_dir = event.run_dir
+            m.finished(event)
+            self.steps.set_state(MONITOR, "done")
+            self.statusBar().showMessage(("Stopped" if event.stopped else "Finished") + f": {event.run_dir}", 10000)
+            self.export_panel.refresh(select=event.run_dir if not event.stopped else None)
+            self.chat_panel.refresh()
+        elif isinstance(event, ev.Failed):
+            self.finished_event = event
+            m.failed(event)
+            if event.detail:
+                m.append_log(event.detail.rstrip(), "error")
+            self.steps.set_state(MONITOR, "failed")
+            self.statusBar().showMessage(f"The run failed: {event.message}", 10000)
+
+    def _worker_done(self) -> None:
+        # Queued after every event the worker emitted, so the outcome is already shown.
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            worker.wait()  # run() has returned; this only joins the thread
+        self.training_panel.validate()
+        self.run_finished.emit(self.finished_event)
+        if self._close_after_stop:
+            self._close_after_stop = False
+            QTimer.singleShot(0, self.close)
+
+    # -- closing ----------------------------------------------------------------------------
+    def _ask(self, title: str, text: str) -> bool:
+        answer = QMessageBox.question(self, title, text, QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+                                      QMessageBox.StandardButton.No)
+        return answer == QMessageBox.StandardButton.Yes
+
+    def closeEvent(self, event) -> None:
+        if self.is_training():
+            if not self.confirm("Stop training?", "A run is in progress. Stop it (a checkpoint is saved) and close?"):
+                event.ignore()
+                return
+            # Stop asynchronously so the window stays responsive while the checkpoint is
+            # written; the window closes itself when the worker thread has finished.
+            self._close_after_stop = True
+            self.stop()
+            self.statusBar().showMessage("Stopping the run and saving a checkpoint before closing…")
+            event.ignore()
+            return
+        self.settings.save_window(self.saveGeometry(), self.saveState())
+        self.settings.sync()
+        super().closeEvent(event)

@@ -1,0 +1,138 @@
+"""What the Model page shows about a model before any weights load: shapes and parameter
+count from its config.json, memory estimates for 16-bit LoRA and 4-bit QLoRA against the
+detected GPU, and the fast paths the engine reports for its architecture.
+
+Runs on a pool thread (a Hub id may mean a download of config.json). Only engine APIs are
+used for the numbers; this module just gathers them into one plain dict for the page.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+POPULAR_MODELS = [
+    ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen2.5 0.5B Instruct — tiny, fast to try"),
+    ("Qwen/Qwen3-0.6B", "Qwen3 0.6B"),
+    ("HuggingFaceTB/SmolLM2-1.7B-Instruct", "SmolLM2 1.7B Instruct"),
+    ("meta-llama/Llama-3.2-1B-Instruct", "Llama 3.2 1B Instruct (gated: accept the licence on the Hub)"),
+    ("google/gemma-3-1b-it", "Gemma 3 1B IT (gated)"),
+    ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen2.5 1.5B Instruct"),
+    ("meta-llama/Llama-3.2-3B-Instruct", "Llama 3.2 3B Instruct (gated)"),
+    ("Qwen/Qwen3-4B", "Qwen3 4B"),
+    ("mistralai/Mistral-7B-Instruct-v0.3", "Mistral 7B Instruct v0.3"),
+    ("meta-llama/Llama-3.1-8B-Instruct", "Llama 3.1 8B Instruct (gated)"),
+]
+
+OFFLINE_HINT = "Local model folders and the bundled demo still work."
+
+
+class ModelReportError(RuntimeError):
+    pass
+
+
+def read_model_config(name_or_path: str) -> tuple[dict[str, Any], str]:
+    """(config.json as a dict, where it came from). Never loads weights or remote code."""
+    from engine.models.loading import ModelLoadError, resolve_model_source
+
+    try:
+        source, local = resolve_model_source(name_or_path)
+    except ModelLoadError as exc:
+        raise ModelReportError(str(exc)) from None
+    if local:
+        cfg = Path(source) / "config.json"
+        if not cfg.is_file():
+            raise ModelReportError(f"{source} has no config.json: it is not a Hugging Face model folder")
+        try:
+            return json.loads(cfg.read_text(encoding="utf-8")), str(cfg)
+        except (OSError, ValueError) as exc:
+            raise ModelReportError(f"cannot read {cfg}: {exc}") from None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(source, "config.json")
+    except Exception as exc:  # offline, unknown repo, gated repo: all mean "cannot see it"
+        text = str(exc)
+        name = type(exc).__name__
+        if "Offline" in name or "LocalEntryNotFound" in name or "offline" in text.lower() or "connect" in text.lower():
+            raise ModelReportError(
+                f"Offline: cannot reach the Hugging Face Hub to read '{source}', and it is not in the "
+                f"local cache. {OFFLINE_HINT}"
+            ) from None
+        if "GatedRepo" in name or "401" in text or "403" in text:
+            raise ModelReportError(f"'{source}' is gated: accept its licence on the Hub and log in (huggingface-cli login).") from None
+        if "RepositoryNotFound" in name or "404" in text:
+            raise ModelReportError(f"There is no model '{source}' on the Hugging Face Hub.") from None
+        raise ModelReportError(f"Cannot read '{source}' from the Hub: {text.splitlines()[0] if text else name}") from None
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")), path
+    except (OSError, ValueError) as exc:
+        raise ModelReportError(f"cannot read {path}: {exc}") from None
+
+
+def device_memory(profile) -> tuple[int, str]:
+    """(bytes a run can plan around, what that memory is) from an engine.hardware profile."""
+    if profile is None:
+        return 0, "unknown device"
+    d = profile_dict(profile)
+    if d.get("kind") != "cpu" and d.get("total_vram"):
+        return int(d["total_vram"]), str(d.get("gpu_name") or "GPU")
+    # No CUDA GPU: the run happens in host memory, so that is what it must fit in.
+    return int(d.get("ram_available") or 0), "CPU RAM (no CUDA GPU)"
+
+
+def profile_dict(profile) -> dict[str, Any]:
+    if profile is None:
+        return {}
+    if hasattr(profile, "to_dict"):
+        return profile.to_dict()
+    import dataclasses
+
+    if dataclasses.is_dataclass(profile):
+        return dataclasses.asdict(profile)
+    return dict(vars(profile))
+
+
+FAST_PATH_LABELS = {
+    "rmsnorm": "RMSNorm kernel", "rope": "RoPE kernel", "activations": "gated-MLP activation kernel",
+    "lora_qkv": "fused LoRA QKV", "lora_o": "fused LoRA O", "lora_mlp": "fused LoRA MLP",
+    "packed_attention": "packed varlen attention", "fused_ce": "fused cross-entropy",
+}
+
+
+def fast_paths_for(model_type: str) -> Optional[dict[str, str]]:
+    """{fast path: "on" | why not} for an architecture, as the engine reports it; None when
+    the engine cannot say. Imports torch: call it on a pool thread."""
+    try:
+        from engine.models.patches import describe_fast_paths
+    except Exception:
+        return None
+    return {FAST_PATH_LABELS.get(k, k): v for k, v in describe_fast_paths(model_type).items()}
+
+
+def model_report(name_or_path: str, seq_len: int, lora_r: int, profile) -> dict[str, Any]:
+    from engine.models import estimate
+
+    config, origin = read_model_config(name_or_path)
+    try:
+        info = estimate.model_info(config)
+    except Exception as exc:
+        raise ModelReportError(f"cannot read the model's shapes from {origin}: {exc}") from None
+    total, device = device_memory(profile)
+    rows = []
+    for mode, label in (("lora16", "16-bit LoRA"), ("qlora4", "4-bit QLoRA")):
+        need = estimate.estimate_vram(info, seq_len, lora_r=lora_r, mode=mode)
+        verdict = estimate.fit_verdict(need, total) if total else "—"
+        rows.append({"mode": mode, "label": label, "bytes": need, "verdict": verdict})
+    return {
+        "name": name_or_path,
+        "origin": origin,
+        "info": info,
+        "vram": rows,
+        "device_total": total,
+        "device": device,
+        "fast_paths": fast_paths_for(info.model_type),
+        "lora_params": info.lora_params(lora_r),
+        "seq_len": seq_len,
+    }

@@ -1,0 +1,139 @@
+"""Chat page: talk to the result. Load a run's adapter onto its base model and compare the
+fine-tuned reply with the base model's for the same prompt (greedy decoding, so the two
+differ only by the adapter)."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QCheckBox, QComboBox, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSpinBox,
+    QVBoxLayout, QWidget,
+)
+
+from studio import chat_backend
+from studio.panels.common import Banner, caption, card, title
+from studio.runs import list_runs
+from studio.tasks import run_task
+
+
+class ChatPanel(QWidget):
+    replied = Signal(dict)
+
+    def __init__(self, state, parent=None):
+        super().__init__(parent)
+        self.state = state
+        self.model = None
+        self._loaded_source = None
+        self.banner = Banner()
+        self.source = QComboBox()
+        self.source.setObjectName("chatSource")
+        self.source.setMinimumWidth(360)
+        refresh = QPushButton("Refresh")
+        refresh.clicked.connect(self.refresh)
+        self.load_button = QPushButton("Load")
+        self.load_button.clicked.connect(self.load_model)
+        self.loaded = caption("Nothing loaded.")
+        self.prompt = QPlainTextEdit()
+        self.prompt.setObjectName("chatPrompt")
+        self.prompt.setPlaceholderText("Type a prompt, e.g. What is 12 plus 7?")
+        self.prompt.setMaximumHeight(90)
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 4096)
+        self.max_tokens.setValue(48)
+        self.with_base = QCheckBox("Compare with the base model")
+        self.with_base.setChecked(True)
+        self.send = QPushButton("Generate")
+        self.send.setObjectName("primary")
+        self.send.clicked.connect(self.generate)
+        self.tuned = QPlainTextEdit()
+        self.tuned.setReadOnly(True)
+        self.tuned.setObjectName("tunedReply")
+        self.base = QPlainTextEdit()
+        self.base.setReadOnly(True)
+        self.base.setObjectName("baseReply")
+
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Adapter"))
+        row.addWidget(self.source, 1)
+        row.addWidget(refresh)
+        row.addWidget(self.load_button)
+        ask = QHBoxLayout()
+        ask.addWidget(QLabel("Max new tokens"))
+        ask.addWidget(self.max_tokens)
+        ask.addWidget(self.with_base)
+        ask.addStretch(1)
+        ask.addWidget(self.send)
+        replies = QHBoxLayout()
+        for label, box in (("<b>Fine-tuned</b>", self.tuned), ("<b>Base model</b>", self.base)):
+            c, c_lay = card()
+            c_lay.addWidget(QLabel(label))
+            c_lay.addWidget(box, 1)
+            replies.addWidget(c, 1)
+
+        lay = QVBoxLayout(self)
+        lay.addWidget(title("Chat", "Try the fine-tuned model on your own prompts, side by side with the base model."))
+        lay.addWidget(self.banner)
+        lay.addLayout(row)
+        lay.addWidget(self.loaded)
+        lay.addWidget(self.prompt)
+        lay.addLayout(ask)
+        lay.addLayout(replies, 1)
+        self._set_busy(False)
+
+    def refresh(self, select: str | None = None) -> None:
+        current = select or self.source.currentData()
+        self.source.clear()
+        for run in list_runs(self.state.get("output.dir")):
+            for label, path in run.sources():
+                self.source.addItem(f"{run.name} — {label}", str(path))
+        if current:
+            i = self.source.findData(str(current))
+            if i >= 0:
+                self.source.setCurrentIndex(i)
+        self._set_busy(False)
+
+    def _set_busy(self, busy: bool, what: str = "") -> None:
+        self.load_button.setEnabled(not busy and self.source.count() > 0)
+        self.send.setEnabled(not busy and self.source.count() > 0)
+        if what:
+            self.loaded.setText(what)
+
+    def load_model(self, then_generate: bool = False) -> None:
+        source = self.source.currentData()
+        if not source:
+            self.banner.show_message("Train a run first: there is no adapter to load.", "warning")
+            return
+        self.banner.clear()
+        self._set_busy(True, f"Loading the base model and the adapter from {source}…")
+
+        def done(model):
+            self.model, self._loaded_source = model, source
+            self._set_busy(False, f"Loaded {model.base_name} + adapter {model.adapter_dir} on {model.device}.")
+            if then_generate:
+                self.generate()
+
+        run_task(chat_backend.load_chat_model, source, owner=self, on_done=done, on_error=self._failed)
+
+    def generate(self) -> None:
+        prompt = self.prompt.toPlainText().strip()
+        if not prompt:
+            self.banner.show_message("Type a prompt first.", "warning")
+            return
+        if self.model is None or self._loaded_source != self.source.currentData():
+            self.load_model(then_generate=True)
+            return
+        self._set_busy(True, "Generating…")
+        self.tuned.setPlainText("…")
+        self.base.setPlainText("…" if self.with_base.isChecked() else "")
+        run_task(chat_backend.compare, self.model, prompt, self.max_tokens.value(), self.with_base.isChecked(),
+                 owner=self, on_done=self._replied, on_error=self._failed)
+
+    def _replied(self, result: dict) -> None:
+        self._set_busy(False, f"Loaded {self.model.base_name} + adapter {self.model.adapter_dir}.")
+        self.tuned.setPlainText(result["tuned"])
+        self.base.setPlainText(result["base"] if result["base"] is not None else "(not asked)")
+        self.replied.emit(result)
+
+    def _failed(self, message: str, detail: str) -> None:
+        self._set_busy(False, "Nothing loaded." if self.model is None else self.loaded.text())
+        self.banner.show_message(f"Chat failed: {message}", "error")

@@ -1,0 +1,413 @@
+"""Data page: load the demo set, a file (JSON, JSONL, CSV, Parquet) or a Hub data set; browse
+its raw rows; check the detected format and column mapping; see one example through the chat
+template with its trained and masked tokens; see how the examples pack into rows; and list
+the rows that cannot be used, with the reason.
+
+Loading the rows, the tokenizer, rendering and packing all run on pool threads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QAbstractItemView, QButtonGroup, QComboBox, QFileDialog, QHBoxLayout, QHeaderView, QLabel,
+    QLineEdit, QPushButton, QRadioButton, QSpinBox, QSplitter, QTableView, QTableWidget,
+    QTableWidgetItem, QTabWidget, QVBoxLayout, QWidget,
+)
+
+from studio import data_bridge
+from studio.panels.common import Banner, caption, card, title
+from studio.tasks import run_task
+from studio.widgets.column_mapping import ColumnMappingEditor
+from studio.widgets.packing_view import PackingView
+from studio.widgets.rows_model import RowsModel
+from studio.widgets.token_mask_view import TokenMaskView
+
+FILE_FILTER = "Data sets (*.jsonl *.json *.csv *.parquet);;All files (*)"
+MAX_PROBLEMS_SHOWN = 2000
+
+
+def _get(obj, *names, default=None):
+    for n in names:
+        if isinstance(obj, dict) and n in obj:
+            return obj[n]
+        if hasattr(obj, n):
+            return getattr(obj, n)
+    return default
+
+
+class DataPanel(QWidget):
+    preview_ready = Signal(object)
+    example_ready = Signal(object)
+    packing_ready = Signal(object)
+    failed = Signal(str)
+
+    def __init__(self, state, settings, parent=None):
+        super().__init__(parent)
+        self.state, self.settings = state, settings
+        self.preview = None
+        self.example = None
+        self.layout_info = None
+        self.tokenizer = None
+        self._tokenizer_for = None
+        self._gen = 0
+
+        self.banner = Banner()
+        self.demo = QRadioButton("Demo data set")
+        self.file = QRadioButton("File")
+        self.hub = QRadioButton("Hub data set")
+        group = QButtonGroup(self)
+        for b in (self.demo, self.file, self.hub):
+            group.addButton(b)
+        self.path = QLineEdit()
+        self.path.setPlaceholderText(".jsonl, .json, .csv or .parquet")
+        self.path.textEdited.connect(lambda: self.file.setChecked(True))
+        browse = QPushButton("Browse…")
+        browse.clicked.connect(self._browse)
+        self.hub_id = QLineEdit()
+        self.hub_id.setPlaceholderText("owner/name")
+        self.hub_id.textEdited.connect(lambda: self.hub.setChecked(True))
+        self.split = QLineEdit("train")
+        self.split.setFixedWidth(80)
+        self.split.setToolTip("Split of the Hub data set")
+        self.recent = QComboBox()
+        self.recent.setPlaceholderText("Recent data sets")
+        self.recent.textActivated.connect(self.load_source)
+        self.load_button = QPushButton("Load")
+        self.load_button.setObjectName("primary")
+        self.load_button.clicked.connect(self._load_clicked)
+
+        src, src_lay = card()
+        row = QHBoxLayout()
+        row.addWidget(self.demo)
+        row.addSpacing(12)
+        row.addWidget(self.file)
+        row.addWidget(self.path, 2)
+        row.addWidget(browse)
+        row.addSpacing(12)
+        row.addWidget(self.hub)
+        row.addWidget(self.hub_id, 1)
+        row.addWidget(self.split)
+        src_lay.addLayout(row)
+        row = QHBoxLayout()
+        self.summary = caption("No data loaded yet.")
+        row.addWidget(self.summary, 1)
+        row.addWidget(self.recent)
+        row.addWidget(self.load_button)
+        src_lay.addLayout(row)
+
+        # Rows table: lazy model, uniform rows so scrolling 100k rows is cheap.
+        self.rows_model = RowsModel(self)
+        self.table = QTableView()
+        self.table.setModel(self.rows_model)
+        self.table.setObjectName("rowsTable")
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setWordWrap(False)
+        self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
+        self.table.verticalHeader().setDefaultSectionSize(22)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+        self.table.horizontalHeader().setDefaultSectionSize(260)
+        self.table.horizontalHeader().setStretchLastSection(True)
+        self.table.doubleClicked.connect(lambda idx: self.show_example(idx.row()))
+
+        self.mapping = ColumnMappingEditor()
+        self.mapping.applied.connect(self._apply_mapping)
+        map_card, map_lay = card()
+        map_lay.addWidget(QLabel("<b>Format and columns</b>"))
+        map_lay.addWidget(self.mapping)
+        map_lay.addStretch(1)
+
+        # Example tab.
+        self.example_index = QSpinBox()
+        self.example_index.setRange(0, 0)
+        self.example_index.setKeyboardTracking(False)
+        self.example_index.valueChanged.connect(self.show_example)
+        self.mask_view = TokenMaskView()
+        ex = QWidget()
+        ex_lay = QVBoxLayout(ex)
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Example"))
+        row.addWidget(self.example_index)
+        row.addWidget(caption("rendered through the model's chat template (double-click a row to pick it)"), 1)
+        ex_lay.addLayout(row)
+        ex_lay.addWidget(self.mask_view, 1)
+
+        # Packing tab.
+        self.packing_view = PackingView()
+        self.packing_stats = caption("—")
+        pk = QWidget()
+        pk_lay = QVBoxLayout(pk)
+        pk_lay.addWidget(self.packing_stats)
+        pk_lay.addWidget(self.packing_view, 1)
+
+        # Problems tab.
+        self.problems = QTableWidget(0, 2)
+        self.problems.setHorizontalHeaderLabels(["Row", "Why it cannot be used"])
+        self.problems.horizontalHeader().setStretchLastSection(True)
+        self.problems.verticalHeader().hide()
+        self.problems.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.problems.cellDoubleClicked.connect(lambda r, _c: self._jump_to_problem(r))
+
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.table, "Rows")
+        self.tabs.addTab(ex, "Example")
+        self.tabs.addTab(pk, "Packing")
+        self.tabs.addTab(self.problems, "Problems")
+
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(self.tabs)
+        split.addWidget(map_card)
+        split.setStretchFactor(0, 4)
+        split.setStretchFactor(1, 1)
+        split.setSizes([900, 300])
+
+        lay = QVBoxLayout(self)
+        lay.addWidget(title("Data", "Load examples to train on and check how the model will see them."))
+        lay.addWidget(self.banner)
+        lay.addWidget(src)
+        lay.addWidget(split, 1)
+        self._sync_from_state()
+        self._fill_recent()
+
+    # -- choosing the source ----------------------------------------------------------------
+    def _browse(self) -> None:
+        start = self.path.text() or str(Path.home())
+        path, _ = QFileDialog.getOpenFileName(self, "Open a data set", start, FILE_FILTER)
+        if path:
+            self.path.setText(path)
+            self.file.setChecked(True)
+            self.load_source(path)
+
+    def _load_clicked(self) -> None:
+        if self.demo.isChecked():
+            self.load_source("demo")
+        elif self.file.isChecked():
+            if not self.path.text().strip():
+                self.banner.show_message("Type or browse to a data file first.", "warning")
+                return
+            self.load_source(self.path.text().strip())
+        else:
+            if not self.hub_id.text().strip():
+                self.banner.show_message("Type a Hub data set id first.", "warning")
+                return
+            self.state.set("data.split", self.split.text().strip() or "train")
+            self.load_source(self.hub_id.text().strip())
+
+    def _sync_from_state(self) -> None:
+        source = self.state.get("data.source")
+        if source == "demo":
+            self.demo.setChecked(True)
+        elif Path(source).suffix.lower() in (".json", ".jsonl", ".csv", ".parquet") or Path(source).expanduser().exists():
+            self.file.setChecked(True)
+            self.path.setText(source)
+        else:
+            self.hub.setChecked(True)
+            self.hub_id.setText(source)
+            self.split.setText(self.state.get("data.split"))
+
+    def _fill_recent(self) -> None:
+        self.recent.clear()
+        self.recent.addItems(self.settings.recent_datasets())
+
+    def load_source(self, source: str) -> None:
+        """Point data.source at `source` (a fresh mapping) and load its preview."""
+        if source != self.state.get("data.source"):
+            self.state.set("data.format", "auto")
+            self.state.set("data.columns", {})
+        self.state.set("data.source", source)
+        self._sync_from_state()
+        self.reload()
+
+    # -- loading ----------------------------------------------------------------------------
+    def reload(self) -> None:
+        self._gen += 1
+        gen = self._gen
+        source = self.state.get("data.source")
+        self.banner.clear()
+        self.summary.setText(f"Loading {source}…")
+        self.load_button.setEnabled(False)
+        run_task(data_bridge.load_preview, dict(self.state.get("data")),
+                 owner=self, on_done=lambda p: self._preview_done(gen, p),
+                 on_error=lambda m, d: self._failed(gen, f"Cannot load the data set: {m}", d))
+
+    def _failed(self, gen: int, message: str, detail: str = "") -> None:
+        if gen != self._gen:
+            return
+        self.load_button.setEnabled(True)
+        # Clear the views: rows of the previous data set under this error would mislead.
+        self.preview = self.example = self.layout_info = None
+        self.rows_model.set_source(None)
+        self._fill_problems([])
+        self.mask_view.set_message("No data.")
+        self.packing_view.set_layout([], 1)
+        self.packing_stats.setText("—")
+        self.banner.show_message(message, "error")
+        self.summary.setText("The data could not be used: see the message above.")
+        self.failed.emit(message)
+
+    def _preview_done(self, gen: int, preview) -> None:
+        if gen != self._gen:
+            return
+        self.load_button.setEnabled(True)
+        self.preview = preview
+        problems = list(_get(preview, "problems", default=[]) or [])
+        self.rows_model.set_source(preview, {int(i): str(r) for i, r in problems})
+        n = int(_get(preview, "num_rows", default=0))
+        spec = _get(preview, "format", "detected_format", default=None)
+        kind = _get(spec, "kind", default=spec if isinstance(spec, str) else "")
+        mapping = dict(_get(preview, "mapping", "column_mapping", default=None) or _get(spec, "mapping", default={}) or {})
+        columns = list(_get(preview, "columns", default=[]))
+        self.mapping.set_detected(columns, kind or "", mapping, self.state.get("data.format"))
+        source = self.state.get("data.source")
+        self.settings.add_recent_dataset(source)
+        self._fill_recent()
+        self.summary.setText(
+            f"<b>{n:,}</b> rows · {len(columns)} columns · format <b>{kind or '?'}</b> "
+            f"({', '.join(f'{k} ← {v}' for k, v in mapping.items())}) · "
+            f"{len(problems)} unusable row{'s' if len(problems) != 1 else ''}"
+        )
+        self._fill_problems(problems)
+        self.example_index.blockSignals(True)
+        self.example_index.setRange(0, max(0, n - 1))
+        first_ok = next((i for i in range(min(n, len(problems) + 1)) if i not in {p[0] for p in problems}), 0)
+        self.example_index.setValue(first_ok)
+        self.example_index.blockSignals(False)
+        self.preview_ready.emit(preview)
+        error = _get(preview, "error", default=None)
+        if error:
+            self.banner.show_message(str(error), "error")
+            return
+        self._analyse(gen)
+
+    def _fill_problems(self, problems) -> None:
+        shown = problems[:MAX_PROBLEMS_SHOWN]
+        self.problems.setRowCount(len(shown))
+        for r, (idx, reason) in enumerate(shown):
+            self.problems.setItem(r, 0, QTableWidgetItem(str(idx)))
+            self.problems.setItem(r, 1, QTableWidgetItem(str(reason)))
+        label = f"Problems ({len(problems)})" if problems else "Problems"
+        self.tabs.setTabText(3, label)
+
+    def _jump_to_problem(self, r: int) -> None:
+        idx = int(self.problems.item(r, 0).text())
+        while self.rows_model.rowCount() <= idx and self.rows_model.canFetchMore():
+            self.rows_model.fetchMore()
+        self.tabs.setCurrentIndex(0)
+        self.table.selectRow(idx)
+        self.table.scrollTo(self.rows_model.index(idx, 0))
+
+    # -- tokenizer-dependent views ----------------------------------------------------------
+    def _analyse(self, gen: int) -> None:
+        model = dict(self.state.get("model"))
+        if self.tokenizer is not None and self._tokenizer_for == model.get("name_or_path"):
+            self._with_tokenizer(gen, self.tokenizer)
+            return
+        self.mask_view.set_message("Loading the model's tokenizer…")
+        self.packing_stats.setText("Loading the model's tokenizer…")
+
+        def done(tok, name=model.get("name_or_path")):
+            self.tokenizer, self._tokenizer_for = tok, name
+            self._with_tokenizer(gen, tok)
+
+        run_task(data_bridge.load_tokenizer, model, owner=self, on_done=done,
+                 on_error=lambda m, d: self._tokenizer_failed(gen, m))
+
+    def _tokenizer_failed(self, gen: int, message: str) -> None:
+        if gen != self._gen:
+            return
+        text = f"Cannot load the tokenizer of the chosen model, so the example and packing views are empty: {message}"
+        self.mask_view.set_message(text)
+        self.packing_stats.setText(text)
+        self.banner.show_message(text, "warning")
+
+    def model_changed(self) -> None:
+        """The base model changed: its tokenizer renders and packs differently."""
+        self.tokenizer = None
+        if self.preview is not None:
+            self._gen += 1
+            self._analyse(self._gen)
+
+    def _with_tokenizer(self, gen: int, tok) -> None:
+        if gen != self._gen:
+            return
+        self.show_example(self.example_index.value())
+        self.packing_stats.setText("Packing…")
+        run_task(data_bridge.packing_layout, tok, dict(self.state.get("data")),
+                 owner=self, on_done=lambda lay: self._packing_done(gen, lay),
+                 on_error=lambda m, d: self._packing_failed(gen, m))
+
+    def show_example(self, index: int) -> None:
+        if self.tokenizer is None or self.preview is None:
+            return
+        if self.example_index.value() != index:
+            self.example_index.blockSignals(True)
+            self.example_index.setValue(index)
+            self.example_index.blockSignals(False)
+        gen = self._gen
+        run_task(data_bridge.render_example, self.tokenizer, dict(self.state.get("data")), int(index),
+                 owner=self, on_done=lambda ex: self._example_done(gen, index, ex),
+                 on_error=lambda m, d: self._example_failed(gen, index, m))
+
+    def _example_done(self, gen: int, index: int, ex) -> None:
+        if gen != self._gen or index != self.example_index.value():
+            return
+        self.example = ex
+        pieces = _get(ex, "pieces", "tokens", default=[]) or []
+        pairs = [(_get(p, "text", default=p[0] if isinstance(p, (tuple, list)) else str(p)),
+                  _get(p, "trained", default=p[1] if isinstance(p, (tuple, list)) else False)) for p in pieces]
+        note = []
+        if _get(ex, "truncated", default=False):
+            note.append("truncated to max seq len")
+        if _get(ex, "fallback_template", "used_fallback_template", default=False):
+            note.append("the tokenizer has no chat template: a ChatML fallback is used")
+        self.mask_view.set_pieces(pairs, "; ".join(note))
+        self.example_ready.emit(ex)
+
+    def _example_failed(self, gen: int, index: int, message: str) -> None:
+        if gen != self._gen:
+            return
+        self.mask_view.set_message(f"Row {index} cannot be rendered: {message}")
+
+    def _packing_done(self, gen: int, lay) -> None:
+        if gen != self._gen:
+            return
+        self.layout_info = lay
+        rows = _get(lay, "rows", default=[]) or []
+        row_len = int(_get(lay, "row_tokens", "max_seq_len", "row_len", default=self.state.get("data.max_seq_len")))
+        self.packing_view.set_layout(rows, row_len)
+        eff = _get(lay, "efficiency", default=None)
+        if callable(eff):
+            eff = eff()
+        avoided = _get(lay, "padding_avoided", default=None)
+        parts = [f"<b>{sum(len(r) for r in rows):,}</b> examples in <b>{len(rows):,}</b> rows of {row_len} tokens"]
+        if eff is not None:
+            parts.append(f"packing efficiency <b>{100 * float(eff):.1f}%</b>")
+        if avoided is not None:
+            parts.append(f"padding avoided <b>{int(avoided):,}</b> tokens")
+        for key, label in (("truncated", "truncated"), ("dropped", "dropped")):
+            v = _get(lay, key, f"num_{key}", default=None)
+            if v:
+                parts.append(f"{int(v)} {label}")
+        self.packing_stats.setText(" · ".join(parts))
+        # Rows that cannot be trained on show up only once tokenized (empty replies, ...).
+        skipped = list(_get(lay, "skipped", default=[]) or [])
+        if skipped:
+            known = {int(i) for i, _ in (_get(self.preview, "problems", default=[]) or [])}
+            extra = [(int(i), str(r)) for i, r in skipped if int(i) not in known]
+            if extra:
+                merged = sorted(list(_get(self.preview, "problems", default=[]) or []) + extra)
+                self._fill_problems(merged)
+        self.packing_ready.emit(lay)
+
+    def _packing_failed(self, gen: int, message: str) -> None:
+        if gen != self._gen:
+            return
+        self.packing_stats.setText(f"Cannot pack this data: {message}")
+        self.banner.show_message(f"Cannot pack this data: {message}", "error")
+
+    def _apply_mapping(self, kind: str, columns: dict) -> None:
+        self.state.set("data.format", kind)
+        self.state.set("data.columns", columns if kind != "auto" else {})
+        self.reload()

@@ -1,0 +1,75 @@
+"""Hardware page: what engine.hardware detected on this machine and the defaults its policy
+chooses for the current config, with the reason for each."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
+
+from studio.panels.common import Banner, card, fmt_bytes, title, value_label
+
+
+class HardwarePanel(QWidget):
+    redetect_requested = Signal()
+
+    def __init__(self, state, parent=None):
+        super().__init__(parent)
+        self.state = state
+        self.banner = Banner()
+        self.fields = {k: value_label() for k in ("kind", "gpu", "memory", "host", "software", "note")}
+        prof, prof_lay = card()
+        prof_lay.addWidget(QLabel("<b>This machine</b>"))
+        form = QFormLayout()
+        for key, label in (("kind", "Class"), ("gpu", "GPU"), ("memory", "Memory"), ("host", "Host"),
+                           ("software", "Software"), ("note", "Note")):
+            form.addRow(label, self.fields[key])
+        prof_lay.addLayout(form)
+        again = QPushButton("Detect again")
+        again.clicked.connect(self.redetect_requested)
+        head = QHBoxLayout()
+        head.addStretch(1)
+        head.addWidget(again)
+        prof_lay.addLayout(head)
+        self.defaults = QPlainTextEdit()
+        self.defaults.setReadOnly(True)
+        self.defaults.setObjectName("hardwareReport")
+        dfl, dfl_lay = card()
+        dfl_lay.addWidget(QLabel("<b>Defaults chosen for the current config</b>"))
+        dfl_lay.addWidget(self.defaults, 1)
+
+        lay = QVBoxLayout(self)
+        lay.addWidget(title("Hardware", "What the engine found, and the settings it picks for it."))
+        lay.addWidget(self.banner)
+        lay.addWidget(prof)
+        lay.addWidget(dfl, 1)
+        for f in self.fields.values():
+            f.setText("Detecting…")
+        state.profile_changed.connect(lambda _p: self.refresh())
+        state.changed.connect(lambda _p: self.refresh() if self.isVisible() else None)
+
+    def refresh(self) -> None:
+        p = self.state.profile
+        if p is None:
+            return
+        cap = f"compute {p.compute_capability[0]}.{p.compute_capability[1]}" if p.compute_capability else ""
+        self.fields["kind"].setText(f"<b>{p.kind}</b> — {p.kind_reason}")
+        self.fields["gpu"].setText(f"{p.gpu_name} ×{p.gpu_count}, {cap}, bf16 {'yes' if p.bf16_supported else 'no'}"
+                                   if p.gpu_name else "none (training runs on the CPU)")
+        self.fields["memory"].setText(
+            (f"{fmt_bytes(p.total_vram)} VRAM ({fmt_bytes(p.free_vram)} free){' unified' if p.integrated_memory else ''}; "
+             if p.gpu_name else "") + f"RAM {fmt_bytes(p.ram_total)} ({fmt_bytes(p.ram_available)} available)")
+        self.fields["host"].setText(f"{p.os} {p.arch}, {p.cpu_count} CPUs")
+        self.fields["software"].setText(
+            f"torch {p.torch_version or 'missing'}, CUDA {p.cuda_version or 'none'}"
+            + (f", driver {p.driver_version}" if p.driver_version else "")
+            + f", Triton {'yes' if p.triton_available else 'no'}")
+        self.fields["note"].setText(p.note or "—")
+        try:
+            from engine.hardware import format_profile
+
+            cfg = self.state.config()
+            text = format_profile(p, cfg)
+            # The machine part is in the form above; show the defaults part.
+            self.defaults.setPlainText(text.split("\n\n", 1)[-1])
+        except Exception as exc:  # an invalid config is shown on the Train page
+            self.defaults.setPlainText(f"Cannot work out the defaults for the current config: {exc}")

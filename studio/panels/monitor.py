@@ -1,0 +1,239 @@
+"""Monitor page: live charts of loss (raw and smoothed), learning rate, gradient norm,
+tokens/s, step time and memory; a progress bar with ETA; Pause, Resume, Stop; the log.
+
+Events append to numpy buffers as they arrive; the charts redraw from a timer, one chart
+per tick and only when it changed. A pyqtgraph chart costs 5-15 ms to repaint (mostly axis
+text); redrawing all six in one event-loop pass would stall the window for ~100 ms, one per
+pass keeps every pass short.
+"""
+
+from __future__ import annotations
+
+import time
+
+from PySide6.QtCore import QTimer, Signal
+from PySide6.QtGui import QTextCursor
+from PySide6.QtWidgets import (
+    QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar, QPushButton, QSplitter,
+    QVBoxLayout, QWidget,
+)
+from PySide6.QtCore import Qt
+
+from studio.panels.common import Banner, caption, fmt_bytes, fmt_seconds, title
+from studio.widgets.live_chart import LiveChart
+from studio.widgets.series import Ema
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+class MonitorPanel(QWidget):
+    pause_requested = Signal()
+    resume_requested = Signal()
+    stop_requested = Signal()
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.banner = Banner()
+        self.status = QLabel("No run yet. Press Train on the Train page.")
+        self.status.setObjectName("runStatus")
+        self.status.setWordWrap(True)
+        # Fixed sizes for the labels that change during a run: a label that grows re-lays out
+        # the page, and every chart then re-renders at once (a visible hitch).
+        self.status.setFixedHeight(40)
+        self.progress = QProgressBar()
+        self.progress.setFormat("%v / %m steps")
+        self.progress.setValue(0)
+        self.eta = caption("")
+        self.eta.setWordWrap(False)
+        self.eta.setFixedWidth(340)
+        self.pause = QPushButton("Pause")
+        self.resume = QPushButton("Resume")
+        self.stop = QPushButton("Stop")
+        self.stop.setObjectName("danger")
+        self.stop.setToolTip("Stop after the current step and save a checkpoint")
+        self.pause.clicked.connect(self.pause_requested)
+        self.resume.clicked.connect(self.resume_requested)
+        self.stop.clicked.connect(self.stop_requested)
+        self.set_controls("idle")
+
+        self.loss = LiveChart("Loss")
+        self.loss.add_series("loss", "#aab7b8", width=1)
+        self.loss.add_series("smoothed", "#2471a3", width=2)
+        self.lr = LiveChart("Learning rate")
+        self.lr.add_series("lr", "#7d3c98")
+        self.grad = LiveChart("Gradient norm")
+        self.grad.add_series("grad norm", "#ca6f1e")
+        self.tps = LiveChart("Tokens / s")
+        self.tps.add_series("tokens/s", "#1e8449")
+        self.step_time = LiveChart("Step time", "s")
+        self.step_time.add_series("seconds", "#b03a2e")
+        # Always GiB and a fixed title: changing either mid-run re-lays out the plot.
+        self.memory = LiveChart("Memory", "GiB")
+        self.memory.setToolTip("GPU: torch allocated / reserved / peak against the card's total. "
+                               "CPU: the process's resident memory (all three curves).")
+        self.memory.add_series("allocated", "#2874a6")
+        self.memory.add_series("reserved", "#85c1e9", dashed=True)
+        self.memory.add_series("peak", "#cb4335")
+        self.charts = [self.loss, self.lr, self.grad, self.tps, self.step_time, self.memory]
+        self.ema = Ema(0.9)
+
+        grid = QGridLayout()
+        grid.setSpacing(6)
+        for i, chart in enumerate(self.charts):
+            grid.addWidget(chart, i // 3, i % 3)
+        charts = QWidget()
+        charts.setLayout(grid)
+
+        self.log = QPlainTextEdit()
+        self.log.setObjectName("logView")
+        self.log.setReadOnly(True)
+        self.log.setMaximumBlockCount(5000)  # bounded, so a long run cannot grow it forever
+
+        split = QSplitter(Qt.Orientation.Vertical)
+        split.addWidget(charts)
+        split.addWidget(self.log)
+        split.setStretchFactor(0, 4)
+        split.setStretchFactor(1, 1)
+
+        controls = QHBoxLayout()
+        controls.addWidget(self.progress, 1)
+        controls.addWidget(self.eta)
+        controls.addWidget(self.pause)
+        controls.addWidget(self.resume)
+        controls.addWidget(self.stop)
+
+        lay = QVBoxLayout(self)
+        lay.addWidget(title("Monitor", "Watch the run live. Stop saves a checkpoint you can export or resume."))
+        lay.addWidget(self.banner)
+        lay.addWidget(self.status)
+        lay.addLayout(controls)
+        lay.addWidget(split, 1)
+
+        self.last_step = 0
+        self.total_steps = 0
+        self._started = None
+        self._next_chart = 0
+        self._redraw = QTimer(self, interval=40)
+        self._redraw.timeout.connect(self._refresh_one)
+
+    # -- run lifecycle ----------------------------------------------------------------------
+    def set_controls(self, mode: str) -> None:
+        """mode: idle | running | paused | stopping."""
+        self.pause.setEnabled(mode == "running")
+        self.resume.setEnabled(mode == "paused")
+        self.stop.setEnabled(mode in ("running", "paused"))
+        self.mode = mode
+
+    def begin(self) -> None:
+        for chart in self.charts:
+            chart.clear_data()
+        self.ema.reset()
+        self.banner.clear()
+        self.log.clear()
+        self.progress.setRange(0, 0)  # busy until RunStarted says how many steps
+        self.status.setText("Preparing: loading the model and data…")
+        self.eta.setText("")
+        self.last_step = 0
+        self._started = time.monotonic()
+        self.set_controls("running")
+        self._redraw.start()
+
+    def run_started(self, ev) -> None:
+        self.total_steps = int(ev.total_steps)
+        for chart in self.charts:
+            chart.set_x_span(self.total_steps)
+        self.progress.setRange(0, max(1, self.total_steps))
+        self.progress.setValue(int(getattr(ev, "resumed_from_step", 0) or 0))
+        hw = ev.hardware or {}
+        device = hw.get("gpu_name") or hw.get("device_name") or hw.get("kind") or ""
+        self.status.setText(f"Training in {ev.run_dir}" + (f" on {device}" if device else ""))
+        self._started = time.monotonic()
+        self._first_step = int(getattr(ev, "resumed_from_step", 0) or 0)
+        summary = ev.data_summary or {}
+        if summary:
+            self.append_log("data: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+        if ev.fast_paths:
+            self.append_log("fast paths: " + ", ".join(f"{k}: {v}" for k, v in ev.fast_paths.items()))
+
+    def step(self, m) -> None:
+        self.last_step = int(m.step)
+        self.total_steps = int(m.total_steps) or self.total_steps
+        x = float(m.step)
+        self.loss.append("loss", x, m.loss)
+        self.loss.append("smoothed", x, self.ema.update(m.loss))
+        self.lr.append("lr", x, m.lr)
+        self.grad.append("grad norm", x, m.grad_norm)
+        self.tps.append("tokens/s", x, m.tokens_per_second)
+        self.step_time.append("seconds", x, m.step_seconds)
+        on_gpu = m.device != "cpu" and m.mem_total > 0
+        u = GiB
+        self.memory.append("allocated", x, m.mem_allocated / u)
+        self.memory.append("reserved", x, m.mem_reserved / u)
+        self.memory.append("peak", x, m.mem_peak / u)
+        if on_gpu:
+            self.memory.set_limit(m.mem_total / u, f"card {fmt_bytes(m.mem_total)}")
+        self.progress.setMaximum(max(1, self.total_steps))
+        self.progress.setValue(min(self.last_step, self.total_steps))
+        self._update_eta(m)
+
+    def _update_eta(self, m) -> None:
+        done = self.last_step - getattr(self, "_first_step", 0)
+        if done <= 0 or self._started is None:
+            return
+        per_step = (time.monotonic() - self._started) / done
+        left = max(0, self.total_steps - self.last_step) * per_step
+        self.eta.setText(f"loss {m.loss:.3f} · {m.tokens_per_second:,.0f} tok/s · ETA {fmt_seconds(left)}")
+
+    def paused(self, step: int) -> None:
+        self.set_controls("paused")
+        self.status.setText(f"Paused after step {step}. Resume continues from here; Stop saves a checkpoint.")
+
+    def resumed(self, step: int) -> None:
+        self.set_controls("running")
+        self.status.setText(f"Training (resumed at step {step})")
+
+    def stopping(self) -> None:
+        self.set_controls("stopping")
+        self.status.setText("Stopping after the current step and saving a checkpoint…")
+
+    def finished(self, ev) -> None:
+        # The redraw timer finishes drawing chart by chart, then stops itself.
+        self.set_controls("idle")
+        summary = ev.summary or {}
+        what = "Stopped" if ev.stopped else "Finished"
+        loss = summary.get("final_loss", summary.get("loss"))
+        extra = f", final loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
+        self.status.setText(f"✓ {what} at step {summary.get('steps', self.last_step)}{extra}. Run folder: {ev.run_dir}. "
+                            "Export it on the Export page, or try it on the Chat page.")
+        self.progress.setRange(0, max(1, self.total_steps))
+
+    def failed(self, ev) -> None:
+        self.set_controls("idle")
+        self.progress.setRange(0, max(1, self.total_steps))
+        text = ev.message
+        if ev.last_checkpoint:
+            text += f" The last checkpoint is {ev.last_checkpoint}."
+        self.status.setText("The run failed.")
+        self.banner.show_message(text, "error")
+
+    # -- log and drawing --------------------------------------------------------------------
+    def append_log(self, text: str, level: str = "info") -> None:
+        stamp = time.strftime("%H:%M:%S")
+        prefix = {"warning": "WARNING ", "error": "ERROR "}.get(level, "")
+        self.log.appendPlainText(f"{stamp}  {prefix}{text}")
+        self.log.moveCursor(QTextCursor.MoveOperation.End)
+
+    def _refresh_one(self) -> None:
+        for _ in range(len(self.charts)):
+            chart = self.charts[self._next_chart]
+            self._next_chart = (self._next_chart + 1) % len(self.charts)
+            if chart.dirty:
+                chart.refresh()
+                return
+        if self.mode == "idle":
+            self._redraw.stop()  # the run is over and every chart shows its last point
+
+    def refresh(self) -> None:
+        for chart in self.charts:
+            chart.refresh()

@@ -1,0 +1,184 @@
+"""Train page: presets, the hyperparameter form with the engine's validation next to each
+field, the values hardware detection chose (marked "auto"), save/load of the resolved config
+as YAML, and the Train button."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QComboBox, QFileDialog, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea,
+    QSplitter, QVBoxLayout, QWidget,
+)
+from PySide6.QtCore import Qt
+
+from engine.config import AUTO, ConfigError, RunConfig
+from studio import presets
+from studio.config_form import ConfigForm
+from studio.panels.common import Banner, caption, card, title
+
+
+class TrainingPanel(QWidget):
+    train_requested = Signal()
+
+    def __init__(self, state, settings, parent=None):
+        super().__init__(parent)
+        self.state, self.settings = state, settings
+        self.banner = Banner()
+        self.preset = QComboBox()
+        self.preset.setObjectName("presetBox")
+        self._presets = presets.list_presets()
+        for name, path in self._presets.items():
+            self.preset.addItem(name)
+            self.preset.setItemData(self.preset.count() - 1, presets.describe(path), Qt.ItemDataRole.ToolTipRole)
+        apply = QPushButton("Apply preset")
+        apply.clicked.connect(lambda: self.apply_preset(self.preset.currentText()))
+        save = QPushButton("Save config…")
+        save.clicked.connect(self._save_dialog)
+        load = QPushButton("Load config…")
+        load.clicked.connect(self._load_dialog)
+        self.train = QPushButton("Train")
+        self.train.setObjectName("primary")
+        self.train.setMinimumWidth(120)
+        self.train.clicked.connect(self.train_requested)
+
+        top = QHBoxLayout()
+        top.addWidget(QLabel("Preset"))
+        top.addWidget(self.preset)
+        top.addWidget(apply)
+        top.addStretch(1)
+        top.addWidget(load)
+        top.addWidget(save)
+        top.addWidget(self.train)
+
+        self.form = ConfigForm(state)
+        self.form.edited.connect(lambda _p: self.validate())
+        scroll = QScrollArea()
+        scroll.setWidget(self.form)
+        scroll.setWidgetResizable(True)
+
+        side, side_lay = card()
+        side_lay.addWidget(QLabel("<b>Chosen for this machine</b>"))
+        side_lay.addWidget(caption("Fields left at auto are filled by hardware detection when the run starts."))
+        self.auto_text = QPlainTextEdit()
+        self.auto_text.setReadOnly(True)
+        self.auto_text.setObjectName("autoText")
+        side_lay.addWidget(self.auto_text, 1)
+        self.summary = caption("")
+        side_lay.addWidget(self.summary)
+
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(scroll)
+        split.addWidget(side)
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 2)
+
+        lay = QVBoxLayout(self)
+        lay.addWidget(title("Train", "Set the hyperparameters, or start from a preset. Hover a field for what it does."))
+        lay.addWidget(self.banner)
+        lay.addLayout(top)
+        lay.addWidget(split, 1)
+
+        state.changed.connect(self._state_changed)
+        state.profile_changed.connect(lambda _p: self.validate())
+        self.validate()
+
+    # -- presets and files ------------------------------------------------------------------
+    def apply_preset(self, name: str, quiet: bool = False) -> None:
+        path = self._presets.get(name)
+        if path is None:
+            return
+        try:
+            data = presets.load_preset(path)
+        except Exception as exc:
+            self.banner.show_message(f"Cannot read preset {path}: {exc}", "error")
+            return
+        merged = {k: dict(v) if isinstance(v, dict) else v for k, v in self.state.data.items()}
+        for section, values in data.items():
+            if isinstance(values, dict) and isinstance(merged.get(section), dict):
+                merged[section].update(values)
+        self.state.replace(merged)
+        self.preset.setCurrentText(name)
+        if not quiet:
+            self.banner.show_message(f"Preset '{name}' applied; your model and data are unchanged.", "info")
+
+    def save_config(self, path: str | Path) -> RunConfig:
+        """Write the resolved config (auto values filled and listed in auto_fields)."""
+        cfg = self.state.resolved()
+        cfg.save(path)
+        return cfg
+
+    def load_config(self, path: str | Path) -> None:
+        cfg = RunConfig.load(path)
+        data = cfg.to_dict()
+        # Values the hardware policy chose become "auto" again, so they follow this machine.
+        for dotted in data.pop("auto_fields", []) or []:
+            section, _, name = dotted.partition(".")
+            if section in data and name in data[section]:
+                data[section][name] = AUTO
+        self.state.replace(data)
+
+    def _save_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save the run config", "run.yaml", "YAML (*.yaml *.yml)")
+        if not path:
+            return
+        try:
+            self.save_config(path)
+        except (ConfigError, OSError) as exc:
+            self.banner.show_message(f"Cannot save the config: {exc}", "error")
+            return
+        self.banner.show_message(f"Saved the resolved config to {path}.", "success")
+
+    def _load_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Load a run config", "", "YAML (*.yaml *.yml)")
+        if not path:
+            return
+        try:
+            self.load_config(path)
+        except ConfigError as exc:
+            self.banner.show_message(f"Cannot load {path}: {exc}", "error")
+            return
+        self.banner.show_message(f"Loaded {path}.", "success")
+
+    # -- validation -------------------------------------------------------------------------
+    def _state_changed(self, path: str) -> None:
+        if path == "" or path in self.form.fields or path.startswith(("model.", "data.")):
+            self.form.load_from_state()
+            self.validate()
+
+    def validate(self) -> bool:
+        exc = self.state.error()
+        owned = self.form.show_error(exc)
+        self.train.setEnabled(exc is None)
+        if exc is not None:
+            self.train.setToolTip(f"Fix this first: {exc}")
+            if not owned:
+                self.banner.show_message(f"The config is not valid: {exc}", "error")
+            self.auto_text.setPlainText("")
+            return False
+        self.train.setToolTip("Start training with these settings")
+        if self.banner.level == "error":
+            self.banner.clear()
+        self._show_auto()
+        return True
+
+    def _show_auto(self) -> None:
+        if self.state.profile is None:
+            self.auto_text.setPlainText("Detecting hardware…")
+            return
+        try:
+            from engine.hardware import explain_defaults
+
+            resolved = self.state.resolved()
+            lines = explain_defaults(resolved)
+        except Exception as exc:  # the policy must never take the form down
+            self.auto_text.setPlainText(f"Cannot work out the defaults: {exc}")
+            return
+        self.form.mark_auto(resolved.to_dict(), list(resolved.auto_fields))
+        self.auto_text.setPlainText("\n\n".join(lines) or "Nothing is automatic: every value was set by you.")
+        t = resolved.training
+        self.summary.setText(
+            f"device {t.device} · {t.max_steps or f'{t.epochs:g} epoch(s)'} {'steps' if t.max_steps else ''} · "
+            f"rows per micro-batch {t.rows_per_micro_batch} · grad accum {t.grad_accum}"
+        )

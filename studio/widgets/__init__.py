@@ -1,0 +1,1 @@
+"""Reusable widgets: live charts, the token-mask view, the packing view, the step list."""

@@ -1,0 +1,106 @@
+"""Start-up: the window opens before torch is imported, `studio.app.main` paints and reports
+the time, and the Model and Hardware pages fill in from the engine in the background."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from studio_helpers import screenshot
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(code: str, tmp_path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_window_constructs_without_importing_torch(tmp_path):
+    code = (
+        "import sys\n"
+        "from PySide6.QtWidgets import QApplication\n"
+        "app = QApplication([])\n"
+        "from studio.main_window import MainWindow\n"
+        "from studio.settings import Settings\n"
+        f"w = MainWindow(Settings({str(tmp_path / 's.ini')!r}), {str(tmp_path / 'runs')!r})\n"
+        "w.show(); app.processEvents()\n"
+        "print('heavy:', sorted(m for m in ('torch', 'transformers', 'datasets', 'peft') if m in sys.modules))\n"
+        "w.deleteLater(); app.processEvents()\n"
+    )
+    out = _run(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "heavy: []" in out.stdout
+
+
+def test_app_main_paints_and_reports_time(tmp_path):
+    code = (
+        "from studio.app import main\n"
+        f"raise SystemExit(main(['--quit-after-paint', '--settings', {str(tmp_path / 's.ini')!r}, "
+        f"'--runs-dir', {str(tmp_path / 'runs')!r}]))\n"
+    )
+    out = _run(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "window painted" in out.stdout
+
+
+def test_model_and_hardware_pages_fill_in(window, qtbot):
+    from studio.main_window import HARDWARE, MODEL
+
+    qtbot.waitUntil(lambda: window.state.profile is not None, timeout=60_000)
+    qtbot.waitUntil(lambda: window.model_panel.report is not None and window.model_panel.device_label.text() != "Detecting hardware…",
+                    timeout=60_000)
+    rep = window.model_panel.report
+    assert rep["info"].model_type == "llama"
+    assert "LlamaForCausalLM" in window.model_panel.fields["architecture"].text()
+    assert window.model_panel.fields["layers"].text() == "4"
+    need, verdict = window.model_panel.vram_labels["qlora4"]
+    assert verdict.text() in ("fits", "tight", "will not fit")
+    assert "RMSNorm kernel</b>: on" in window.model_panel.fast_paths.text()
+    assert window.steps.state(MODEL) == "done"
+    window.model_panel.refresh()  # one more round with the profile known, for the screenshot
+    qtbot.waitUntil(lambda: "reading" not in window.model_panel.fields["name"].text(), timeout=30_000)
+    window.go_to(MODEL)
+    screenshot(window, "model")
+
+    window.go_to(HARDWARE)
+    qtbot.waitUntil(lambda: "Detecting" not in window.hardware_panel.fields["kind"].text(), timeout=30_000)
+    assert window.hardware_panel.fields["kind"].text()
+    assert "training.device" in window.hardware_panel.defaults.toPlainText()
+    screenshot(window, "hardware")
+
+
+def test_offline_hub_model_gives_a_clear_message(window, qtbot):
+    window.model_panel.hub.setChecked(True)
+    window.model_panel.hub_id.setEditText("Qwen/Qwen2.5-0.5B-Instruct")
+    window.model_panel.use.click()
+    qtbot.waitUntil(lambda: window.model_panel.banner.isVisible(), timeout=60_000)
+    text = window.model_panel.banner.text()
+    assert "Hub" in text and ("Local model folders" in text or "cache" in text), text
+    # The demo still works afterwards.
+    window.model_panel.demo.setChecked(True)
+    window.model_panel.use.click()
+    qtbot.waitUntil(lambda: window.model_panel.report is not None and window.model_panel.report["name"] == "demo",
+                    timeout=60_000)
+    assert window.model_panel.banner.isHidden()
+
+
+def test_window_geometry_and_recent_models_persist(qtbot, qapp, settings, runs_dir):
+    from studio.main_window import MainWindow
+
+    first = MainWindow(settings=settings, runs_dir=str(runs_dir))
+    qtbot.addWidget(first)
+    first.resize(720, 520)  # inside the offscreen screen, so restoring is not clamped
+    first.show()
+    qtbot.waitExposed(first)
+    settings.add_recent_model("demo")
+    size = (first.width(), first.height())  # the layout's minimum may have enlarged it
+    first.close()
+    second = MainWindow(settings=settings, runs_dir=str(runs_dir))
+    qtbot.addWidget(second)
+    assert settings.geometry() is not None and settings.window_state() is not None
+    # Restored, not the 1200x800 default (the offscreen screen may clamp the width).
+    assert second.height() == size[1] != 800
+    assert second.model_panel.recent.itemText(0) == "demo"
