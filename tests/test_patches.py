@@ -289,3 +289,13 @@ def test_runtime_fallbacks_and_removal():
     assert len(patched) == 2 * 4 + 1  # per layer: 2 norms, attention, MLP; plus the final norm
     assert remove_fast_paths(model) == len(patched)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_describe_fast_paths_by_model_type():
+    from engine.models.patches import FAST_PATHS, describe_fast_paths
+
+    on = describe_fast_paths("qwen3")
+    assert all(on[name] == "on" for name in FAST_PATHS) and on["packed_attention"] == "on"
+    off = describe_fast_paths("gpt2")
+    assert all(off[name].startswith("off: model_type 'gpt2'") for name in FAST_PATHS)
+    assert off["fused_ce"] == "on"

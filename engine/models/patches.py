@@ -106,6 +106,23 @@ REGISTRY: dict[str, ArchPatch] = {
 }
 
 
+def describe_fast_paths(model_type: str) -> dict[str, str]:
+    """{fast path: "on" | why it is off} for an architecture, from its model_type alone.
+
+    What a run of this architecture gets on a CUDA GPU with every switch on "auto"; the run's
+    own report (apply_fast_paths) can still turn single modules off (dropout, DoRA, ...).
+    Packed attention and the fused cross-entropy apply to every architecture.
+    """
+    if model_type in REGISTRY:
+        report = {name: "on" for name in FAST_PATHS}
+    else:
+        known = ", ".join(sorted(REGISTRY))
+        report = {name: f"off: model_type '{model_type}' has no patch (patched: {known})" for name in FAST_PATHS}
+    report["packed_attention"] = "on"
+    report["fused_ce"] = "on"
+    return report
+
+
 # -- kernels -------------------------------------------------------------------------------------
 
 
