@@ -10,10 +10,11 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("studio", "gui"):
+    if not argv or argv[0] in ("studio", "gui") or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        # No subcommand (window options like --runs-dir go to the window).
         from studio.app import main as app_main
 
-        return app_main(argv[1:])
+        return app_main(argv[1:] if argv and argv[0] in ("studio", "gui") else argv)
     from engine.cli import main as engine_main
 
     return engine_main(argv)
