@@ -62,20 +62,26 @@ def _hub_error(source: str, exc: Exception) -> ModelLoadError:
     return ModelLoadError(f"cannot load '{source}' from the Hugging Face Hub: {text.splitlines()[0] if text else exc}")
 
 
-def load_tokenizer(cfg: ModelConfig):
-    from transformers import AutoTokenizer
-
+def _from_pretrained(loader, cfg: ModelConfig, what: str, **kwargs):
+    """Resolve and check the source, call `loader.from_pretrained`, and turn failures into
+    ModelLoadErrors that say whether the folder or the Hub is at fault."""
     source, local = resolve_model_source(cfg.name_or_path)
     if local:
         check_local_folder(source, cfg.allow_pickle)
     try:
-        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        return loader.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **kwargs)
     except OSError as exc:
         if local:
-            raise ModelLoadError(f"cannot read the tokenizer in {source}: {exc}") from exc
+            raise ModelLoadError(f"cannot read the {what} in {source}: {exc}") from exc
         raise _hub_error(source, exc) from exc
     except ValueError as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of '{source}': {exc}") from exc
+        raise ModelLoadError(f"cannot load the {what} of '{source}': {exc}") from exc
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    tok = _from_pretrained(AutoTokenizer, cfg, "tokenizer")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -92,13 +98,9 @@ def load_model(cfg: ModelConfig, device, dtype_name: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    source, local = resolve_model_source(cfg.name_or_path)
-    if local:
-        check_local_folder(source, cfg.allow_pickle)
     device = torch.device(device)
     kwargs = dict(
         dtype=torch_dtype(dtype_name),
-        trust_remote_code=cfg.trust_remote_code,
         use_safetensors=None if cfg.allow_pickle else True,
         low_cpu_mem_usage=True,
     )
@@ -117,14 +119,7 @@ def load_model(cfg: ModelConfig, device, dtype_name: str):
             bnb_4bit_compute_dtype=torch_dtype(dtype_name),
         )
         kwargs["device_map"] = {"": device.index or 0}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except OSError as exc:
-        if local:
-            raise ModelLoadError(f"cannot load the model in {source}: {exc}") from exc
-        raise _hub_error(source, exc) from exc
-    except ValueError as exc:
-        raise ModelLoadError(f"cannot load '{source}': {exc}") from exc
+    model = _from_pretrained(AutoModelForCausalLM, cfg, "model", **kwargs)
     if cfg.load_in_4bit is not True:
         model.to(device)
     return model
