@@ -482,9 +482,14 @@ def resolve_defaults(config: RunConfig, profile: HardwareProfile, model_info: es
 
     # Fast paths.
     fast_ok, fast_reason = _fast_paths_usable(profile, on_gpu)
-    for name in ("kernels", "lora_autograd", "fused_ce", "packed_attention"):
+    for name in ("kernels", "lora_autograd", "fused_ce"):
         if getattr(fp, name) == AUTO:
             choose(f"fast_paths.{name}", fast_ok, fast_reason)
+    if fp.packed_attention == AUTO:
+        # It is also what keeps packed documents apart, so it is on everywhere: the Triton
+        # varlen kernel where the fast paths run, per-document SDPA (the reference) elsewhere.
+        choose("fast_paths.packed_attention", True,
+               "Triton varlen kernel" if fast_ok else "per-document SDPA reference; documents never attend to each other")
     if fp.moe_grouping == AUTO:
         choose("fast_paths.moe_grouping", True, "plain torch (argsort + bincount): helps on any device")
 

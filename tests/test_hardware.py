@@ -21,6 +21,7 @@ HARDWARE_FIELDS = [
     "fast_paths.fused_ce", "fast_paths.packed_attention", "fast_paths.moe_grouping", "fast_paths.ce_chunk_tokens",
 ]
 FAST = ["kernels", "lora_autograd", "fused_ce", "packed_attention"]
+KERNEL_PATHS = ["kernels", "lora_autograd", "fused_ce"]  # packed attention is on everywhere
 
 
 def laptop_4060():
@@ -140,7 +141,8 @@ def test_old_gpu_uses_reference_paths():
     pascal = profile_from_properties(GpuProperties("NVIDIA GeForce GTX 1080", 8 * GiB, (6, 1)))
     cfg = apply_defaults(config_for(), pascal)
     assert cfg.training.device == "cuda" and cfg.model.dtype == "float16"
-    assert all(getattr(cfg.fast_paths, f) is False for f in FAST)
+    assert all(getattr(cfg.fast_paths, f) is False for f in KERNEL_PATHS)
+    assert cfg.fast_paths.packed_attention is True  # the reference keeps documents apart
 
 
 # -- defaults per class ------------------------------------------------------------------------
@@ -257,7 +259,9 @@ def test_no_gpu_cpu_defaults():
     assert cfg.model.load_in_4bit is False
     assert cfg.training.offload == "off"
     assert cfg.training.rows_per_micro_batch in (1, 2)
-    assert all(getattr(cfg.fast_paths, f) is False for f in FAST)
+    assert all(getattr(cfg.fast_paths, f) is False for f in KERNEL_PATHS)
+    assert cfg.fast_paths.packed_attention is True
+    assert "per-document" in d.choices["fast_paths.packed_attention"][1]
     assert "reference" in d.choices["fast_paths.kernels"][1]
     assert d.notes["data.num_workers"][0] == 0
 
