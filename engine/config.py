@@ -121,8 +121,9 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     fast_paths: FastPathConfig = field(default_factory=FastPathConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
-    # Dotted paths of fields the hardware policy filled in (reported, not user input).
+    # Dotted paths of fields the hardware policy filled in (reported, not user input), and why.
     auto_fields: list[str] = field(default_factory=list)
+    auto_reasons: dict[str, str] = field(default_factory=dict)
 
     # -- conversion -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -531,9 +531,8 @@ def _fast_paths_usable(profile: HardwareProfile, on_gpu: bool) -> tuple[bool, st
     return True, "CUDA with Triton: the fused kernels apply"
 
 
-# Where apply_defaults leaves its reasons on the returned config. A RunConfig field would be
-# better (it would survive copy() and YAML); until then this attribute is not a dataclass
-# field, so to_dict() and the saved config.yaml never see it.
+# Where apply_defaults leaves the whole Defaults (notes and warnings too) on the returned
+# config; the per-field reasons also go to RunConfig.auto_reasons, which survives YAML.
 _DEFAULTS_ATTR = "_tunesmith_defaults"
 
 
@@ -543,6 +542,8 @@ def apply_defaults(config: RunConfig, profile: HardwareProfile, model_info: est.
     The reasons are available from `explain_defaults(returned_config)`.
     """
     defaults = resolve_defaults(config, profile, model_info)
+    # The reasons travel with the config (and into the run's config.yaml).
+    defaults.config.auto_reasons.update({path: reason for path, (_, reason) in defaults.choices.items()})
     setattr(defaults.config, _DEFAULTS_ATTR, defaults)
     return defaults.config
 
@@ -559,7 +560,7 @@ def explain_defaults(config: RunConfig) -> list[str]:
     for path in config.auto_fields:
         section, _, name = path.partition(".")
         value = getattr(getattr(config, section, None), name, None)
-        lines.append(f"{path} = {_show(value)}: chosen by the hardware policy")
+        lines.append(f"{path} = {_show(value)}: {config.auto_reasons.get(path, 'chosen by the hardware policy')}")
     return lines
 
 

@@ -52,4 +52,5 @@ def load_preset(path: Path) -> dict:
         if isinstance(data.get(section), dict):
             data[section].pop(key, None)
     data.pop("auto_fields", None)
+    data.pop("auto_reasons", None)
     return data

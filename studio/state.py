@@ -35,6 +35,7 @@ class StudioState(QObject):
         super().__init__(parent)
         self.data: dict[str, Any] = RunConfig().to_dict()
         self.data.pop("auto_fields", None)
+        self.data.pop("auto_reasons", None)
         self.data["output"]["dir"] = runs_dir
         self.profile = None
         self.last_run_dir: Optional[str] = None
@@ -61,7 +62,8 @@ class StudioState(QObject):
         runs_dir = self.data["output"]["dir"]
         fresh = RunConfig().to_dict()
         fresh.pop("auto_fields", None)
-        data = {k: v for k, v in data.items() if k != "auto_fields"}
+        fresh.pop("auto_reasons", None)
+        data = {k: v for k, v in data.items() if k not in ("auto_fields", "auto_reasons")}
         self.data = deep_merge(fresh, data)
         if "dir" not in (data.get("output") or {}):
             self.data["output"]["dir"] = runs_dir

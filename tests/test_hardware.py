@@ -335,3 +335,16 @@ def test_import_does_not_load_torch():
     # The studio imports engine.hardware before its window opens; torch must wait for detect().
     code = "import sys, engine.hardware; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_reasons_travel_with_the_config_through_yaml(tmp_path):
+    from engine.config import RunConfig
+    from engine.hardware import explain_defaults
+
+    cfg = apply_defaults(config_for(), profile_from_properties(None))
+    assert set(cfg.auto_reasons) == set(cfg.auto_fields)
+    path = tmp_path / "c.yaml"
+    cfg.save(path)
+    again = RunConfig.load(path)
+    lines = explain_defaults(again)
+    assert any("per-document SDPA" in line for line in lines)

@@ -113,6 +113,7 @@ class TrainingPanel(QWidget):
         cfg = RunConfig.load(path)
         data = cfg.to_dict()
         # Values the hardware policy chose become "auto" again, so they follow this machine.
+        data.pop("auto_reasons", None)
         for dotted in data.pop("auto_fields", []) or []:
             section, _, name = dotted.partition(".")
             if section in data and name in data[section]:
