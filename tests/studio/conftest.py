@@ -1,5 +1,5 @@
 """Fixtures for the studio tests: a real main window on the demo model and data, with its own
-settings file and runs folder, and a helper that saves panel screenshots to docs/screenshots/.
+settings file and runs folder, and a helper that saves panel screenshots (artifacts/screenshots/).
 
 Nothing is mocked: the window drives the real engine on the bundled tiny model.
 """

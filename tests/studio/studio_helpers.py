@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+_ROOT = Path(__file__).resolve().parents[2]
+# Every test run keeps its screenshots in artifacts/screenshots/ (git-ignored). To refresh the
+# README's pictures: TUNESMITH_SCREENSHOTS=docs/screenshots python -m pytest tests/studio
+SCREENSHOTS = _ROOT / os.environ.get("TUNESMITH_SCREENSHOTS", "artifacts/screenshots")
 SHOT_SIZE = (1200, 800)
 
 
@@ -26,7 +30,7 @@ def short_config(state, runs_dir: Path, name: str, steps: int = 40) -> None:
 
 
 def screenshot(widget, name: str) -> Path:
-    """Save `widget` as docs/screenshots/<name>.png at 1200x800 (small, committed)."""
+    """Save `widget` as <SCREENSHOTS>/<name>.png at 1200x800."""
     from PySide6.QtCore import Qt
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
