@@ -46,7 +46,7 @@ class MonitorPanel(QWidget):
         self.progress.setValue(0)
         self.eta = caption("")
         self.eta.setWordWrap(False)
-        self.eta.setFixedWidth(340)
+        self.eta.setFixedWidth(450)
         self.pause = QPushButton("Pause")
         self.resume = QPushButton("Resume")
         self.stop = QPushButton("Stop")
@@ -183,7 +183,11 @@ class MonitorPanel(QWidget):
             return
         per_step = (time.monotonic() - self._started) / done
         left = max(0, self.total_steps - self.last_step) * per_step
-        self.eta.setText(f"loss {m.loss:.3f} · {m.tokens_per_second:,.0f} tok/s · ETA {fmt_seconds(left)}")
+        # Packing metadata should be built once per micro-batch and never synced per layer.
+        packing = f" · packing meta {m.metadata_builds}×, {m.host_syncs} syncs"
+        self.eta.setText(f"loss {m.loss:.3f} · {m.tokens_per_second:,.0f} tok/s · ETA {fmt_seconds(left)}{packing}")
+        self.eta.setToolTip("Per step: how often the packed-sequence metadata was built (once per "
+                            "micro-batch is ideal) and how many device-to-host syncs it cost (0 is ideal).")
 
     def paused(self, step: int) -> None:
         self.set_controls("paused")

@@ -46,6 +46,8 @@ def test_model_data_train_pause_resume_stop_export_chat(window, qtbot, runs_dir,
     qtbot.waitUntil(lambda: m.loss.point_count() >= 3, timeout=120_000)
     m.refresh()
     assert m.lr.point_count() >= 3 and m.memory.point_count() >= 3 and m.tps.point_count() >= 3
+    # The packing counters: metadata built once per micro-batch (one per step here), no syncs.
+    assert "packing meta 1×, 0 syncs" in m.eta.text()
     # Event-loop latency while the run trains, pauses, resumes and stops (a 10 ms timer must
     # never be more than 50 ms late).
     probe = LatencyProbe()
