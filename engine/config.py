@@ -86,6 +86,8 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     seed: int = 42
     gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"
+    # Offloaded checkpointing (single or double buffered). Not implemented yet: the policy
+    # already chooses a mode, and the run's fast-path report says it is off.
     offload: Literal["auto", "off", "single", "double"] = "auto"
     save_every: int = 0  # steps between checkpoints; 0 = only at the end / on stop
     log_every: int = 1

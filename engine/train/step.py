@@ -41,6 +41,10 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
     report["fused_ce"] = "on" if _wanted(fast_paths.fused_ce) else "off: disabled in config"
     report["cached_metadata"] = "on" if fast_paths.cached_metadata else "off: rebuilt in every layer"
 
+    # The config and the hardware policy already speak of offloaded checkpointing; until the
+    # engine has it, say so rather than let "double" look like it is doing something.
+    report["offload"] = "off: activation offload is not implemented yet; checkpoints stay on the device"
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.config.use_cache = False
     if gradient_checkpointing:
