@@ -319,4 +319,7 @@ class MainWindow(QMainWindow):
             return
         self.settings.save_window(self.saveGeometry(), self.saveState())
         self.settings.sync()
+        # Hand the libraries frozen in _warm_done back to the collector, so they are torn down
+        # normally at exit (frozen, Triton's bindings report them as leaked).
+        gc.unfreeze()
         super().closeEvent(event)
