@@ -239,3 +239,35 @@ def test_accumulation_normalizes_by_trained_tokens(tmp_path):
     b = load_file(tmp_path / "two" / "run" / "adapter" / "adapter_model.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_local_qwen3_folder_trains_same_with_fast_paths_on_and_off(tmp_path):
+    """A model folder of another architecture trains through the session; the patched path
+    (forced on, CPU references) and the stock path give the same losses."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from engine.resources import DEMO_MODEL_DIR
+
+    folder = tmp_path / "qwen3"
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (DEMO_MODEL_DIR / f).exists():
+            shutil.copy(DEMO_MODEL_DIR / f, folder / f)
+
+    losses = {}
+    for label, on in (("fast", True), ("stock", False)):
+        run_cfg = tiny_config(tmp_path / label, steps=3)
+        run_cfg.model.name_or_path = str(folder)
+        for name in ("kernels", "lora_autograd", "fused_ce", "packed_attention"):
+            setattr(run_cfg.fast_paths, name, on)
+        result, events = run(run_cfg, run_dir=tmp_path / label / "run")
+        started = next(e for e in events if type(e).__name__ == "RunStarted")
+        if on:
+            assert started.fast_paths["lora_mlp"] == "on" and started.fast_paths["rmsnorm"] == "on"
+        losses[label] = [e.loss for e in events if isinstance(e, StepMetrics)]
+    assert losses["fast"] == pytest.approx(losses["stock"], rel=1e-4)
