@@ -12,6 +12,7 @@ including failure, arrives as an event, and `run()` returns the last one.
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 import traceback
@@ -150,8 +151,7 @@ class TrainingSession:
         from engine import hardware
         from engine.data.collate import PackedBatch
         from engine.data.dataset import prepare_dataset
-        from engine.models.estimate import model_info
-        from engine.models.loading import load_model, load_tokenizer, resolve_model_source
+        from engine.models.loading import load_model, load_tokenizer
         from engine.models.lora import attach_lora, lora_parameters
         from engine.packed import reset_counters
         from engine.train import checkpoint as ckpt
@@ -161,15 +161,15 @@ class TrainingSession:
 
         started = time.time()
         profile = hardware.detect()
-        info = _model_info_or_none(self.config, model_info, resolve_model_source)
+        # Model shape from a config.json already on disk (never a download): the memory-based
+        # defaults need it; without it the policy keeps to what it can decide safely.
+        info = hardware.model_info_for(self.config)
         config = hardware.apply_defaults(self.config, profile, info)
         self.config = config
         run_dir = self._plan_run_dir(config)
         t = config.training
         device = torch.device(t.device)
         torch.manual_seed(t.seed)
-        import random
-
         random.seed(t.seed)
 
         # Bad data or a bad model folder fails here, before a run folder exists.
@@ -364,17 +364,6 @@ def _host_total() -> int:
     import psutil
 
     return psutil.virtual_memory().total
-
-
-def _model_info_or_none(config, model_info, resolve):
-    """Model shape from its config.json alone (for the memory-based defaults), if readable."""
-    try:
-        from transformers import AutoConfig
-
-        source, _ = resolve(config.model.name_or_path)
-        return model_info(AutoConfig.from_pretrained(source, trust_remote_code=config.model.trust_remote_code))
-    except Exception:
-        return None  # the model load below reports the real problem
 
 
 def _human_message(exc: Exception) -> str:
