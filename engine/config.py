@@ -86,8 +86,9 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     seed: int = 42
     gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"
-    # Offloaded checkpointing (single or double buffered). Not implemented yet: the policy
-    # already chooses a mode, and the run's fast-path report says it is off.
+    # Offloaded checkpointing: park each checkpointed layer's input in host memory.
+    # "double" reloads the next layer's input during the current layer's backward (one more
+    # layer input on the device, hides the copies); "single" reloads on demand.
     offload: Literal["auto", "off", "single", "double"] = "auto"
     save_every: int = 0  # steps between checkpoints; 0 = only at the end / on stop
     log_every: int = 1

@@ -59,6 +59,8 @@ class StepMetrics(Event):
     # Packing metadata builds and device-to-host syncs counted during this step.
     metadata_builds: int = 0
     host_syncs: int = 0
+    # Offloaded checkpointing in this step: "double", "single", "single (why)"; "" when off.
+    offload: str = ""
 
 
 @dataclass

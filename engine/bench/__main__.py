@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in bf16 also pass when ours is within 1.25x of stock HF + PEFT bf16's own error "
                         "against the fp32 reference (the 1e-2 tolerance is strict by default)")
     p.add_argument("--memcap", action="store_true", help="W7: longest single sequence under a memory cap")
-    p.add_argument("--memcap-impls", default="ours")
+    p.add_argument("--memcap-impls", default="ours:offload-single",
+                   help="comma list for --memcap; ours takes a variant after a colon (ours:offload-double)")
     p.add_argument("--memcap-gib", type=float, default=16.0)
     p.add_argument("--memcap-max-tokens", type=int, default=131_072)
     p.add_argument("--cpu-smoke", action="store_true",

@@ -43,17 +43,21 @@ def search_longest(trial: Callable[[int], bool], lo_units: int, hi_units: int, b
 
 
 def _make_step(impl: str, workload, device):
-    """(model, step(ids) -> None) for ours or an HF-based peer, on a single-document batch."""
+    """(model, step(ids) -> None) for ours or an HF-based peer, on a single-document batch.
+
+    `impl` may name a variant of ours after a colon: "ours:offload-single".
+    """
     import torch
 
     from engine.bench.workloads import build_model
 
-    if impl == "ours":
-        from engine.bench.ours import loss_fn, prepare_ours
+    if impl == "ours" or impl.startswith("ours:"):
+        from engine.bench.ours import loss_fn, prepare_ours, variant_fields
         from engine.data.collate import PackedBatch
 
+        fields = variant_fields(impl.split(":", 1)[1]) if ":" in impl else {}
         model = build_model(workload, dtype=torch.bfloat16, device=device, attn_implementation="sdpa")
-        model, fp, report = prepare_ours(model, workload, device, {})
+        model, fp, report = prepare_ours(model, workload, device, fields)
         run, _ = loss_fn(model, fp, report)
 
         def forward(ids: list[int]):

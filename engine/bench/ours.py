@@ -53,9 +53,20 @@ def variant_fields(variant: str) -> dict:
     return out
 
 
+# Variant fields that are not FastPathConfig switches but training settings.
+TRAINING_FIELDS = ("offload",)
+
+
+def split_fields(fields: dict) -> tuple[dict, dict]:
+    """(FastPathConfig fields, training fields such as offload) of a variant."""
+    fast = {k: v for k, v in fields.items() if k not in TRAINING_FIELDS}
+    return fast, {k: v for k, v in fields.items() if k in TRAINING_FIELDS}
+
+
 def fast_path_config(fields: dict):
     from engine.config import FastPathConfig
 
+    fields, _ = split_fields(fields)
     known = {f.name for f in dataclasses.fields(FastPathConfig)}
     missing = [k for k in fields if k not in known]
     if missing:
@@ -78,13 +89,17 @@ def lora_config(workload):
 
 
 def prepare_ours(model, workload, device, fields: dict, gradient_checkpointing: bool = True):
-    """Attach LoRA and switch the fast paths on; returns (peft model, fast path config, report)."""
+    """Attach LoRA and switch the fast paths on; returns (peft model, fast path config, report).
+
+    Offload is off unless the variant asks for it, so "all-on" stays comparable across runs.
+    """
     from engine.models.lora import attach_lora
     from engine.train.step import prepare_model
 
     fp = fast_path_config(fields)
+    offload = split_fields(fields)[1].get("offload", "off")
     model = attach_lora(model, lora_config(workload))
-    report = prepare_model(model, fp, device, gradient_checkpointing=gradient_checkpointing)
+    report = prepare_model(model, fp, device, gradient_checkpointing=gradient_checkpointing, offload=offload)
     model.train()
     return model, fp, dict(report or {})
 
@@ -140,6 +155,7 @@ def setup_ours(variant: str):
             return loss.detach()
 
         options = {"variant": variant, "fast_paths": dataclasses.asdict(fp), "fast_paths_report": report,
+                   "offload": split_fields(fields)[1].get("offload", "off"),
                    "fused_ce": fused, "attn_build": "sdpa", "lora_params": _count_trainable(model)}
         return Prepared(step, options, {"collate_ms": round(collate_ms, 2)}, keep=[model, opt, packed])
 

@@ -157,7 +157,7 @@ class TrainingSession:
         from engine.train import checkpoint as ckpt
         from engine.train.optim import make_optimizer
         from engine.train.schedule import StepPlan, lr_lambda
-        from engine.train.step import forward_loss, prepare_model
+        from engine.train.step import forward_loss, offloader_of, prepare_model
 
         started = time.time()
         profile = hardware.detect()
@@ -196,7 +196,8 @@ class TrainingSession:
         self.log(f"Loading model {config.model.name_or_path} on {device} ({config.model.dtype})")
         model = load_model(config.model, device, config.model.dtype)
         model = attach_lora(model, config.lora)
-        fast = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing))
+        fast = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=t.offload)
+        offloader = offloader_of(model)
         model.train()
         params = lora_parameters(model)
         n_train = sum(p.numel() for p in params)
@@ -299,6 +300,7 @@ class TrainingSession:
                     mem_allocated=mem[0], mem_reserved=mem[1], mem_peak=mem[2], mem_total=mem_total,
                     device=str(device), metadata_builds=counters.get("metadata_builds", 0),
                     host_syncs=counters.get("host_syncs", 0),
+                    offload=_offload_note(offloader),
                 ))
             if t.save_every and step % t.save_every == 0 and step < total:
                 save(step)
@@ -345,6 +347,14 @@ def read_step(path) -> int:
         return int(Path(path).name.split("-")[1])
     except (IndexError, ValueError):
         return -1
+
+
+def _offload_note(offloader) -> str:
+    """"double", "single" or "single (why double was not possible)"; "" without offload."""
+    if offloader is None:
+        return ""
+    st = offloader.stats
+    return st.mode + (f" ({st.fell_back})" if st.fell_back else "")
 
 
 def _median(values):

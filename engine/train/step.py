@@ -20,8 +20,13 @@ def _wanted(value) -> bool:
     return value is True or value == AUTO
 
 
-def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpointing: bool) -> dict[str, str]:
-    """Apply the fast paths to a PEFT-wrapped causal LM; return {fast path: "on" | why off}."""
+def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpointing: bool,
+                  offload: str = "off") -> dict[str, str]:
+    """Apply the fast paths to a PEFT-wrapped causal LM; return {fast path: "on" | why off}.
+
+    `offload` ("off", "single", "double"; "auto" is resolved by the hardware policy before
+    this) parks each checkpointed layer's input in host memory (engine.offload).
+    """
     device = torch.device(device)
     report: dict[str, str] = {}
 
@@ -41,16 +46,37 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
     report["fused_ce"] = "on" if _wanted(fast_paths.fused_ce) else "off: disabled in config"
     report["cached_metadata"] = "on" if fast_paths.cached_metadata else "off: rebuilt in every layer"
 
-    # The config and the hardware policy already speak of offloaded checkpointing; until the
-    # engine has it, say so rather than let "double" look like it is doing something.
-    report["offload"] = "off: activation offload is not implemented yet; checkpoints stay on the device"
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.config.use_cache = False
     if gradient_checkpointing:
         # Non-reentrant checkpointing needs no input grads and works with frozen embeddings.
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    report["offload"] = _install_offload(base, offload, device, gradient_checkpointing)
     return report
+
+
+def _install_offload(base, mode: str, device: torch.device, gradient_checkpointing: bool) -> str:
+    from engine.offload import ActivationOffloader, decoder_layers
+
+    base._tunesmith_offloader = None
+    if mode in ("off", AUTO, None, False):
+        return "off: disabled in config" if mode in ("off", False) else "off: not chosen"
+    if not gradient_checkpointing:
+        return "off: offload moves checkpointed layer inputs, and checkpointing is off"
+    layers = decoder_layers(base)
+    if not layers:
+        return f"off: {type(base).__name__} has no checkpointed decoder layers"
+    offloader = ActivationOffloader(mode, device)
+    offloader.install(layers)
+    base._tunesmith_offloader = offloader
+    where = "" if device.type == "cuda" else " (CPU: the copies stay in host memory and save nothing)"
+    return f"on: {mode} buffer, {len(layers)} layers{where}"
+
+
+def offloader_of(model):
+    """The model's ActivationOffloader, or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "_tunesmith_offloader", None)
 
 
 def _decoder_and_head(model):
@@ -68,6 +94,10 @@ def forward_loss(
 ) -> torch.Tensor:
     """sum(token losses over trained targets) / normalizer for one micro-batch."""
     base, decoder, head = _decoder_and_head(model)
+    offloader = getattr(base, "_tunesmith_offloader", None)
+    if offloader is not None and base.training and torch.is_grad_enabled():
+        # Double buffering needs room for one more layer input: decided per micro-batch.
+        offloader.begin_step(batch.num_tokens, base.config.hidden_size, head.weight.dtype)
     kwargs = batch.model_kwargs()
     if not cached_metadata:
         # Ablation: hand the layers only positions, so each rebuilds cu_seqlens itself.

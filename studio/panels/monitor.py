@@ -185,9 +185,12 @@ class MonitorPanel(QWidget):
         left = max(0, self.total_steps - self.last_step) * per_step
         # Packing metadata should be built once per micro-batch and never synced per layer.
         packing = f" · packing meta {m.metadata_builds}×, {m.host_syncs} syncs"
-        self.eta.setText(f"loss {m.loss:.3f} · {m.tokens_per_second:,.0f} tok/s · ETA {fmt_seconds(left)}{packing}")
+        offload = f" · offload {m.offload}" if getattr(m, "offload", "") else ""
+        self.eta.setText(f"loss {m.loss:.3f} · {m.tokens_per_second:,.0f} tok/s · ETA {fmt_seconds(left)}"
+                         f"{packing}{offload}")
         self.eta.setToolTip("Per step: how often the packed-sequence metadata was built (once per "
-                            "micro-batch is ideal) and how many device-to-host syncs it cost (0 is ideal).")
+                            "micro-batch is ideal) and how many device-to-host syncs it cost (0 is ideal); "
+                            "with offloaded checkpointing, the buffering used (double hides the copies).")
 
     def paused(self, step: int) -> None:
         self.set_controls("paused")

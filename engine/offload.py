@@ -1,0 +1,261 @@
+"""Offloaded gradient checkpointing: each decoder layer's input waits in host memory.
+
+With plain gradient checkpointing every layer keeps its input on the device until backward
+(W3: 36 layers x 128 MiB). Here each layer runs as one `OffloadedLayer` autograd Function:
+
+- forward: run the layer without autograd, then copy its input to a pinned host buffer on a
+  side (copy) stream, so the device copy is freed as soon as the copy has read it;
+- backward: bring the input back, recompute the layer with autograd, backpropagate through
+  it (LoRA gradients accumulate into `.grad` as in reentrant checkpointing) and return the
+  input gradient.
+
+Two ways to bring inputs back:
+
+- "double": when layer i's backward starts, the reload of layer i-1's input is issued on the
+  copy stream, so it travels while layer i recomputes and backpropagates; two layer inputs
+  are on the device at once (one extra layer input of memory).
+- "single": layer i's input is reloaded when its backward starts and the compute waits for
+  it; one layer input on the device, and the copy time shows.
+
+"double" falls back to "single" for a step when free VRAM (under any per-process cap) is
+short of one more layer input plus a margin, and for the rest of a step if allocating the
+second buffer runs out of memory. Nothing here asks the device anything per layer: copies
+and waits are stream events, so there are no device-to-host syncs.
+
+On a CPU there is no copy stream; the "host buffer" is a plain CPU tensor (a copy that saves
+nothing), which keeps the mechanism testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+MODES = ("single", "double")
+# Headroom kept free beside the second buffer when choosing double buffering.
+DOUBLE_BUFFER_MARGIN = 256 * 2**20
+
+
+@dataclass
+class OffloadStats:
+    """What one step did; read and reset by the training loop."""
+
+    mode: str = ""  # mode used in the last step ("double" or "single")
+    layers: int = 0  # layer inputs offloaded in the step
+    bytes_offloaded: int = 0
+    fell_back: str = ""  # why double buffering was not used, when it was asked for
+    reloads_waited: int = 0  # single-buffer reloads the compute stream had to wait for
+
+
+@dataclass
+class _Slot:
+    """One layer's parked input: the host buffer and, once reloaded, the device copy."""
+
+    host: Optional[torch.Tensor] = None  # flat pinned buffer, grown when needed
+    shape: tuple = ()
+    dtype: torch.dtype = torch.float32
+    numel: int = 0
+    device_copy: Optional[torch.Tensor] = None  # filled by a prefetch
+    ready: Optional[torch.cuda.Event] = None  # recorded on the copy stream after the reload
+    saved: bool = False
+
+
+class ActivationOffloader:
+    """Parks decoder-layer inputs in host memory; installs itself as the layers' checkpoint function."""
+
+    def __init__(self, mode: str, device):
+        if mode not in MODES:
+            raise ValueError(f"offload mode must be one of {MODES}, not {mode!r}")
+        self.mode = mode  # what was asked for
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.slots: list[_Slot] = []
+        self.stats = OffloadStats()
+        self._step_mode = mode
+        # An input that always requires grad, so every layer's backward runs even when the
+        # first layer's input (frozen embeddings) needs no gradient.
+        self._grad_anchor = torch.empty(0, device=self.device, requires_grad=True)
+
+    # -- wiring ---------------------------------------------------------------------------------
+
+    def install(self, layers) -> int:
+        """Make each checkpointed decoder layer (transformers' GradientCheckpointingLayer) offload."""
+        self.slots = [_Slot() for _ in layers]
+        for i, layer in enumerate(layers):
+            layer._gradient_checkpointing_func = partial(self.checkpoint, i)
+        return len(layers)
+
+    def begin_step(self, tokens: int, hidden_size: int, dtype: torch.dtype) -> str:
+        """Choose this step's mode (double needs room for one more layer input); returns it."""
+        self.stats = OffloadStats()
+        self._step_mode = self.mode
+        for slot in self.slots:  # a step that failed midway (OOM) may have left reloads behind
+            slot.device_copy, slot.ready, slot.saved = None, None, False
+        if self.mode == "double" and self.cuda:
+            need = tokens * hidden_size * torch.finfo(dtype).bits // 8 + DOUBLE_BUFFER_MARGIN
+            free = free_device_bytes(self.device)
+            if free < need:
+                self._step_mode = "single"
+                self.stats.fell_back = (f"free VRAM {free / 2**20:.0f} MiB < {need / 2**20:.0f} MiB "
+                                        "for the second buffer")
+        self.stats.mode = self._step_mode
+        return self._step_mode
+
+    # -- the checkpoint function the layers call ------------------------------------------------
+
+    def checkpoint(self, index: int, fn: Callable, hidden: torch.Tensor, *args):
+        """Called by the layer as `_gradient_checkpointing_func(forward_partial, hidden, ...)`."""
+        if not torch.is_grad_enabled():  # no backward will come (e.g. generation in train mode)
+            return fn(hidden, *args)
+        if args:  # positional extras would have to be parked too; transformers passes kwargs
+            raise TypeError("offloaded checkpointing expects the hidden states as the only positional input")
+        return OffloadedLayer.apply(self, index, fn, self._grad_anchor, hidden)
+
+    # -- host side ------------------------------------------------------------------------------
+
+    def _park(self, index: int, hidden: torch.Tensor) -> None:
+        slot = self.slots[index]
+        n = hidden.numel()
+        if slot.host is None or slot.host.numel() < n or slot.host.dtype != hidden.dtype:
+            slot.host = torch.empty(n, dtype=hidden.dtype, device="cpu", pin_memory=self.cuda)
+        slot.shape, slot.dtype, slot.numel = tuple(hidden.shape), hidden.dtype, n
+        slot.device_copy, slot.ready, slot.saved = None, None, True
+        src = hidden.detach().reshape(-1)
+        if self.cuda:
+            # The copy stream reads `hidden` after the compute stream has written it; the
+            # allocator must not hand its memory out again before that read has happened.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                slot.host[:n].copy_(src, non_blocking=True)
+            hidden.record_stream(self.copy_stream)
+        else:
+            slot.host[:n].copy_(src)
+        self.stats.layers += 1
+        self.stats.bytes_offloaded += n * hidden.element_size()
+
+    def _issue_reload(self, index: int) -> bool:
+        """Start copying layer `index`'s input back on the copy stream; False if out of memory."""
+        slot = self.slots[index]
+        if not slot.saved or slot.device_copy is not None:
+            return True
+        try:
+            # Allocated on the compute stream, which will use and free it.
+            buf = torch.empty(slot.numel, dtype=slot.dtype, device=self.device)
+        except torch.cuda.OutOfMemoryError:
+            return False
+        # Wait until the compute stream is past earlier users of this memory.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            buf.copy_(slot.host[: slot.numel], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+        slot.device_copy, slot.ready = buf, ev
+        return True
+
+    def _fetch(self, index: int) -> torch.Tensor:
+        """Layer `index`'s input on the device, usable on the compute stream."""
+        slot = self.slots[index]
+        if not slot.saved:
+            raise RuntimeError(f"layer {index}'s input was not offloaded in this forward pass")
+        if not self.cuda:
+            out = slot.host[: slot.numel].clone()
+        else:
+            if slot.device_copy is None:
+                self.stats.reloads_waited += 1
+                if not self._issue_reload(index):
+                    raise torch.cuda.OutOfMemoryError(f"no device memory to reload layer {index}'s input")
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+            out = slot.device_copy
+        slot.device_copy, slot.ready, slot.saved = None, None, False
+        return out.view(slot.shape)
+
+    def _prefetch_before(self, index: int) -> None:
+        """Double buffering: start reloading the previous layer's input now."""
+        if not self.cuda or self._step_mode != "double" or index == 0:
+            return
+        if not self._issue_reload(index - 1):
+            self._step_mode = self.stats.mode = "single"
+            self.stats.fell_back = "out of memory allocating the second buffer"
+
+
+def free_device_bytes(device) -> int:
+    """Bytes this process can still allocate: the driver's free memory plus the caching
+    allocator's unused blocks, bounded by a per-process cap (set_per_process_memory_fraction)."""
+    device = torch.device(device)
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
+    available = free + (reserved - allocated)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is not None:
+        cap = int(get_fraction(device) * total)
+        available = min(available, cap - allocated)
+    return max(0, available)
+
+
+class OffloadedLayer(torch.autograd.Function):
+    """forward(offloader, index, fn, anchor, hidden) -> fn(hidden), with hidden parked on the host."""
+
+    @staticmethod
+    def forward(ctx, offloader: ActivationOffloader, index: int, fn: Callable, anchor, hidden):
+        ctx.offloader, ctx.index, ctx.fn = offloader, index, fn
+        ctx.rng = _RngState.capture(hidden.device)
+        with torch.no_grad():
+            out = fn(hidden)
+        offloader._park(index, hidden)
+        if isinstance(out, tuple):  # older decoder layers return (hidden, ...)
+            ctx.tuple_out = len(out)
+            return out[0]
+        ctx.tuple_out = 0
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        off: ActivationOffloader = ctx.offloader
+        hidden = off._fetch(ctx.index)
+        off._prefetch_before(ctx.index)
+        need_dx = ctx.needs_input_grad[4]
+        hidden = hidden.detach().requires_grad_(need_dx)
+        with torch.enable_grad(), ctx.rng.restored():
+            out = ctx.fn(hidden)
+        if ctx.tuple_out:
+            out = out[0]
+        if out.requires_grad:
+            torch.autograd.backward(out, grad_out)
+        dx = hidden.grad if need_dx else None
+        return None, None, None, None, dx
+
+
+@dataclass
+class _RngState:
+    """RNG states at a layer's forward, so the recompute draws the same dropout masks
+    (as torch.utils.checkpoint does; reading them asks the device nothing)."""
+
+    cpu: torch.Tensor
+    cuda: Optional[torch.Tensor]
+    device: torch.device
+
+    @classmethod
+    def capture(cls, device: torch.device) -> "_RngState":
+        cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), cuda_state, device)
+
+    @contextlib.contextmanager
+    def restored(self):
+        with torch.random.fork_rng(devices=[self.device] if self.cuda is not None else [], enabled=True):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+def decoder_layers(model) -> list:
+    """The checkpointed decoder layers of a (PEFT-wrapped) transformers causal LM."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
