@@ -187,6 +187,8 @@ def free_device_bytes(device) -> int:
     """Bytes this process can still allocate: the driver's free memory plus the caching
     allocator's unused blocks, bounded by a per-process cap (set_per_process_memory_fraction)."""
     device = torch.device(device)
+    if device.index is None:  # the memory queries below want an index, not plain "cuda"
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     reserved = torch.cuda.memory_reserved(device)
