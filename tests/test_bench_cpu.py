@@ -138,13 +138,17 @@ def test_variants_and_unsupported_switches():
     from engine.bench.ours import fast_path_config, split_fields, variant_fields
     from engine.bench.runner import NotYetSupported
 
-    assert variant_fields("no-fused-ce") == {"fused_ce": False}
-    assert variant_fields("kernels=false+ce_chunk_tokens=4096") == {"kernels": False, "ce_chunk_tokens": 4096}
+    # every variant is a change from all-on, which offloads with a double buffer
+    assert variant_fields("all-on") == {"offload": "double"}
+    assert variant_fields("no-fused-ce") == {"offload": "double", "fused_ce": False}
+    assert variant_fields("kernels=false+ce_chunk_tokens=4096") == {
+        "offload": "double", "kernels": False, "ce_chunk_tokens": 4096}
     assert fast_path_config(variant_fields("rebuilt-metadata")).cached_metadata is False
     with pytest.raises(NotYetSupported):
         fast_path_config(variant_fields("no-such-switch=1"))
     # offload is a training setting, passed beside the fast-path switches
-    assert split_fields(variant_fields("offload-double")) == ({}, {"offload": "double"})
+    assert split_fields(variant_fields("offload-single")) == ({}, {"offload": "single"})
+    assert split_fields(variant_fields("no-offload")) == ({}, {"offload": "off"})
 
 
 def test_dry_run_builds_nothing(capsys):
