@@ -12,7 +12,8 @@ every intermediate. Here one `torch.autograd.Function` covers a group of project
 
 Products are bracketed so ``A B`` ([out, in]) is never formed. Gradients flow to x, A and B
 only; the base weight is read through `base_weight(layer, dtype)`, the single place where a
-4-bit base would be dequantized later.
+4-bit (QLoRA) base is dequantized (engine.models.quant): once in forward and once more in
+backward for dx, each copy dropped right after its matmul, never saved for backward.
 
 Gradients (``dy`` = upstream gradient, ``xa = x A^T``):
 
@@ -33,20 +34,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import quant
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# -- base layer access: the one place a quantized base would plug in ---------------------------
+# -- base layer access: the one place a quantized base plugs in ---------------------------------
 
 
 def base_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The frozen base weight [out, in] as a dense tensor in `dtype`.
 
-    A 4-bit (NF4) base would dequantize here; until then `lora_unsupported_reason` keeps
-    quantized layers on PEFT's path, so only dense float weights reach this function.
+    A 4-bit base is dequantized into a fresh tensor: callers use it for one matmul and drop it
+    (it is never saved for backward), so one layer's dense weight exists at a time.
     """
+    if quant.is_4bit(layer):
+        return quant.dequantize(layer, dtype)
     w = layer.weight
     return w if w.dtype == dtype else w.to(dtype)
+
+
+def base_dtype(layer: nn.Module) -> Optional[torch.dtype]:
+    """The activation dtype the stock base layer computes in (None: not usable right now)."""
+    if quant.is_4bit(layer):
+        return quant.compute_dtype(layer)
+    return layer.weight.dtype
 
 
 def base_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
@@ -64,8 +76,8 @@ def base_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 class LoRAParts:
     """One projection: its frozen base and, when wrapped by PEFT, the active adapter's A/B."""
 
-    layer: nn.Module  # the module the model calls (PEFT wrapper or plain nn.Linear)
-    base: nn.Module  # the frozen nn.Linear
+    layer: nn.Module  # the module the model calls (PEFT wrapper, or the base itself)
+    base: nn.Module  # the frozen nn.Linear or 4-bit bitsandbytes Linear4bit
     adapter: Optional[str]  # None: no LoRA on this projection
     scale: float = 0.0
 
@@ -79,16 +91,22 @@ class LoRAParts:
 
 
 def _is_peft_lora_linear(layer: nn.Module) -> bool:
+    """PEFT's LoRA wrapper of a dense nn.Linear or of a 4-bit bitsandbytes Linear4bit."""
     try:
         from peft.tuners.lora import Linear as PeftLoraLinear
     except Exception:  # pragma: no cover - peft is a dependency
         return False
-    return isinstance(layer, PeftLoraLinear)
+    return isinstance(layer, PeftLoraLinear) or quant.is_peft_lora_4bit(layer)
 
 
-def _dense_base_reason(base: nn.Module) -> Optional[str]:
+def _is_bare_base(layer: nn.Module) -> bool:
+    """A projection LoRA does not target: the base layer itself, without a PEFT wrapper."""
+    return type(layer) is nn.Linear or quant.is_4bit(layer)
+
+
+def _base_reason(base: nn.Module) -> Optional[str]:
     if type(base) is not nn.Linear:
-        return f"base layer is {type(base).__name__}, not a dense nn.Linear (quantized bases keep PEFT's path for now)"
+        return quant.unsupported_reason(base)
     if base.weight.dtype not in _FLOAT_DTYPES or hasattr(base.weight, "quant_state"):
         return f"base weight dtype {base.weight.dtype} is not bf16/fp16/fp32"
     if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
@@ -98,10 +116,15 @@ def _dense_base_reason(base: nn.Module) -> Optional[str]:
 
 def lora_unsupported_reason(layer: nn.Module) -> Optional[str]:
     """None when `layer` can run on the fused path, else a short reason it keeps PEFT's path."""
-    if type(layer) is nn.Linear:  # a projection LoRA does not target: base only
-        return _dense_base_reason(layer)
+    if _is_bare_base(layer):
+        return _base_reason(layer)
     if not _is_peft_lora_linear(layer):
-        return f"{type(layer).__module__}.{type(layer).__name__} is not a PEFT lora.Linear"
+        # Other PEFT LoRA layers (over 8-bit bases, ...) and bare Linear subclasses (quantized
+        # layers LoRA does not target): the base layer says best why they cannot fuse.
+        get_base = getattr(layer, "get_base_layer", None)
+        base = get_base() if callable(get_base) else layer
+        reason = _base_reason(base) if base is not layer or isinstance(layer, nn.Linear) else None
+        return reason or f"{type(layer).__module__}.{type(layer).__name__} is not a PEFT lora.Linear"
     if getattr(layer, "fan_in_fan_out", False):
         return "fan_in_fan_out layers are not supported"
     active = list(layer.active_adapters)
@@ -129,7 +152,7 @@ def lora_unsupported_reason(layer: nn.Module) -> Optional[str]:
     scale = layer.scaling[name]
     if not isinstance(scale, (int, float)):
         return "per-token or tensor LoRA scaling is not supported"
-    return _dense_base_reason(layer.get_base_layer())
+    return _base_reason(layer.get_base_layer())
 
 
 def lora_parts(layer: nn.Module) -> LoRAParts:
@@ -137,7 +160,7 @@ def lora_parts(layer: nn.Module) -> LoRAParts:
     reason = lora_unsupported_reason(layer)
     if reason is not None:
         raise ValueError(f"layer not supported by the fused LoRA path: {reason}")
-    if type(layer) is nn.Linear:
+    if _is_bare_base(layer):
         return LoRAParts(layer, layer, None, 0.0)
     name = layer.active_adapters[0]
     return LoRAParts(layer, layer.get_base_layer(), name, float(layer.scaling[name]))
@@ -147,12 +170,14 @@ def runtime_ok(parts: Sequence[LoRAParts], x: torch.Tensor) -> bool:
     """Per-call check that the state seen when patching still holds (cheap attribute reads).
 
     Adapters can be disabled (PEFT's `disable_adapter()`), merged or switched after patching,
-    and autocast changes compute dtypes; in those cases the caller takes the stock path.
+    and autocast changes compute dtypes; in those cases the caller takes the stock path. The
+    activations must be in the dtype the stock base computes in (a 4-bit base's compute dtype),
+    so both paths round alike.
     """
     if torch.is_autocast_enabled(x.device.type):
         return False
     for p in parts:
-        if p.base.weight.dtype != x.dtype:
+        if base_dtype(p.base) != x.dtype:
             return False
         if p.adapter is not None:
             layer = p.layer
@@ -292,6 +317,7 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
         if need_dx:
             wt = base_weight(base, dtype)
             dx = torch.mm(dy, wt) if dx is None else dx.addmm_(dy, wt)
+            del wt  # a dequantized 4-bit weight goes before the next one is made
         if B is None:
             continue
         if need_ab[2 * i + 1]:

@@ -23,6 +23,10 @@ The report maps each fast path (rmsnorm, rope, activations, lora_qkv, lora_o, lo
 "on" (every module of that kind patched), "partial k/n: <reason for the rest>", or
 "off: <reason>".
 
+Quantized models: projections over 4-bit bitsandbytes bases (QLoRA, NF4) run the same fused
+LoRA Functions, which dequantize each base weight right before its matmul (engine.models.quant);
+other quantized layers (8-bit, ...) keep PEFT's path and the report says why.
+
 Device policy: "auto" applies the patches on CUDA *and* CPU. On a CPU the kernels dispatch to
 their torch references and the LoRA Functions run as plain torch matmuls, so the demo and CI run
 the same code path as the GPU, with identical results up to rounding. Other device types
@@ -110,8 +114,9 @@ def describe_fast_paths(model_type: str) -> dict[str, str]:
     """{fast path: "on" | why it is off} for an architecture, from its model_type alone.
 
     What a run of this architecture gets on a CUDA GPU with every switch on "auto"; the run's
-    own report (apply_fast_paths) can still turn single modules off (dropout, DoRA, ...).
-    Packed attention and the fused cross-entropy apply to every architecture.
+    own report (apply_fast_paths) can still turn single modules off (dropout, DoRA, 8-bit
+    bases, ...); 4-bit (NF4) bases run the fused LoRA paths like 16-bit ones. Packed
+    attention and the fused cross-entropy apply to every architecture.
     """
     if model_type in REGISTRY:
         report = {name: "on" for name in FAST_PATHS}
@@ -333,7 +338,7 @@ def _group_reason(layers: list[nn.Module]) -> Optional[str]:
         reason = lora_unsupported_reason(layer)
         if reason is not None:
             return reason
-    if all(type(layer) is nn.Linear for layer in layers):
+    if all(lora_parts(layer).adapter is None for layer in layers):
         return "no LoRA adapter on these projections"
     return None
 
