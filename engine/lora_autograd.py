@@ -366,6 +366,87 @@ class LoRALinears(torch.autograd.Function):
         return (dx, None, *dab)
 
 
+# The MLP's [tokens, intermediate] tensors are its largest: gate and up are saved, and the
+# activation output h and its gradient dh would double that at the peak. Above this size h and
+# dh are made and used a slice of rows at a time (never whole); the slices stay tall enough
+# for full-speed matmuls. W3 (16k tokens x 12,288) runs in 3 slices, W1 (x 3,072) in 2.
+MLP_SLICE_BYTES = 64 * 2**20
+
+
+def _row_slices(n: int, inter: int, element_size: int) -> list[tuple[int, int]]:
+    """Row ranges covering n rows with at most MLP_SLICE_BYTES of [rows, inter] each."""
+    rows = max(256, MLP_SLICE_BYTES // max(1, inter * element_size))
+    if rows >= n:
+        return [(0, n)]
+    rows = max(256, (rows // 64) * 64)
+    return [(s, min(s + rows, n)) for s in range(0, n, rows)]
+
+
+def _down_forward(gate, up, act, down: LoRAGroup, w_out):
+    """y = down(act(gate, up)) and ha = h @ A_down^T, making h one row slice at a time."""
+    a_all, (B,), _ = w_out
+    base = down.bases[0]
+    n = gate.shape[0]
+    slices = _row_slices(n, gate.shape[1], gate.element_size())
+    if len(slices) == 1:
+        h = act.forward_raw(gate, up)
+        (y,), ha = _group_forward(h, down, w_out)
+        return y, ha
+    W = base_weight(base, gate.dtype)  # one dequantization (4-bit) for all slices
+    y = torch.empty((n, W.shape[0]), dtype=gate.dtype, device=gate.device)
+    ha = None if a_all is None else torch.empty((n, a_all.shape[0]), dtype=gate.dtype, device=gate.device)
+    for s, e in slices:
+        h = act.forward_raw(gate[s:e], up[s:e])
+        torch.mm(h, W.t(), out=y[s:e])
+        if ha is not None:
+            torch.mm(h, a_all.t(), out=ha[s:e])
+            y[s:e].addmm_(ha[s:e], B.t())
+        del h
+    if base.bias is not None:
+        y += base.bias.to(y.dtype)
+    return y, ha
+
+
+def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
+    """Gradients of the down projection and the activation, one row slice at a time.
+
+    Overwrites gate and up with d_gate and d_up (they are the Function's own saved tensors);
+    returns [dA_down, dB_down] (None where not needed). h and dh exist for one slice at a time.
+    """
+    a_all, (B,), _ = w_out
+    base = down.bases[0]
+    dtype = gate.dtype
+    n = gate.shape[0]
+    slices = _row_slices(n, gate.shape[1], gate.element_size())
+    W = base_weight(base, dtype)
+    dab: list[Optional[torch.Tensor]] = [None, None]
+    g = None
+    if B is not None:
+        if need_ab[1]:
+            dab[1] = _scaled_mm(dy.t(), ha, down.scales[0], ab[1].dtype)
+        g = torch.mm(dy, B)  # dy (s B): [N, r]
+    da = None
+    for s, e in slices:
+        h, act_grad = act.backward_raw(gate[s:e], up[s:e])
+        if g is not None and need_ab[0]:
+            part = torch.mm(g[s:e].t(), h)  # [r, inter]
+            # Slices are summed in fp32 (a single slice is used as the GEMM returns it).
+            da = part if da is None else (da.float() if da.dtype != torch.float32 else da).add_(part)
+        del h
+        dh = torch.mm(dy[s:e], W)
+        if g is not None:
+            dh.addmm_(g[s:e], a_all)
+        dgate, dup = act_grad(dh)
+        del dh
+        if dgate.data_ptr() != gate[s:e].data_ptr():  # the torch fallback returns new tensors
+            gate[s:e].copy_(dgate)
+            up[s:e].copy_(dup)
+        del dgate, dup
+    if da is not None:
+        dab[0] = da.to(ab[0].dtype)
+    return dab
+
+
 class LoRAMLP(torch.autograd.Function):
     """down(act(gate(x), up(x))) with LoRA on each: forward(x, gate_up, down, act, A/B x3)."""
 
@@ -374,8 +455,7 @@ class LoRAMLP(torch.autograd.Function):
         w_in = gate_up.weights(ab[:4], x.dtype)
         w_out = down.weights(ab[4:], x.dtype)
         (gate, up), xa = _group_forward(x, gate_up, w_in)
-        h = act.forward_raw(gate, up)
-        (y,), ha = _group_forward(h, down, w_out)
+        y, ha = _down_forward(gate, up, act, down, w_out)
         ctx.groups, ctx.w, ctx.act = (gate_up, down), (w_in, w_out), act
         ctx.ab_dtypes = [None if t is None else t.dtype for t in ab]
         # h ([N, inter]) is not saved: one elementwise pass rebuilds it in backward.
@@ -390,13 +470,9 @@ class LoRAMLP(torch.autograd.Function):
         w_in, w_out = ctx.w
         need_ab = need[4:]
         ab = _DtypeOnly.wrap(ctx.ab_dtypes)
-        h, act_grad = ctx.act.backward_raw(gate, up)
-        dh, dab_down = _group_backward((dy,), h, ha, down, w_out, ab[4:], True, need_ab[4:])
-        del h
-        # May overwrite gate/up with their gradients (they are ours and used by nothing else).
-        dgate, dup = act_grad(dh)
-        del dh
-        dx, dab_in = _group_backward((dgate, dup), x, xa, gate_up, w_in, ab[:4], need[0], need_ab[:4])
+        # gate/up now hold d_gate/d_up (they are ours and used by nothing else).
+        dab_down = _down_backward(dy, gate, up, ha, ctx.act, down, w_out, ab[4:], need_ab[4:])
+        dx, dab_in = _group_backward((gate, up), x, xa, gate_up, w_in, ab[:4], need[0], need_ab[:4])
         return (dx, None, None, None, *dab_in, *dab_down)
 
 
