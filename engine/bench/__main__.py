@@ -23,7 +23,7 @@ import time
 from engine.bench.report import DEFAULT_MD, DEFAULT_RESULTS, progress
 
 DEFAULT_IMPLS = "ours,liger_flex,unsloth,hf_flex,hf_sdpa,liger_sdpa"
-KNOWN_IMPLS = ("ours", "hf_sdpa", "hf_flex", "hf_eager", "liger_sdpa", "liger_flex", "unsloth")
+KNOWN_IMPLS = ("ours", "hf", "hf_sdpa", "hf_flex", "hf_eager", "liger_sdpa", "liger_flex", "unsloth")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=None,
                    help="comma list of W1..W7 (W5b: GPT-OSS MoE block); default W1,W2,W3 (parity: W1,W2)")
     p.add_argument("--impls", default=DEFAULT_IMPLS,
-                   help=f"comma list, run in this order; known: {', '.join(KNOWN_IMPLS)} (default {DEFAULT_IMPLS})")
+                   help=f"comma list, run in this order; known: {', '.join(KNOWN_IMPLS)} (default {DEFAULT_IMPLS}); "
+                        "on W5/W5b any HF name runs every transformers experts implementation")
     p.add_argument("--ours-variants", default="all-on",
                    help="fast-path ablations of ours: all-on, no-kernels, no-lora-autograd, no-fused-ce, "
                         "no-packed-attention, rebuilt-metadata, all-off, offload-single, offload-double, "
@@ -92,21 +93,24 @@ def _device(args):
 
 
 def plan_impls(wl, impls: list[str], variants: list[str]) -> list[tuple[str, dict]]:
-    """(impl, options) in run order; "ours" expands to one entry per variant."""
-    if wl.kind == "moe_block":
-        from engine.bench.peers.moe import available_experts_impls
+    """(impl, options) in run order; "ours" expands to one entry per variant.
 
-        out = [("ours", {"variant": "all-on"})] if "ours" in impls else []
-        if any(i != "ours" for i in impls):
-            out += [(f"hf_moe_{name}", {}) for name in ("eager", "grouped_mm", "batched_mm")
-                    if name == "eager" or name in available_experts_impls()]
-        return out
-    out = []
+    On MoE-block workloads (W5) every HF impl name stands for all of transformers' experts
+    implementations (hf_moe_eager, hf_moe_grouped_mm, hf_moe_batched_mm where registered);
+    elsewhere "hf" means hf_sdpa.
+    """
+    out: list[tuple[str, dict]] = []
     for impl in impls:
         if impl == "ours":
-            out += [("ours", {"variant": v}) for v in variants]
+            entries = [("ours", {"variant": v}) for v in variants]
+        elif wl.kind == "moe_block":
+            from engine.bench.peers.moe import available_experts_impls
+
+            entries = [(f"hf_moe_{name}", {}) for name in ("eager", "grouped_mm", "batched_mm")
+                       if name == "eager" or name in available_experts_impls()]
         else:
-            out.append((impl, {}))
+            entries = [("hf_sdpa" if impl == "hf" else impl, {})]
+        out += [e for e in entries if e not in out]
     return out
 
 

@@ -134,8 +134,10 @@ def setup_ours(variant: str):
         wl = ctx.workload
         fields = variant_fields(variant)
         fast_path_config(fields)  # fail before building a big model
-        if fields.get("moe_grouping") is not None or wl.kind == "moe_block":
-            raise NotYetSupported("grouped MoE (engine.moe) does not exist yet")
+        if wl.kind == "moe_block":  # W5: one MoE block, not a training step
+            from engine.bench.moe_block import setup_ours_moe_block
+
+            return setup_ours_moe_block(variant, fields)(ctx)
         if wl.quant == "nf4":
             _need_bnb(ctx.device)
         model = build_model(wl, dtype=torch.bfloat16 if ctx.device.type == "cuda" else torch.float32,

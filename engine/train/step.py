@@ -43,6 +43,17 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
 
     report.update(apply_fast_paths(model, fast_paths, device))
 
+    mg = fast_paths.moe_grouping
+    if mg is False:
+        report["moe_grouping"] = "off: disabled in config"
+    elif mg == AUTO and device.type not in ("cuda", "cpu"):
+        report["moe_grouping"] = f"off: auto keeps the stock path on {device.type}"
+    else:
+        from engine.moe import apply_moe_grouping
+
+        report["moe_grouping"] = apply_moe_grouping(
+            model, kernels="torch" if fast_paths.kernels is False else "auto")
+
     report["fused_ce"] = "on" if _wanted(fast_paths.fused_ce) else "off: disabled in config"
     report["cached_metadata"] = "on" if fast_paths.cached_metadata else "off: rebuilt in every layer"
 

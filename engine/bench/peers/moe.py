@@ -2,7 +2,8 @@
 
 The baseline is transformers' own block with each experts implementation it registers
 ("eager" loops over experts; "grouped_mm" / "batched_mm" where this transformers has them).
-Tokens/s here is block tokens per second, not a training step.
+Tokens/s here is block tokens per second, not a training step. Ours (engine.bench.moe_block)
+uses the same block, weights, inputs and step through `block_inputs` and `block_step`.
 """
 
 from __future__ import annotations
@@ -25,36 +26,74 @@ def available_experts_impls() -> list[str]:
     return names
 
 
+def block_dtype(ctx: Context):
+    import torch
+
+    return torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+
+
+def block_inputs(ctx: Context, dtype) -> tuple[list, list]:
+    """Hidden states and output gradients per step, seeded per step like the token batches."""
+    import torch
+
+    hidden = ctx.workload.config["hidden_size"]
+    xs, gs = [], []
+    for b in ctx.batches:
+        g = torch.Generator().manual_seed(b.seed)
+        xs.append(torch.randn(1, b.num_tokens, hidden, generator=g).to(dtype))
+        gs.append(torch.randn(1, b.num_tokens, hidden, generator=g).to(dtype))
+    return xs, gs
+
+
+def block_step(block, xs, gs, device):
+    def step(i):
+        x = xs[i].to(device).requires_grad_(True)
+        out = block(x)
+        if isinstance(out, tuple):  # GPT-OSS's block also returns router scores
+            out = out[0]
+        out.backward(gs[i].to(device))
+        return None
+
+    return step
+
+
+def count_cuda_syncs(fn) -> int | None:
+    """Device-to-host syncs `fn()` makes, counted by torch's sync debug mode (CUDA only)."""
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def setup_moe_block(experts_impl: str):
     def setup(ctx: Context) -> Prepared:
-        import torch
-
         from engine.bench.workloads import build_moe_block
 
         wl = ctx.workload
         if experts_impl not in available_experts_impls():
             raise NotSupported(f"this transformers has no '{experts_impl}' experts implementation")
-        dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+        dtype = block_dtype(ctx)
         block = build_moe_block(wl, dtype=dtype, device=ctx.device,
                                 experts_implementation=None if experts_impl == "eager" else experts_impl)
         if experts_impl == "eager":
             block.experts.config._experts_implementation = "eager"
-        hidden = wl.config["hidden_size"]
-        xs, gs = [], []
-        for b in ctx.batches:  # hidden states seeded per step like the token batches
-            g = torch.Generator().manual_seed(b.seed)
-            xs.append(torch.randn(1, b.num_tokens, hidden, generator=g).to(dtype))
-            gs.append(torch.randn(1, b.num_tokens, hidden, generator=g).to(dtype))
-
-        def step(i):
-            x = xs[i].to(ctx.device).requires_grad_(True)
-            out = block(x)
-            if isinstance(out, tuple):  # GPT-OSS's block also returns router scores
-                out = out[0]
-            out.backward(gs[i].to(ctx.device))
-            return None
-
-        return Prepared(step, {"experts_implementation": experts_impl, "block": type(block).__name__},
-                        keep=[block, xs, gs])
+        xs, gs = block_inputs(ctx, dtype)
+        step = block_step(block, xs, gs, ctx.device)
+        options = {"experts_implementation": experts_impl, "block": type(block).__name__}
+        if ctx.device.type == "cuda":  # one extra untimed step, before the warm-ups
+            options["cuda_syncs_per_step"] = count_cuda_syncs(lambda: step(0))
+        return Prepared(step, options, keep=[block, xs, gs])
 
     return setup
