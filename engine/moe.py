@@ -108,6 +108,11 @@ def _plan_for(block: nn.Module) -> tuple[Optional[_Plan], Optional[str]]:
         wanted = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
     else:
         return None, f"{name} is not a supported MoE block (Qwen3MoeSparseMoeBlock, GptOssMLP)"
+    wrapped = [m for m in (experts, router) if m is not None and hasattr(m, "get_base_layer")]
+    if wrapped:
+        # PEFT's all-linear also targets 3-D expert weights and the router (ParamWrapper).
+        return None, ("PEFT adapters on the experts or the router (LoRA here trains only what "
+                      "leaves experts frozen: target the attention projections)")
     if experts is None or router is None or not hasattr(router, "top_k"):
         return None, f"{name} has an unknown layout (transformers < 5?)"
     why = _params_plain(experts, wanted)

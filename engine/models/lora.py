@@ -5,15 +5,32 @@ from __future__ import annotations
 from engine.config import LoraConfig
 
 
-def peft_lora_config(cfg: LoraConfig):
+def all_linear_names(model) -> list[str]:
+    """Names (last component) of every Linear layer except the LM head: what "all-linear" means.
+
+    PEFT's own "all-linear" also puts adapters on MoE experts' 3-D weights and routers
+    (target_parameters); here experts stay frozen, so MoE layers keep the grouped expert path
+    (engine.moe) and LoRA trains attention and any dense MLPs. 4-bit layers are Linear too.
+    """
+    from torch import nn
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+                   if isinstance(mod, nn.Linear) and mod is not head and name})
+
+
+def peft_lora_config(cfg: LoraConfig, model=None):
     from peft import LoraConfig as PeftLoraConfig
 
+    if isinstance(cfg.target_modules, list):
+        targets = cfg.target_modules
+    else:
+        targets = all_linear_names(model) if model is not None else "all-linear"
     return PeftLoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        # PEFT's "all-linear" takes every linear layer of the decoder and leaves the LM head out.
-        target_modules=cfg.target_modules if isinstance(cfg.target_modules, list) else "all-linear",
+        target_modules=targets,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -24,7 +41,7 @@ def attach_lora(model, cfg: LoraConfig):
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, peft_lora_config(cfg))
+        return get_peft_model(model, peft_lora_config(cfg, model))
     except ValueError as exc:
         # PEFT says "Target modules {...} not found in the base model" for bad names.
         raise ValueError(f"lora.target_modules: {exc}") from exc

@@ -103,6 +103,9 @@ REGISTRY: dict[str, ArchPatch] = {
     "mistral": ArchPatch("Mistral", attn_kwargs=_mistral_kwargs),
     "qwen2": ArchPatch("Qwen2", attn_kwargs=_window_kwargs),
     "qwen3": ArchPatch("Qwen3", qk_norm=True, attn_kwargs=_window_kwargs),
+    # Qwen3-MoE: the attention and norms are Qwen3's; its sparse blocks are engine.moe's, and
+    # only dense layers (mlp_only_layers) are Qwen3MoeMLP modules.
+    "qwen3_moe": ArchPatch("Qwen3Moe", qk_norm=True, attn_kwargs=_window_kwargs),
     "gemma": ArchPatch("Gemma", norm_offset=1.0),
     # Gemma2's pre/post feed-forward norms are RMSNorm modules too; softcapping and the sliding
     # window travel to the attention function as kwargs, as in the stock forward.

@@ -315,3 +315,25 @@ def test_second_backward_over_the_in_place_kernel_fails_loudly():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_default_lora_on_a_moe_model_leaves_experts_frozen_and_grouped():
+    """The engine's "all-linear" targets Linear layers only (PEFT's would wrap the 3-D expert
+    weights and the router too), so prepare_model groups every MoE block and patches attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.config import FastPathConfig, LoraConfig
+    from engine.models.lora import all_linear_names, attach_lora
+    from engine.train.step import prepare_model
+
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert all_linear_names(model) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    peft_model = attach_lora(model, LoraConfig())
+    assert not any("experts" in n or ".gate." in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    report = prepare_model(peft_model, FastPathConfig(), torch.device("cpu"), gradient_checkpointing=True)
+    assert report["moe_grouping"] == "on", report
+    assert report["lora_qkv"] == "on" and report["lora_o"] == "on" and report["rmsnorm"] == "on"
