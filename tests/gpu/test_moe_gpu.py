@@ -3,7 +3,8 @@
 intermediate 2880), bf16: output and input gradient against transformers' own block (same
 router, so the same routing) within 1e-2 norm-relative; zero device-to-host syncs on the
 grouped_mm path (torch.cuda.set_sync_debug_mode("error")) and exactly the one documented sync
-of the loop path (fp32); a timing line per case against HF's experts implementations (printed).
+of the loop path (fp32). Speed against HF's experts implementations is the bench's
+(`python -m engine.bench --workloads W5,W5b --impls ours,hf`).
 
 Run on the GPU host:  python -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -s
 """
@@ -145,23 +146,3 @@ def test_fp32_loop_path_matches_hf_with_one_sync(wid):
     e_out, e_gx = _rel(res["out"], out_ref), _rel(res["gx"], gx_ref)
     print(f"\n{wid} fp32 vs HF eager: output {e_out:.2e}, input grad {e_gx:.2e}")
     assert e_out < 1e-5 and e_gx < 1e-5
-
-
-@pytest.mark.parametrize("wid", ["W5", "W5b"])
-def test_timing_against_hf_experts_impls(wid):
-    """Forward + backward of one block, median of 5 (printed, not asserted: the bench decides)."""
-    from engine.bench.peers.moe import available_experts_impls
-
-    x, g = _inputs(wid, torch.bfloat16)
-    lines = []
-    ours = moe.group_block(_blocks(wid, torch.bfloat16))
-    t_ours = _ms(lambda b=ours: _run(b, x, g))
-    lines.append(f"ours {t_ours:.2f} ms")
-    del ours
-    for impl in available_experts_impls():
-        block = _blocks(wid, torch.bfloat16, impl)
-        t = _ms(lambda b=block: _run(b, x, g))
-        lines.append(f"hf {impl} {t:.2f} ms ({t / t_ours:.2f}x ours)")
-        del block
-        torch.cuda.empty_cache()
-    print(f"\n{wid} block fwd+bwd, {TOKENS} tokens: " + "; ".join(lines))
