@@ -101,6 +101,8 @@ def run_memcap(workload, impl: str, device, budget: Budget, cap_gib: float = 16.
 
     if device.type != "cuda":
         raise NotSupported("the memory-capped search needs a CUDA GPU")
+    if device.index is None:  # set_per_process_memory_fraction wants an index, not plain "cuda"
+        device = torch.device("cuda", torch.cuda.current_device())
     if workload.quant == "nf4":
         _need_bnb(device)
     _model, opt, step = _make_step(impl, workload, device)  # step's closure holds the model
