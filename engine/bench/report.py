@@ -21,6 +21,11 @@ DEFAULT_MD = BENCH_DIR / "RESULTS.md"
 PEER_IMPLS = ("hf_sdpa", "hf_flex", "liger_sdpa", "liger_flex", "unsloth")
 
 
+def _is_peer(impl) -> bool:
+    """A peer's record: the training peers, or transformers' MoE experts implementations (W5)."""
+    return impl in PEER_IMPLS or str(impl).startswith("hf_moe_")
+
+
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
@@ -176,7 +181,7 @@ def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD
             out += [f"## {title} ({gpu})", ""]
             if wl and wl.target:
                 out += [f"Target: {wl.target}.", ""]
-            peers = [r for r in rows if r.get("impl") in PEER_IMPLS and r.get("status") == "ok"
+            peers = [r for r in rows if _is_peer(r.get("impl")) and r.get("status") == "ok"
                      and r.get("tokens_per_s")]
             best = max((r["tokens_per_s"] for r in peers), default=None)
             unit = "blocks fwd+bwd: tokens/s" if wl and wl.kind == "moe_block" else "tokens/s"
