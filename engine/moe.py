@@ -46,19 +46,13 @@ try:  # Triton is optional: without it every path is plain torch
 except Exception:  # pragma: no cover - triton ships with torch on Linux
     triton = None
 
-# Per-process counts: block calls through the grouped path and host syncs the routing made
-# (the loop path reads the expert offsets once per call; the grouped_mm path never does).
-COUNTERS = {"moe_calls": 0, "host_syncs": 0}
+# Block calls through the grouped path and host syncs the routing made (the loop path reads the
+# expert offsets once per call; the grouped_mm path never does) go to engine.counters, where
+# the training loop reads them with the packing counts.
+from engine.counters import COUNTERS, reset_counters  # noqa: E402,F401
+
 _MARK = "_tunesmith_moe_stock_forward"
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def reset_counters() -> dict[str, int]:
-    """Return the counts since the last reset and zero them."""
-    snap = dict(COUNTERS)
-    for k in COUNTERS:
-        COUNTERS[k] = 0
-    return snap
 
 
 # -- what a supported block looks like -------------------------------------------------------------

@@ -16,9 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-# How many times metadata was built. The training loop reads and resets it per step so the
-# step events can show "built once per step" (the varlen attention path may add its own counts).
-COUNTERS = {"metadata_builds": 0, "host_syncs": 0}
+# Metadata builds and host syncs are counted in engine.counters (re-exported here).
+from engine.counters import COUNTERS, reset_counters  # noqa: E402,F401
 
 
 # Block sizes the varlen attention kernels tile documents with on the GPU; their block tables are
@@ -35,14 +34,6 @@ def lookup(cu_seqlens: torch.Tensor) -> Optional["PackedSeqInfo"]:
     """The PackedSeqInfo whose `cu_seqlens` is this very tensor, or None."""
     info = _BY_CU.get(id(cu_seqlens))
     return info if info is not None and info.cu_seqlens is cu_seqlens else None
-
-
-def reset_counters() -> dict[str, int]:
-    """Return the counts since the last reset and zero them."""
-    snapshot = dict(COUNTERS)
-    for k in COUNTERS:
-        COUNTERS[k] = 0
-    return snapshot
 
 
 @dataclass

@@ -34,13 +34,6 @@ ARCH_EXTRA = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    # fp32 parity means fp32 matmuls on both sides.
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def build(model_type, dtype, attn="sdpa", layers=2, seed=0):

@@ -36,13 +36,6 @@ VOCAB = 8192
 LIMIT = 5e-2
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    # The fp32 reference means fp32 matmuls.
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def build(layers=2, seed=0):
