@@ -52,6 +52,8 @@ except Exception:  # pragma: no cover - triton ships with torch on Linux
 from engine.counters import COUNTERS, reset_counters  # noqa: E402,F401
 
 _MARK = "_tunesmith_moe_stock_forward"
+# transformers model types whose sparse blocks this module groups.
+MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 

@@ -98,6 +98,7 @@ FAST_PATH_LABELS = {
     "rmsnorm": "RMSNorm kernel", "rope": "RoPE kernel", "activations": "gated-MLP activation kernel",
     "lora_qkv": "fused LoRA QKV", "lora_o": "fused LoRA O", "lora_mlp": "fused LoRA MLP",
     "packed_attention": "packed varlen attention", "fused_ce": "fused cross-entropy",
+    "moe_grouping": "grouped MoE experts",
 }
 
 

@@ -298,4 +298,7 @@ def test_describe_fast_paths_by_model_type():
     assert all(on[name] == "on" for name in FAST_PATHS) and on["packed_attention"] == "on"
     off = describe_fast_paths("gpt2")
     assert all(off[name].startswith("off: model_type 'gpt2'") for name in FAST_PATHS)
-    assert off["fused_ce"] == "on"
+    assert off["fused_ce"] == "on" and "moe_grouping" not in off
+    moe = describe_fast_paths("qwen3_moe")
+    assert moe["moe_grouping"] == "on" and moe["lora_qkv"] == "on" and moe["lora_mlp"].startswith("off: the MoE")
+    assert describe_fast_paths("gpt_oss")["moe_grouping"] == "on"

@@ -128,6 +128,13 @@ def describe_fast_paths(model_type: str) -> dict[str, str]:
         report = {name: f"off: model_type '{model_type}' has no patch (patched: {known})" for name in FAST_PATHS}
     report["packed_attention"] = "on"
     report["fused_ce"] = "on"
+    from engine.moe import MOE_MODEL_TYPES
+
+    if model_type in MOE_MODEL_TYPES:
+        # Experts stay frozen (LoRA trains attention); their blocks take the grouped path.
+        for name in ("activations", "lora_mlp"):
+            report[name] = "off: the MoE experts stay frozen; engine.moe groups them instead"
+        report["moe_grouping"] = "on"
     return report
 
 
