@@ -8,7 +8,6 @@ off for ablations (`--ours-variants all-on,no-kernels,...` or `field=value+field
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 
 from engine.bench.runner import Context, NotSupported, NotYetSupported, Prepared
@@ -78,14 +77,6 @@ def fast_path_config(fields: dict):
     return FastPathConfig(**fields)
 
 
-def _call_with_supported(fn, *args, **kwargs):
-    """Pass only keyword arguments `fn` accepts: the engine's signatures are still moving."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
-
-
 def lora_config(workload):
     from engine.config import LoraConfig
 
@@ -116,9 +107,8 @@ def loss_fn(model, fp, report: dict):
     chunk = None if fp.ce_chunk_tokens == "auto" else fp.ce_chunk_tokens
 
     def run(batch):
-        return _call_with_supported(forward_loss, model, batch, normalizer=batch.num_trained_tokens,
-                                    fused_ce=fused, cached_metadata=fp.cached_metadata,
-                                    ce_chunk_tokens=chunk)
+        return forward_loss(model, batch, normalizer=batch.num_trained_tokens, fused_ce=fused,
+                            cached_metadata=fp.cached_metadata, ce_chunk_tokens=chunk)
 
     return run, fused
 
