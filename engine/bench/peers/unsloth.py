@@ -71,8 +71,14 @@ def run_child(workload_id: str, args, budget: Budget, base: dict) -> dict:
         # A child stuck without output (a hang in setup) is killed at the deadline by a watchdog,
         # since the line loop below only wakes up on output.
         watchdog = None
+        killed_at_deadline = threading.Event()
+
+        def kill_at_deadline() -> None:
+            killed_at_deadline.set()
+            proc.kill()
+
         if budget.deadline is not None:
-            watchdog = threading.Timer(max(1.0, budget.remaining() + 10), proc.kill)
+            watchdog = threading.Timer(max(1.0, budget.remaining() + 10), kill_at_deadline)
             watchdog.daemon = True
             watchdog.start()
         try:
@@ -92,7 +98,11 @@ def run_child(workload_id: str, args, budget: Budget, base: dict) -> dict:
             child["wall_s"] = round(time.monotonic() - t0, 2)
             return child
     last = next((ln for ln in reversed(tail) if ln.strip()), "")
-    rec["status"] = f"error: the Unsloth child exited with {rc} and no result ({last[:300]})"
+    if killed_at_deadline.is_set():
+        rec["status"] = (f"skipped: time budget (the Unsloth child was stopped at the deadline, "
+                         f"{time.monotonic() - t0:.0f} s after it started; last line: {last[:200]})")
+    else:
+        rec["status"] = f"error: the Unsloth child exited with {rc} and no result ({last[:300]})"
     rec["log_tail"] = tail
     rec["wall_s"] = round(time.monotonic() - t0, 2)
     return rec
