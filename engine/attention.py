@@ -1,8 +1,9 @@
 """Packed (varlen) attention for training: dispatch, and the transformers attention function.
 
 `varlen_attention` runs attention over packed documents: the Triton kernel on CUDA
-(engine.kernels.varlen_attention), flash-attn's varlen kernel when asked for and importable, and a
-per-document SDPA reference elsewhere (the CPU path).
+(engine.kernels.varlen_attention), torch's own flash varlen kernel (torch.nn.attention.varlen,
+"torch_flash") or flash-attn's when asked for and present, and a per-document SDPA reference
+elsewhere (the CPU path).
 
 `enable_packed_attention(model)` registers "tunesmith_varlen" in transformers' AttentionInterface
 and switches a (PEFT-wrapped or plain) model to it. Each layer then reads the packing metadata the
@@ -20,6 +21,8 @@ dense path here.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -66,7 +69,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True
     `cu_seqlens` int32 [n_docs + 1] on q's device; `max_seqlen` a Python int (flash-attn sizes
     its grid with it; our kernel uses block tables instead). `sliding_window` W: query i sees
     keys i - W < j <= i (transformers' meaning). `softcap`: s = cap * tanh(s / cap).
-    backend: "auto" (Triton on CUDA, reference elsewhere), "triton", "flash_attn", "reference".
+    backend: "auto" (Triton on CUDA, reference elsewhere), "triton", "torch_flash", "flash_attn",
+    "reference".
     `info`: the PackedSeqInfo owning `cu_seqlens`, if known (found automatically otherwise);
     it supplies host-built block tables. `dropout_p` > 0 forces the reference (training only).
     """
@@ -83,6 +87,10 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True
                                           dropout_p=dropout_p)
     if backend == "flash_attn":
         return _flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window, softcap)
+    if backend == "torch_flash":
+        if softcap is not None:
+            raise ValueError("the torch_flash attention backend has no softcap")
+        return _torch_flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window)
     if backend != "triton":
         raise ValueError(f"unknown attention backend {backend!r}")
     from engine.kernels.varlen_attention import varlen_attention_triton
@@ -108,6 +116,52 @@ def _flash_attn_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window, s
     return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0,
                                   softmax_scale=scale, causal=causal, window_size=window,
                                   softcap=float(softcap or 0.0))
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def backend_available(backend: str, q: torch.Tensor) -> bool:
+    """Whether `backend` can run attention on tensors like `q` [T, H, D] in this process."""
+    d = q.shape[-1]
+    if backend in ("reference", "auto"):
+        return True
+    if backend == "triton":
+        return q.is_cuda and 16 <= d <= 256 and d & (d - 1) == 0
+    if backend == "flash_attn":
+        return q.is_cuda and flash_attn_available()
+    if backend == "torch_flash":
+        # torch's in-tree flash kernels: CUDA, 16-bit, head_dim a multiple of 8 up to 256.
+        fn, _ = _torch_varlen_fn()
+        return (fn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+                and d % 8 == 0 and d <= 256)
+    return False
+
+
+def _torch_flash_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window):
+    fn, params = _torch_varlen_fn()
+    if fn is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    if max_seqlen is None or isinstance(max_seqlen, torch.Tensor):  # the grid needs a host int
+        max_seqlen = int((cu[1:] - cu[:-1]).max() if max_seqlen is None else max_seqlen)
+        packed.COUNTERS["host_syncs"] += 1
+    kwargs = {"scale": scale}
+    if "window_size" in params:  # torch >= 2.11; 2.10 had only is_causal
+        left = sliding_window - 1 if sliding_window is not None else -1
+        kwargs["window_size"] = (left, 0 if causal else -1)
+    else:
+        if sliding_window is not None:
+            raise ValueError(f"torch {torch.__version__}'s varlen_attn has no sliding window")
+        kwargs["is_causal"] = causal
+    if k.shape[1] != q.shape[1] and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True  # older versions take fewer kv heads as they are
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------

@@ -105,6 +105,9 @@ class FastPathConfig:
     packed_attention: Union[bool, Literal["auto"]] = "auto"  # varlen attention kernel
     cached_metadata: bool = True  # packing metadata built once per batch (False: per layer)
     moe_grouping: Union[bool, Literal["auto"]] = "auto"
+    # With offload: keep attention outputs for the recompute when documents are long enough
+    # for it to pay and there is room (engine.offload.attention_keep_bytes).
+    keep_attention: bool = True
     ce_chunk_tokens: Union[int, Literal["auto"]] = "auto"
 
 

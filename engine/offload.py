@@ -19,7 +19,12 @@ Two ways to bring inputs back:
 
 "double" falls back to "single" for a step when free VRAM (under any per-process cap) is
 short of one more layer input plus a margin, and for the rest of a step if allocating the
-second buffer runs out of memory. Nothing here asks the device anything per layer: copies
+second buffer runs out of memory.
+
+Long documents: when attention is a large part of a layer's work (`attention_keep_bytes`
+says when, from the batch's lengths) and there is room, each layer's attention output and
+softmax statistics stay on the device from the first forward to the recompute, which then
+skips the attention forward kernel (engine.kernels.varlen_attention.keep_outputs). Nothing here asks the device anything per layer: copies
 and waits are stream events, so there are no device-to-host syncs.
 
 On a CPU there is no copy stream; the "host buffer" is a plain CPU tensor (a copy that saves
@@ -29,15 +34,21 @@ nothing), which keeps the mechanism testable without a GPU.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional
 
 import torch
 
+from engine.kernels.varlen_attention import keep_outputs, reuse_outputs
+
 MODES = ("single", "double")
 # Headroom kept free beside the second buffer when choosing double buffering.
 DOUBLE_BUFFER_MARGIN = 256 * 2**20
+# Keep attention outputs for the recompute when the attention forward costs at least this
+# share of a layer's projection matmuls (W6, one 32k document: about 0.86; packed rows of
+# ~256-token documents: under 0.01, where keeping would cost memory for nothing).
+ATTENTION_KEEP_MIN_SHARE = 0.25
 
 
 @dataclass
@@ -49,6 +60,7 @@ class OffloadStats:
     bytes_offloaded: int = 0
     fell_back: str = ""  # why double buffering was not used, when it was asked for
     reloads_waited: int = 0  # single-buffer reloads the compute stream had to wait for
+    attention_kept: str = ""  # "kept", or why attention outputs were not kept ("" = not asked)
 
 
 @dataclass
@@ -62,6 +74,7 @@ class _Slot:
     device_copy: Optional[torch.Tensor] = None  # filled by a prefetch
     ready: Optional[torch.cuda.Event] = None  # recorded on the copy stream after the reload
     saved: bool = False
+    attention: list = field(default_factory=list)  # kept (o, lse) of the layer's attention
 
 
 class ActivationOffloader:
@@ -77,6 +90,8 @@ class ActivationOffloader:
         self.slots: list[_Slot] = []
         self.stats = OffloadStats()
         self._step_mode = mode
+        self._keep_attention = False
+        self.keep_attention_allowed = True  # FastPathConfig.keep_attention
         # An input that always requires grad, so every layer's backward runs even when the
         # first layer's input (frozen embeddings) needs no gradient.
         self._grad_anchor = torch.empty(0, device=self.device, requires_grad=True)
@@ -90,19 +105,37 @@ class ActivationOffloader:
             layer._gradient_checkpointing_func = partial(self.checkpoint, i)
         return len(layers)
 
-    def begin_step(self, tokens: int, hidden_size: int, dtype: torch.dtype) -> str:
-        """Choose this step's mode (double needs room for one more layer input); returns it."""
+    def begin_step(self, tokens: int, hidden_size: int, dtype: torch.dtype,
+                   attention_keep_bytes: int = 0) -> str:
+        """Choose this step's mode (double needs room for one more layer input); returns it.
+
+        `attention_keep_bytes` > 0: keeping every layer's attention output for the recompute
+        pays off for this batch and needs that much device memory (see attention_keep_bytes);
+        it is done when that fits beside the second buffer."""
         self.stats = OffloadStats()
         self._step_mode = self.mode
+        self._keep_attention = False
         for slot in self.slots:  # a step that failed midway (OOM) may have left reloads behind
             slot.device_copy, slot.ready, slot.saved = None, None, False
+            slot.attention.clear()
+        free = free_device_bytes(self.device) if self.cuda else 0
         if self.mode == "double" and self.cuda:
             need = tokens * hidden_size * torch.finfo(dtype).bits // 8 + DOUBLE_BUFFER_MARGIN
-            free = free_device_bytes(self.device)
             if free < need:
                 self._step_mode = "single"
                 self.stats.fell_back = (f"free VRAM {free / 2**20:.0f} MiB < {need / 2**20:.0f} MiB "
                                         "for the second buffer")
+            else:
+                free -= need
+        if attention_keep_bytes > 0:
+            # At most half of what is free: the rest stays for the step's own working memory.
+            need = 2 * attention_keep_bytes + DOUBLE_BUFFER_MARGIN
+            if self.cuda and free < need:
+                self.stats.attention_kept = (f"not kept: free VRAM {free / 2**20:.0f} MiB < "
+                                             f"{need / 2**20:.0f} MiB")
+            else:
+                self._keep_attention = True
+                self.stats.attention_kept = "kept"
         self.stats.mode = self._step_mode
         return self._step_mode
 
@@ -183,6 +216,28 @@ class ActivationOffloader:
             self.stats.fell_back = "out of memory allocating the second buffer"
 
 
+def attention_keep_bytes(lengths, config, dtype: torch.dtype, layers: int) -> int:
+    """Device bytes that keeping every layer's attention output (and its log-sum-exp) for the
+    recompute needs for a batch of documents of these `lengths`; 0 when it would not pay,
+    i.e. when the attention forward is under ATTENTION_KEEP_MIN_SHARE of the layer's
+    projection matmuls (so only long documents keep anything)."""
+    h = config.hidden_size
+    hq = config.num_attention_heads
+    hkv = getattr(config, "num_key_value_heads", None) or hq
+    d = getattr(config, "head_dim", None) or h // hq
+    inter = getattr(config, "intermediate_size", 0) or 0
+    tokens = sum(lengths)
+    if tokens == 0 or layers == 0:
+        return 0
+    # Causal attention forward: 2 matmuls x 2 FLOPs x d x heads x L^2 / 2 per document.
+    attention = 2.0 * d * hq * sum(n * n for n in lengths)
+    projections = 2.0 * tokens * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * inter)
+    if attention < ATTENTION_KEEP_MIN_SHARE * projections:
+        return 0
+    per_layer = tokens * hq * d * torch.finfo(dtype).bits // 8 + tokens * hq * 4
+    return layers * per_layer
+
+
 def free_device_bytes(device) -> int:
     """Bytes this process can still allocate: the driver's free memory plus the caching
     allocator's unused blocks, bounded by a per-process cap (set_per_process_memory_fraction)."""
@@ -207,7 +262,9 @@ class OffloadedLayer(torch.autograd.Function):
     def forward(ctx, offloader: ActivationOffloader, index: int, fn: Callable, anchor, hidden):
         ctx.offloader, ctx.index, ctx.fn = offloader, index, fn
         ctx.rng = _RngState.capture(hidden.device)
-        with torch.no_grad():
+        keep = (keep_outputs(offloader.slots[index].attention) if offloader._keep_attention
+                else contextlib.nullcontext())
+        with torch.no_grad(), keep:
             out = fn(hidden)
         offloader._park(index, hidden)
         if isinstance(out, tuple):  # older decoder layers return (hidden, ...)
@@ -223,7 +280,7 @@ class OffloadedLayer(torch.autograd.Function):
         off._prefetch_before(ctx.index)
         need_dx = ctx.needs_input_grad[4]
         hidden = hidden.detach().requires_grad_(need_dx)
-        with torch.enable_grad(), ctx.rng.restored():
+        with torch.enable_grad(), ctx.rng.restored(), reuse_outputs(off.slots[ctx.index].attention):
             out = ctx.fn(hidden)
         if ctx.tuple_out:
             out = out[0]

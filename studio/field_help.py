@@ -44,6 +44,7 @@ HELP = {
     "fast_paths.packed_attention": "Variable-length attention over packed documents (no padding).",
     "fast_paths.cached_metadata": "Build packing metadata once per batch instead of once per layer.",
     "fast_paths.moe_grouping": "Group tokens by expert in one pass for mixture-of-experts models.",
+    "fast_paths.keep_attention": "With offload and long documents: keep attention outputs so the recompute skips attention (uses memory when it fits).",
     "fast_paths.ce_chunk_tokens": "Tokens per chunk in the fused cross-entropy. auto: by vocabulary size.",
     "output.dir": "Folder where run folders are created.",
     "output.run_name": "Name of this run's folder; auto uses a timestamp.",

@@ -174,3 +174,13 @@ def test_varlen_attention_dispatch_cpu_is_reference():
     torch.testing.assert_close(out, ref)
     with pytest.raises(ValueError, match="backend"):
         varlen_attention(q, k, v, info.cu_seqlens, info.max_seqlen, backend="nope")
+
+
+def test_torch_flash_backend_is_cuda_only():
+    from engine.attention import backend_available, varlen_attention
+
+    q = torch.randn(8, 2, 16)
+    assert not backend_available("torch_flash", q) and not backend_available("triton", q)
+    assert backend_available("reference", q)
+    with pytest.raises(ValueError, match="softcap"):
+        varlen_attention(q, q, q, torch.tensor([0, 8], dtype=torch.int32), 8, backend="torch_flash", softcap=5.0)

@@ -27,6 +27,7 @@ VARIANTS: dict[str, dict] = {
     "no-offload": {"offload": "off"},
     "offload-single": {"offload": "single"},
     "no-moe-grouping": {"moe_grouping": False},
+    "no-keep-attention": {"keep_attention": False},
 }
 
 

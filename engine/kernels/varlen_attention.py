@@ -19,6 +19,7 @@ gradients accumulate in registers with no atomics), then dQ per query block.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Callable, Optional
@@ -663,10 +664,58 @@ def _backward(do, q, k, v, o, lse, L: _Launch):
     return dq, dk, dv
 
 
+class _Kept:
+    """Attention outputs kept across a checkpointed layer's recompute (engine.offload).
+
+    While a layer's first forward runs inside `keep_outputs(store)`, each attention call
+    appends its (o, lse) to `store`; the recompute, inside `reuse_outputs(store)`, takes them
+    back in call order instead of running the forward kernel again. The recompute's q/k/v are
+    bitwise those of the first forward (same inputs, same kernels), so the backward is the one
+    it would have been. Costs the kept outputs' memory; pays when attention is long.
+    """
+
+    mode: Optional[str] = None  # None, "keep" or "reuse"
+    store: Optional[list] = None
+
+
+@contextlib.contextmanager
+def keep_outputs(store: list):
+    prev = (_Kept.mode, _Kept.store)
+    _Kept.mode, _Kept.store = "keep", store
+    try:
+        yield store
+    finally:
+        _Kept.mode, _Kept.store = prev
+
+
+@contextlib.contextmanager
+def reuse_outputs(store: list):
+    prev = (_Kept.mode, _Kept.store)
+    _Kept.mode, _Kept.store = "reuse", store
+    try:
+        yield store
+    finally:
+        _Kept.mode, _Kept.store = prev
+        store.clear()  # whatever the recompute did not take is not needed any more
+
+
+def _forward_or_kept(q, k, v, launch: _Launch):
+    store = _Kept.store
+    if _Kept.mode == "reuse" and store:
+        o, lse = store.pop(0)
+        if o.shape == q.shape and o.dtype == q.dtype and o.device == q.device:
+            return o, lse
+        store.clear()  # not this call's output: the layer changed; compute as usual
+    o, lse = _forward(q, k, v, launch)
+    if _Kept.mode == "keep":
+        store.append((o, lse))
+    return o, lse
+
+
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, launch: _Launch):
-        o, lse = _forward(q, k, v, launch)
+        o, lse = _forward_or_kept(q, k, v, launch)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.launch = launch
         return o

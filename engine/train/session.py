@@ -354,7 +354,12 @@ def _offload_note(offloader) -> str:
     if offloader is None:
         return ""
     st = offloader.stats
-    return st.mode + (f" ({st.fell_back})" if st.fell_back else "")
+    note = st.mode + (f" ({st.fell_back})" if st.fell_back else "")
+    if st.attention_kept == "kept":
+        note += ", attention kept"
+    elif st.attention_kept:
+        note += f", attention {st.attention_kept}"
+    return note
 
 
 def _median(values):

@@ -63,6 +63,8 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
         # Non-reentrant checkpointing needs no input grads and works with frozen embeddings.
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     report["offload"] = _install_offload(base, offload, device, gradient_checkpointing)
+    if base._tunesmith_offloader is not None:
+        base._tunesmith_offloader.keep_attention_allowed = bool(fast_paths.keep_attention)
     return report
 
 
@@ -107,8 +109,14 @@ def forward_loss(
     base, decoder, head = _decoder_and_head(model)
     offloader = getattr(base, "_tunesmith_offloader", None)
     if offloader is not None and base.training and torch.is_grad_enabled():
-        # Double buffering needs room for one more layer input: decided per micro-batch.
-        offloader.begin_step(batch.num_tokens, base.config.hidden_size, head.weight.dtype)
+        # Double buffering needs room for one more layer input, keeping attention outputs
+        # room for them: both decided per micro-batch.
+        from engine.offload import attention_keep_bytes
+
+        keep = 0
+        if offloader.keep_attention_allowed:
+            keep = attention_keep_bytes(batch.info.lengths, base.config, head.weight.dtype, len(offloader.slots))
+        offloader.begin_step(batch.num_tokens, base.config.hidden_size, head.weight.dtype, keep)
     kwargs = batch.model_kwargs()
     if not cached_metadata:
         # Ablation: hand the layers only positions, so each rebuilds cu_seqlens itself.

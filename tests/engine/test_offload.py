@@ -96,3 +96,63 @@ def test_session_reports_the_offload_mode_per_step(tmp_path):
     assert steps and all(e.offload == "single" for e in steps)
     started = next(e for e in events if type(e).__name__ == "RunStarted")
     assert started.fast_paths["offload"].startswith("on: single buffer")
+
+
+# -- keeping attention outputs for the recompute (long documents) -------------------------------
+
+LONG = (150, 20)  # attention is ~0.28 of the tiny model's projection matmuls: above the threshold
+
+
+def long_step(keep: bool, monkeypatch):
+    from engine import offload
+    from engine.attention import enable_packed_attention
+    from engine.kernels import varlen_attention as va
+
+    calls = []
+    forward = va._forward
+
+    def counting_forward(*args):
+        calls.append(1)
+        return forward(*args)
+
+    monkeypatch.setattr(va, "_forward", counting_forward)
+    monkeypatch.setattr(offload, "ATTENTION_KEEP_MIN_SHARE", 0.25 if keep else float("inf"))
+    model = tiny("qwen3", attn="sdpa", num_hidden_layers=3)
+    prepare_model(model, FastPathConfig(), torch.device("cpu"), gradient_checkpointing=True, offload="single")
+    # The Triton kernel (interpreted here) is the backend that keeps its outputs.
+    assert enable_packed_attention(model, backend="triton") == "on"
+    model.train()
+    g = torch.Generator().manual_seed(4)
+    b = PackedBatch.from_documents([torch.randint(0, 128, (n,), generator=g).tolist() for n in LONG])
+    loss = forward_loss(model, b, normalizer=b.num_trained_tokens)
+    off = offloader_of(model)
+    kept_after_forward = [len(s.attention) for s in off.slots]
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads, len(calls), kept_after_forward, off
+
+
+def test_long_documents_keep_attention_outputs_for_the_recompute(monkeypatch):
+    l1, g1, calls1, kept1, off1 = long_step(True, monkeypatch)
+    l0, g0, calls0, kept0, off0 = long_step(False, monkeypatch)
+    assert off1.stats.attention_kept == "kept" and off0.stats.attention_kept == ""
+    assert kept1 == [1, 1, 1] and kept0 == [0, 0, 0]
+    assert all(not s.attention for s in off1.slots)  # the recompute took every kept output
+    assert calls0 == 6 and calls1 == 3  # forward + recompute, against forward alone
+    # The recompute's q/k/v are bitwise the first forward's: the same loss and gradients.
+    assert torch.equal(l1, l0)
+    assert g1.keys() == g0.keys() and all(torch.equal(g1[n], g0[n]) for n in g0)
+
+
+def test_attention_keep_pays_only_for_long_documents():
+    from engine.bench.batches import doc_lengths
+    from engine.bench.workloads import get_workload, make_config
+    from engine.offload import attention_keep_bytes
+
+    w6 = get_workload("W6")
+    cfg = make_config(w6)
+    # W6: one 32k document; 16 layers of o [32768, 32 x 64] bf16 plus an fp32 lse [32, 32768].
+    assert attention_keep_bytes([32768], cfg, torch.bfloat16, 16) == 16 * (32768 * 2048 * 2 + 32 * 32768 * 4)
+    # The same model on packed rows of ~256-token documents: attention is cheap, nothing kept.
+    assert attention_keep_bytes(doc_lengths(0, 16384), cfg, torch.bfloat16, 16) == 0
+    assert attention_keep_bytes([], cfg, torch.bfloat16, 16) == 0

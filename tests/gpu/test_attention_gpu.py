@@ -73,6 +73,17 @@ def test_window_softcap_head_dim_256(dtype, kw):
     _check(doc_lengths(total=4096, seed=3), 8, 4, 256, dtype, **kw)
 
 
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 300}], ids=["causal", "window"])
+def test_torch_flash_backend_matches_the_reference(kw):
+    # torch's own flash varlen kernel, the backend the attention micro-benchmark compares ours
+    # with (engine.bench.attention_micro); GQA 32/8 as in W2.
+    from engine.attention import backend_available
+
+    if not backend_available("torch_flash", torch.empty(1, 1, 64, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    _check(doc_lengths(seed=2), 32, 8, 64, torch.bfloat16, backend="torch_flash", **kw)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_one_long_document_and_tiny_documents(d):
     _check([TOKENS // 2], 16, 8, d, torch.bfloat16)

@@ -94,3 +94,39 @@ def test_double_falls_back_to_single_when_the_second_buffer_does_not_fit():
     assert off.begin_step(tokens=10**10, hidden_size=4096, dtype=torch.bfloat16) == "single"
     assert "free VRAM" in off.stats.fell_back
     assert off.begin_step(tokens=16_384, hidden_size=4096, dtype=torch.bfloat16) == "double"
+
+
+def run_long(keep: bool, monkeypatch):
+    """W6's shape (one 32k document), 2 layers, double-buffered offload; keep or not."""
+    from engine import offload
+
+    monkeypatch.setattr(offload, "ATTENTION_KEEP_MIN_SHARE", 0.25 if keep else float("inf"))
+    wl = shrink(WORKLOADS["W6"], 2, vocab=32_000)
+    model = build_model(wl, dtype=torch.bfloat16, device=CUDA, attn_implementation="sdpa")
+    model, fp, report = prepare_ours(model, wl, CUDA, {"offload": "double"})
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    b = make_batches(1, wl.tokens, wl.config["vocab_size"], packing="single")[0]
+    batch = PackedBatch.from_documents(b.documents()).to(CUDA)
+    for i in range(2):  # warm-up (compiles), then the checked step without syncs
+        model.zero_grad(set_to_none=True)
+        if i == 1:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = forward_loss(model, batch, normalizer=batch.num_trained_tokens)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads, offloader_of(model).stats
+
+
+def test_kept_attention_outputs_give_identical_gradients(monkeypatch):
+    l1, g1, st1 = run_long(True, monkeypatch)
+    l0, g0, st0 = run_long(False, monkeypatch)
+    assert st1.attention_kept == "kept" and st0.attention_kept == "", (st1, st0)
+    assert torch.equal(l1, l0)
+    assert all(torch.equal(g1[n], g0[n]) for n in g0)

@@ -1,0 +1,129 @@
+"""Attention alone, per backend: `python -m engine.bench.attention_micro` (GPU).
+
+Times one layer's packed attention forward and forward + backward at the workloads' shapes
+(the same document lengths as the bench's first batch) for each backend that can run here:
+ours ("triton"), torch's flash varlen kernel ("torch_flash", torch.nn.attention.varlen) and,
+on a single-document batch, SDPA's causal flash path ("sdpa"). It also reports each backend's
+largest difference from ours in the output and in dq/dk/dv, so a fast backend that is wrong
+shows up here. It is the evidence behind engine.attention's backend choice; one JSON line per
+(workload, backend) goes to --results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.bench.batches import make_step
+from engine.bench.workloads import get_workload
+
+HERE = Path(__file__).resolve().parent
+
+
+def _time(fn, reps: int) -> float:
+    """Median milliseconds of fn() over reps, timed with CUDA events after two warm-ups."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run(workloads: list[str], backends: list[str], reps: int, results: Path | None) -> list[dict]:
+    from engine import attention, packed
+
+    dev = torch.device("cuda")
+    rows = []
+    for wid in workloads:
+        wl = get_workload(wid)
+        step = make_step(0, wl.tokens, 1000, wl.packing)
+        info = packed.PackedSeqInfo.from_lengths(step.lengths).to(dev)
+        cfg = wl.config
+        hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        d = cfg.get("head_dim") or cfg["hidden_size"] // hq
+        t = info.total_tokens
+        gen = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        do = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        # Causal attention FLOPs: 4 * d * hq * sum(L^2) / 2 forward, 2.5x that backward.
+        fwd_flops = 2.0 * d * hq * sum(n * n for n in info.lengths)
+        ref = None
+        for backend in backends:
+            if backend == "sdpa" and len(info.lengths) != 1:
+                continue
+            row = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "gpu": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "workload": wid, "backend": backend,
+                   "tokens": t, "docs": len(info.lengths), "hq": hq, "hkv": hkv, "head_dim": d}
+            try:
+                if not attention.backend_available(backend, q):
+                    row["status"] = "not available here"
+                    rows.append(row)
+                    continue
+
+                def fwd(grad: bool):
+                    qq, kk, vv = (x.detach().requires_grad_(grad) for x in (q, k, v))
+                    o = attention.varlen_attention(qq, kk, vv, info.cu_seqlens, info.max_seqlen,
+                                                   backend=backend, info=info)
+                    return o, (qq, kk, vv)
+
+                def fwd_bwd():
+                    o, ins = fwd(True)
+                    o.backward(do)
+                    return o, ins
+
+                with torch.no_grad():
+                    ms_f = _time(lambda: fwd(False), reps)
+                ms_fb = _time(fwd_bwd, reps)
+                o, ins = fwd_bwd()
+                out = [o.detach()] + [x.grad for x in ins]
+                if ref is None:
+                    ref = out
+                diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(out, ref)]
+                row.update(status="ok", fwd_ms=round(ms_f, 3), fwd_bwd_ms=round(ms_fb, 3),
+                           fwd_tflops=round(fwd_flops / ms_f / 1e9, 1),
+                           fwd_bwd_tflops=round(3.5 * fwd_flops / ms_fb / 1e9, 1),
+                           max_diff_vs_first={"o": diffs[0], "dq": diffs[1], "dk": diffs[2], "dv": diffs[3]})
+            except Exception as exc:  # one backend failing must not hide the others
+                row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if results is not None:
+        with results.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default="W1,W2,W3,W6")
+    p.add_argument("--backends", default="triton,torch_flash,sdpa")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--results", type=Path, default=HERE / "attention_results.jsonl")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("attention_micro needs a CUDA device")
+        return 2
+    rows = run(args.workloads.split(","), args.backends.split(","), args.reps, args.results)
+    print(f"\n{'workload':8} {'backend':12} {'fwd ms':>8} {'fwd+bwd ms':>11} {'fwd TF/s':>9} {'f+b TF/s':>9}  status")
+    for r in rows:
+        print(f"{r['workload']:8} {r['backend']:12} {r.get('fwd_ms', '-'):>8} {r.get('fwd_bwd_ms', '-'):>11} "
+              f"{r.get('fwd_tflops', '-'):>9} {r.get('fwd_bwd_tflops', '-'):>9}  {r['status']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
