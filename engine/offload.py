@@ -61,6 +61,16 @@ class OffloadStats:
     fell_back: str = ""  # why double buffering was not used, when it was asked for
     reloads_waited: int = 0  # single-buffer reloads the compute stream had to wait for
     attention_kept: str = ""  # "kept", or why attention outputs were not kept ("" = not asked)
+    attention_layers: int = 0  # layers whose attention output was kept (the Triton kernel keeps)
+
+    def note(self) -> str:
+        """One line for the step's metrics: "double", "single (why)", "..., attention kept"."""
+        note = self.mode + (f" ({self.fell_back})" if self.fell_back else "")
+        if self.attention_layers:
+            note += f", attention kept in {self.attention_layers} layers"
+        elif self.attention_kept.startswith("not kept"):
+            note += f", attention {self.attention_kept}"
+        return note
 
 
 @dataclass
@@ -138,6 +148,14 @@ class ActivationOffloader:
                 self.stats.attention_kept = "kept"
         self.stats.mode = self._step_mode
         return self._step_mode
+
+    def stop_keeping_attention(self) -> None:
+        """No more kept attention outputs in this run (after a step ran out of memory with
+        them); drops any a failed step left behind."""
+        self.keep_attention_allowed = False
+        self._keep_attention = False
+        for slot in self.slots:
+            slot.attention.clear()
 
     # -- the checkpoint function the layers call ------------------------------------------------
 
@@ -266,6 +284,8 @@ class OffloadedLayer(torch.autograd.Function):
                 else contextlib.nullcontext())
         with torch.no_grad(), keep:
             out = fn(hidden)
+        if offloader.slots[index].attention:
+            offloader.stats.attention_layers += 1
         offloader._park(index, hidden)
         if isinstance(out, tuple):  # older decoder layers return (hidden, ...)
             ctx.tuple_out = len(out)

@@ -41,6 +41,7 @@ def test_cpu_smoke_end_to_end(tmp_path, capsys):
     # Same weights, same batches, same targets: the two implementations see the same first loss.
     assert bench["ours"]["first_loss"] == pytest.approx(bench["hf_sdpa"]["first_loss"], rel=1e-4)
     assert bench["ours"]["options"]["fast_paths_report"]  # prepare_model's report is recorded
+    assert bench["ours"]["offload_step"] == "double"  # what the last timed step's offload did
 
     parity = [r for r in recs if r["mode"] == "parity"]
     assert len(parity) == 1 and parity[0]["dtype"] == "float32"

@@ -121,6 +121,7 @@ def setup_ours(variant: str):
         from engine.bench.workloads import build_model
         from engine.data.collate import PackedBatch
         from engine.train.optim import make_optimizer
+        from engine.train.step import offloader_of
 
         wl = ctx.workload
         fields = variant_fields(variant)
@@ -143,18 +144,23 @@ def setup_ours(variant: str):
         packed = [PackedBatch.from_documents(b.documents()) for b in ctx.batches]
         collate_ms = 1e3 * (time.perf_counter() - t0) / max(1, len(packed))
 
+        offloader = offloader_of(model)
+        extra = {"collate_ms": round(collate_ms, 2)}
+
         def step(i):
             batch = packed[i].to(ctx.device)
             loss = run(batch)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if offloader is not None:  # what the last step did: buffer mode, attention kept
+                extra["offload_step"] = offloader.stats.note()
             return loss.detach()
 
         options = {"variant": variant, "fast_paths": dataclasses.asdict(fp), "fast_paths_report": report,
                    "offload": split_fields(fields)[1].get("offload", "off"),
                    "fused_ce": fused, "attn_build": "sdpa", "lora_params": _count_trainable(model)}
-        return Prepared(step, options, {"collate_ms": round(collate_ms, 2)}, keep=[model, opt, packed])
+        return Prepared(step, options, extra, keep=[model, opt, packed])
 
     return setup
 

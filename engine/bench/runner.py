@@ -221,6 +221,7 @@ def run_impl(setup: Callable[[Context], Prepared], ctx: Context, impl: str, base
             rec["setup_s"] = round(time.monotonic() - t_start, 2)
             progress(f"{label}: set up in {rec['setup_s']} s; options {prep.options}")
             rec.update(measure(prep, ctx, label))
+            rec.update(prep.extra)  # again: steps may fill in fields (ours: the offload note)
             if ctx.args is not None and getattr(ctx.args, "profile", False):
                 from engine.bench.profile import profile_steps
 

@@ -264,16 +264,35 @@ class TrainingSession:
                     PackedBatch.from_documents([data.docs[d] for d in doc_ids], [data.trained[d] for d in doc_ids])
                 )
             normalizer = max(1, sum(b.num_trained_tokens for b in micro))
-            loss_sum = torch.zeros((), device=device)
-            for batch in micro:
-                batch = batch.to(device)
-                loss = forward_loss(
-                    model, batch, normalizer, fused_ce=use_fused,
-                    cached_metadata=config.fast_paths.cached_metadata, ce_chunk_tokens=chunk,
-                )
-                loss.backward()
-                loss_sum += loss.detach()
-                batch.info.free()
+
+            def forward_backward() -> torch.Tensor:
+                loss_sum = torch.zeros((), device=device)
+                for batch in micro:
+                    batch = batch.to(device)
+                    loss = forward_loss(
+                        model, batch, normalizer, fused_ce=use_fused,
+                        cached_metadata=config.fast_paths.cached_metadata, ce_chunk_tokens=chunk,
+                    )
+                    loss.backward()
+                    loss_sum += loss.detach()
+                    batch.info.free()
+                return loss_sum
+
+            try:
+                loss_sum = forward_backward()
+            except torch.cuda.OutOfMemoryError:
+                # Kept attention outputs take at most half of the memory free at the step's
+                # start; if the step still ran out, stop keeping them and run it once more
+                # from scratch (partial LoRA gradients are dropped first).
+                if offloader is None or offloader.stats.attention_kept != "kept":
+                    raise
+                optimizer.zero_grad(set_to_none=True)
+                offloader.stop_keeping_attention()
+                if is_cuda:
+                    torch.cuda.empty_cache()
+                self.log(f"Step {step + 1} ran out of GPU memory with attention outputs kept for the "
+                         "recompute; they are no longer kept in this run, and the step runs again.")
+                loss_sum = forward_backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
             optimizer.step()
             scheduler.step()
@@ -353,13 +372,7 @@ def _offload_note(offloader) -> str:
     """"double", "single" or "single (why double was not possible)"; "" without offload."""
     if offloader is None:
         return ""
-    st = offloader.stats
-    note = st.mode + (f" ({st.fell_back})" if st.fell_back else "")
-    if st.attention_kept == "kept":
-        note += ", attention kept"
-    elif st.attention_kept:
-        note += f", attention {st.attention_kept}"
-    return note
+    return offloader.stats.note()
 
 
 def _median(values):

@@ -136,6 +136,8 @@ def test_long_documents_keep_attention_outputs_for_the_recompute(monkeypatch):
     l1, g1, calls1, kept1, off1 = long_step(True, monkeypatch)
     l0, g0, calls0, kept0, off0 = long_step(False, monkeypatch)
     assert off1.stats.attention_kept == "kept" and off0.stats.attention_kept == ""
+    assert off1.stats.attention_layers == 3 and off1.stats.note() == "single, attention kept in 3 layers"
+    assert off0.stats.attention_layers == 0 and off0.stats.note() == "single"
     assert kept1 == [1, 1, 1] and kept0 == [0, 0, 0]
     assert all(not s.attention for s in off1.slots)  # the recompute took every kept output
     assert calls0 == 6 and calls1 == 3  # forward + recompute, against forward alone
@@ -156,3 +158,39 @@ def test_attention_keep_pays_only_for_long_documents():
     # The same model on packed rows of ~256-token documents: attention is cheap, nothing kept.
     assert attention_keep_bytes(doc_lengths(0, 16384), cfg, torch.bfloat16, 16) == 0
     assert attention_keep_bytes([], cfg, torch.bfloat16, 16) == 0
+
+
+def test_out_of_memory_with_kept_attention_reruns_the_step_without_keeping(tmp_path, monkeypatch):
+    # A step that runs out of memory while attention outputs are kept is run again without
+    # them (and without the failed attempt's partial gradients): the run ends as one that
+    # never kept anything. The OOM is injected once, in the second micro-batch's forward, after
+    # the first micro-batch's backward has added its LoRA gradients.
+    from engine import offload
+    from engine.events import StepMetrics
+    from engine.train import step as step_mod
+    from tests.engine.test_session import run, tiny_config
+
+    def losses(inject: bool):
+        monkeypatch.setattr(offload, "ATTENTION_KEEP_MIN_SHARE", 0.0 if inject else float("inf"))
+        real = step_mod.forward_loss
+        calls = []
+
+        def forward_loss(*args, **kw):
+            loss = real(*args, **kw)
+            calls.append(1)
+            if inject and len(calls) == 2:
+                raise torch.cuda.OutOfMemoryError("injected: out of memory")
+            return loss
+
+        monkeypatch.setattr(step_mod, "forward_loss", forward_loss)
+        cfg = tiny_config(tmp_path / str(inject), steps=2, offload="single", gradient_checkpointing=True)
+        result, events = run(cfg)
+        steps = [e for e in events if isinstance(e, StepMetrics)]
+        logs = [getattr(e, "message", "") for e in events]
+        return [e.loss for e in steps], logs, len(calls)
+
+    kept, logs, calls = losses(True)
+    plain, _, plain_calls = losses(False)
+    assert calls == plain_calls + 2  # two micro-batches of the failed attempt, then the step again
+    assert any("no longer kept" in m for m in logs), logs
+    assert kept == plain
