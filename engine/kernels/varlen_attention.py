@@ -679,24 +679,25 @@ class _Kept:
 
 
 @contextlib.contextmanager
+def _kept(mode: str, store: list):
+    prev = (_Kept.mode, _Kept.store)
+    _Kept.mode, _Kept.store = mode, store
+    try:
+        yield store
+    finally:
+        _Kept.mode, _Kept.store = prev
+        if mode == "reuse":
+            store.clear()  # whatever the recompute did not take is not needed any more
+
+
 def keep_outputs(store: list):
-    prev = (_Kept.mode, _Kept.store)
-    _Kept.mode, _Kept.store = "keep", store
-    try:
-        yield store
-    finally:
-        _Kept.mode, _Kept.store = prev
+    """Context: attention calls append their (o, lse) to `store` (a layer's first forward)."""
+    return _kept("keep", store)
 
 
-@contextlib.contextmanager
 def reuse_outputs(store: list):
-    prev = (_Kept.mode, _Kept.store)
-    _Kept.mode, _Kept.store = "reuse", store
-    try:
-        yield store
-    finally:
-        _Kept.mode, _Kept.store = prev
-        store.clear()  # whatever the recompute did not take is not needed any more
+    """Context: attention calls take their outputs from `store` in order (the recompute)."""
+    return _kept("reuse", store)
 
 
 def _forward_or_kept(q, k, v, launch: _Launch):
