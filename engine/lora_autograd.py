@@ -78,14 +78,10 @@ def base_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 # this way the only extra traffic is the GEMM epilogue's read of C, which overlaps its math.
 
 
-def lora_linear_out(x: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, layer: nn.Module,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ W^T + b + xa @ B^T (B already scaled), into `out` if given."""
+def lora_linear_out(x: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """x @ W^T + b + xa @ B^T (B already scaled)."""
     bias = _bias(layer, x.dtype)
-    if out is None:
-        y = torch.mm(xa, B.t()) if bias is None else torch.addmm(bias, xa, B.t())
-    else:
-        y = torch.mm(xa, B.t(), out=out) if bias is None else torch.addmm(bias, xa, B.t(), out=out)
+    y = torch.mm(xa, B.t()) if bias is None else torch.addmm(bias, xa, B.t())
     return y.addmm_(x, base_weight(layer, x.dtype).t())
 
 

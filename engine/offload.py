@@ -24,8 +24,10 @@ second buffer runs out of memory.
 Long documents: when attention is a large part of a layer's work (`attention_keep_bytes`
 says when, from the batch's lengths) and there is room, each layer's attention output and
 softmax statistics stay on the device from the first forward to the recompute, which then
-skips the attention forward kernel (engine.kernels.varlen_attention.keep_outputs). Nothing here asks the device anything per layer: copies
-and waits are stream events, so there are no device-to-host syncs.
+skips the attention forward kernel (engine.kernels.varlen_attention.keep_outputs).
+
+Nothing here asks the device anything per layer: copies and waits are stream events, so
+there are no device-to-host syncs.
 
 On a CPU there is no copy stream; the "host buffer" is a plain CPU tensor (a copy that saves
 nothing), which keeps the mechanism testable without a GPU.
@@ -128,7 +130,8 @@ class ActivationOffloader:
         for slot in self.slots:  # a step that failed midway (OOM) may have left reloads behind
             slot.device_copy, slot.ready, slot.saved = None, None, False
             slot.attention.clear()
-        free = free_device_bytes(self.device) if self.cuda else 0
+        # One query of the device's free memory per step, only when something depends on it.
+        free = free_device_bytes(self.device) if self.cuda and (self.mode == "double" or attention_keep_bytes) else 0
         if self.mode == "double" and self.cuda:
             need = tokens * hidden_size * torch.finfo(dtype).bits // 8 + DOUBLE_BUFFER_MARGIN
             if free < need:
