@@ -64,6 +64,19 @@ def test_merge_appends_only_new_records(tmp_path):
     assert [r["impl"] for r in read_records(a)] == ["ours", "hf_sdpa"]
 
 
+def test_summary_shows_the_newest_record_by_date_not_by_file_order(tmp_path):
+    # A merge can append an older call's records after a newer run's.
+    a = tmp_path / "a.jsonl"
+    rec = {"mode": "bench", "workload": "W1", "impl": "ours", "status": "ok", "gpu": "G", "commit": "c"}
+    newer = dict(rec, date="2026-11-29T11:27:00+00:00", tokens_per_s=222_222.0)
+    older = dict(rec, date="2026-11-29T11:14:00+00:00", tokens_per_s=111_111.0)
+    a.write_text(json.dumps(newer) + "\n" + json.dumps(older) + "\n")
+    md = tmp_path / "R.md"
+    assert main(["--summarize", "--results", str(a), "--md", str(md)]) == 0
+    text = md.read_text()
+    assert "222,222" in text and "111,111" not in text
+
+
 def test_ceiling_reproduces_workloads_md():
     # WORKLOADS.md: ~219k tokens/s on W1 and ~106k on W2 (N = matmul parameters incl. LM head).
     assert ceiling_tokens_per_s(WORKLOADS["W1"]) == pytest.approx(219_000, rel=0.02)

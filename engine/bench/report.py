@@ -150,7 +150,9 @@ def format_table(records: Iterable[dict]) -> str:
 
 def _latest_per_key(records: list[dict], key) -> "OrderedDict[Any, dict]":
     latest: "OrderedDict[Any, dict]" = OrderedDict()
-    for r in records:  # file order is time order; a later line replaces an earlier one
+    # By date, not file order: --merge appends a call's records whenever it is run, so a file
+    # can hold an older run after a newer one. Equal dates keep file order (stable sort).
+    for r in sorted(records, key=lambda r: str(r.get("date") or "")):
         latest[key(r)] = r
     return latest
 
