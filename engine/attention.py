@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from engine import packed
+from engine.counters import count_fallback
 from engine.kernels.varlen_attention import varlen_attention_reference
 
 ATTN_NAME = "tunesmith_varlen"
@@ -82,14 +83,17 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True
     if dropout_p > 0.0:
         backend = "reference"
     if backend == "reference":
+        packed.COUNTERS["attention:reference"] += 1  # its cu_seqlens.tolist() counts a host sync
         return varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale=scale, causal=causal,
                                           sliding_window=sliding_window, softcap=softcap,
                                           dropout_p=dropout_p)
     if backend == "flash_attn":
+        packed.COUNTERS["attention:flash_attn"] += 1
         return _flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window, softcap)
     if backend == "torch_flash":
         if softcap is not None:
             raise ValueError("the torch_flash attention backend has no softcap")
+        packed.COUNTERS["attention:torch_flash"] += 1
         return _torch_flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window)
     if backend != "triton":
         raise ValueError(f"unknown attention backend {backend!r}")
@@ -99,6 +103,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True
         info = packed.lookup(cu_seqlens)
     tables = info.block_table if info is not None and info.cu_seqlens.device == q.device else None
     covers = info is not None and info.total_tokens == q.shape[0]
+    packed.COUNTERS["attention:varlen_triton"] += 1
     return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale=scale, causal=causal,
                                    sliding_window=sliding_window, softcap=softcap, tables=tables,
                                    covers_all_tokens=covers)
@@ -231,6 +236,8 @@ def tunesmith_varlen_attention_forward(module, query, key, value, attention_mask
         raise ValueError(f"{ATTN_NAME} does not support attention sinks (s_aux); "
                          "enable_packed_attention refuses such models")
     if attention_mask is not None or key.shape[2] != t:
+        packed.COUNTERS["attention:dense"] += 1
+        count_fallback("packed_attention", "KV cache" if key.shape[2] != t else "explicit attention mask")
         return _dense_attention(module, query, key, value, attention_mask, scaling, dropout,
                                 sliding_window, softcap, is_causal)
 

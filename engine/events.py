@@ -61,6 +61,12 @@ class StepMetrics(Event):
     host_syncs: int = 0
     # Offloaded checkpointing in this step: "double", "single", "single (why)"; "" when off.
     offload: str = ""
+    # What ran in this step (engine.counters): calls of the fused LoRA Functions, kernel ops by
+    # path ("rmsnorm:triton", "rmsnorm:torch", ...), attention backends, MoE grouped calls;
+    # non-zero entries only. fallbacks: {"<module kind>: <reason>": count} of patched modules
+    # that took their stock forward; empty when none did.
+    fast_path_calls: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.counters import COUNTERS
 from engine.models import quant
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -367,6 +368,7 @@ class LoRALinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, *ab):
+        COUNTERS["lora_linears"] += 1
         w = group.weights(ab, x.dtype)
         ys, xa = _group_forward(x, group, w)
         # The cached low-precision weights are kept on ctx (they are not autograd inputs and
@@ -474,6 +476,7 @@ class LoRAMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_up, down, act, *ab):
+        COUNTERS["lora_mlp"] += 1
         w_in = gate_up.weights(ab[:4], x.dtype)
         w_out = down.weights(ab[4:], x.dtype)
         (gate, up), xa = _group_forward(x, gate_up, w_in)

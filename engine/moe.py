@@ -49,7 +49,7 @@ except Exception:  # pragma: no cover - triton ships with torch on Linux
 # Block calls through the grouped path and host syncs the routing made (the loop path reads the
 # expert offsets once per call; the grouped_mm path never does) go to engine.counters, where
 # the training loop reads them with the packing counts.
-from engine.counters import COUNTERS, reset_counters  # noqa: E402,F401
+from engine.counters import COUNTERS, count_fallback, reset_counters  # noqa: E402,F401
 
 _MARK = "_tunesmith_moe_stock_forward"
 # transformers model types whose sparse blocks this module groups.
@@ -230,7 +230,9 @@ def _runtime_reason(block: nn.Module, x: torch.Tensor) -> Optional[str]:
 
 def _grouped_forward(self, hidden_states: torch.Tensor):
     plan: _Plan = self._tunesmith_moe_plan
-    if _runtime_reason(self, hidden_states) is not None:
+    reason = _runtime_reason(self, hidden_states)
+    if reason is not None:
+        count_fallback("moe", reason)
         return plan.stock(hidden_states)
     b, t, h = hidden_states.shape
     x = hidden_states.reshape(-1, h)
@@ -330,6 +332,7 @@ class _GroupedExperts(torch.autograd.Function):
         if not _use_grouped_mm(plan.impl, x.dtype, dev, n_exp, inter, hidden):
             host = offs.tolist()  # the one host read of this block call (kept for the backward)
             COUNTERS["host_syncs"] += 1
+        COUNTERS["moe:loop" if host is not None else "moe:grouped_mm"] += 1
         n_rows = order.numel()
         token_of = torch.div(order, k, rounding_mode="floor")
         # inv[(t, j)] = row of that pair in expert order (a permutation: plain scatter, no sort).

@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-# Metadata builds and host syncs are counted in engine.counters (re-exported here).
-from engine.counters import COUNTERS, reset_counters  # noqa: E402,F401
+# Metadata builds and host reads are counted in engine.counters (re-exported here).
+from engine.counters import BASE_KEYS, COUNTERS, reset_counters  # noqa: E402,F401
 
 
 # Block sizes the varlen attention kernels tile documents with on the GPU; their block tables are
@@ -106,8 +106,7 @@ class PackedSeqInfo:
         position_ids."""
         pos = position_ids.reshape(-1, position_ids.shape[-1])
         host = pos.to("cpu")
-        if pos.device.type != "cpu":
-            COUNTERS["host_syncs"] += 1
+        COUNTERS["host_syncs"] += 1  # a sync on a GPU; counted on every device (see engine.counters)
         starts = host == 0
         starts[:, 0] = True  # a row never continues the previous row's document
         idx = torch.nonzero(starts.reshape(-1)).reshape(-1).tolist() + [host.numel()]

@@ -47,7 +47,7 @@ def test_counters_count_builds_and_reset():
     PackedSeqInfo.from_lengths([3, 4])
     PackedSeqInfo.from_lengths([1])
     assert packed.reset_counters() == {"metadata_builds": 2, "host_syncs": 0, "moe_calls": 0}
-    assert packed.COUNTERS == {"metadata_builds": 0, "host_syncs": 0, "moe_calls": 0}
+    assert not any(packed.COUNTERS.values())
 
 
 def test_cpu_to_returns_self_and_lookup_finds_owner():

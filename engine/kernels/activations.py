@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.counters import COUNTERS
 from engine.kernels._common import next_pow2, on_cuda, tanh_f32, warps_for
 
 _BLOCK = 2048  # values per program along a row; several programs split a long row
@@ -110,6 +111,7 @@ def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
 def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """act(gate) * up, computed by the Triton kernel (no autograd)."""
     code = _ACTS[act]
+    COUNTERS["activations:triton"] += 1
     g2, u2 = _rows(gate), _rows(up)
     n_rows, n_cols = g2.shape
     h = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
@@ -180,11 +182,13 @@ def _geglu_act(approximate: str) -> str:
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Plain torch, in fp32 and cast once (the kernel's numerics)."""
+    COUNTERS["activations:torch"] += 1
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
 def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     _geglu_act(approximate)
+    COUNTERS["activations:torch"] += 1
     return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(gate.dtype)
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.counters import COUNTERS
 from engine.kernels._common import next_pow2, on_cuda
 
 # Values per half-head tile a program rotates at once (heads x D/2).
@@ -192,6 +193,7 @@ class RoPESingleFunction(torch.autograd.Function):
 
 def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """transformers' apply_rotary_pos_emb for [B, T, H, D] tensors (unsqueeze_dim=2); out of place."""
+    COUNTERS["rope:torch"] += 1
     cos = _as_btd(cos, "cos").unsqueeze(2)
     sin = _as_btd(sin, "sin").unsqueeze(2)
 
@@ -208,6 +210,7 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     if not (_unit_last_stride(q) and _unit_last_stride(k)):
         raise ValueError("apply_rope: q and k need a unit stride along head_dim to be rotated in place")
     cos, sin = _as_btd(cos, "cos"), _as_btd(sin, "sin")
+    COUNTERS["rope:triton"] += 1
     if q._is_view() or k._is_view():
         return RoPESingleFunction.apply(q, cos, sin), RoPESingleFunction.apply(k, cos, sin)
     return RoPEFunction.apply(q, k, cos, sin)

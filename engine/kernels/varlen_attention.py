@@ -29,6 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.counters import COUNTERS
+
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -58,13 +60,15 @@ def varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen=None, *, scale=No
                                sliding_window=None, softcap=None, dropout_p=0.0):
     """Per-document attention in plain torch: SDPA where it can, explicit softmax for softcap.
 
-    Reads `cu_seqlens` on the host (a sync on CUDA): this is the reference and the CPU path.
+    Reads `cu_seqlens` on the host (a sync on CUDA, counted in COUNTERS["host_syncs"] on every
+    device): this is the reference and the CPU path.
     """
     t, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     bounds = cu_seqlens.tolist()
+    COUNTERS["host_syncs"] += 1
     out = q.new_empty(t, hq, d)
     for s, e in zip(bounds[:-1], bounds[1:]):
         if e <= s:

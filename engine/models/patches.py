@@ -16,8 +16,9 @@ checkpointing, masks and kwargs plumbing stay as they are):
 The registry is keyed by `config.model_type`; unknown types keep the stock path. Each patched
 forward checks, per call, the state it was planned for (adapters enabled and unmerged, dtypes,
 no autocast, no KV cache) and otherwise calls the stock forward, so generation with a cache and
-`disable_adapter()` keep working. Nothing unsupported raises: it keeps the stock path and the
-report says why.
+`disable_adapter()` keep working; each such call is counted with its reason
+(engine.counters, "fallback:<module kind>: <reason>"), so a step reports what actually ran. Nothing
+unsupported raises: it keeps the stock path and the report says why.
 
 The report maps each fast path (rmsnorm, rope, activations, lora_qkv, lora_o, lora_mlp) to
 "on" (every module of that kind patched), "partial k/n: <reason for the rest>", or
@@ -45,9 +46,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from engine.counters import count_fallback
 from engine.lora_autograd import (
     GatedAct,
     LoRAGroup,
+    base_dtype,
     lora_linears,
     lora_mlp,
     lora_parts,
@@ -196,6 +199,7 @@ def _rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     # Llama-style norms return weight * x.to(dtype): an fp32 weight on bf16 activations would
     # promote the output, which the kernel does not; that rare mix keeps the stock forward.
     if plan["offset"] == 0.0 and self.weight.dtype != hidden_states.dtype:
+        count_fallback("rmsnorm", "weight dtype differs from the activations")
         return plan["stock"](hidden_states)
     return plan["fn"](hidden_states, self.weight, getattr(self, plan["eps_attr"]), plan["offset"])
 
@@ -208,13 +212,38 @@ class _MLPPlan:
     act_kernel: bool  # stock projections around the activation kernel
 
 
+def _lora_runtime_reason(groups, x: torch.Tensor) -> str:
+    """Why `LoRAGroup.runtime_ok` refused x: the same checks, spelled out (fallback path only)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast"
+    for group in groups:
+        for p in group.parts:
+            if base_dtype(p.base) != x.dtype:
+                return "activation dtype differs from the base layer's"
+            if p.adapter is not None:
+                layer = p.layer
+                if layer.disable_adapters:
+                    return "adapters disabled"
+                if layer.merged:
+                    return "adapter merged"
+                if layer.active_adapters != [p.adapter]:
+                    return "active adapter changed"
+    return "runtime check failed"
+
+
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     plan: _MLPPlan = self._tunesmith_plan
     groups = plan.groups
-    if groups is not None and groups[0].runtime_ok(x) and groups[1].runtime_ok(x):
-        return lora_mlp(x, groups[0], groups[1], act=plan.act)
+    reason = None
+    if groups is not None:
+        if groups[0].runtime_ok(x) and groups[1].runtime_ok(x):
+            return lora_mlp(x, groups[0], groups[1], act=plan.act)
+        reason = _lora_runtime_reason(groups, x)
     if plan.act_kernel and not torch.is_autocast_enabled(x.device.type):
+        if reason is not None:  # stock projections around the activation kernel
+            count_fallback("lora_mlp", reason)
         return self.down_proj(plan.act(self.gate_proj(x), self.up_proj(x)))
+    count_fallback("mlp", reason or "autocast")
     return plan.stock(x)
 
 
@@ -252,6 +281,14 @@ def _attention_interface(impl: Optional[str], eager: Callable) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[impl]
 
 
+def _stock_attention_reason(args, cache, hidden_states) -> str:
+    if cache is not None:
+        return "KV cache"
+    if torch.is_autocast_enabled(hidden_states.device.type):
+        return "autocast"
+    return "positional arguments" if args else "no position embeddings"
+
+
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
     plan: _AttnPlan = self._tunesmith_plan
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -260,6 +297,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     ):
         # Generation with a KV cache (or an unforeseen call shape): the stock forward knows
         # this transformers version's cache API.
+        count_fallback("attention", _stock_attention_reason(args, cache, hidden_states))
         if args:
             return plan.stock(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         return plan.stock(
@@ -276,6 +314,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     if plan.qkv is not None and plan.qkv.runtime_ok(hidden_states):
         q, k, v = lora_linears(hidden_states, plan.qkv)
     else:
+        if plan.qkv is not None:
+            count_fallback("lora_qkv", _lora_runtime_reason((plan.qkv,), hidden_states))
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
     q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
     if plan.qk_norm:
@@ -309,6 +349,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     if plan.o is not None and plan.o.runtime_ok(attn_output):
         (attn_output,) = lora_linears(attn_output, plan.o)
     else:
+        if plan.o is not None:
+            count_fallback("lora_o", _lora_runtime_reason((plan.o,), attn_output))
         attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
 

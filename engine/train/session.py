@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from engine.config import RunConfig
+from engine.counters import requested_but_not_run, reset_counters, split_counts
 from engine.events import (
     CheckpointSaved,
     Event,
@@ -89,6 +90,22 @@ class TrainingSession:
     def log(self, message: str, level: str = "info") -> None:
         self._emit(LogLine(message, level))
 
+    def _say_what_did_not_run(self, fast: dict, calls: dict, fallbacks: dict, device: str, step: int,
+                              said: set) -> None:
+        """Log each distinct fallback reason and each requested fast path that did not run (or
+        ran on some layers only) once per run: a warning on a GPU, where it costs speed or
+        memory; a note elsewhere."""
+        level = "warning" if device.startswith("cuda") else "info"
+        for entry, n in fallbacks.items():
+            if ("fallback", entry) not in said:
+                said.add(("fallback", entry))
+                self.log(f"Fast path fallback in step {step}: {entry} ({n} calls took the stock path)", level)
+        for path, what in requested_but_not_run(fast, calls, fallbacks, device).items():
+            key = ("missing", path, what.split(":")[0].split(";")[0])
+            if key not in said:
+                said.add(key)
+                self.log(f"Fast path {path} was requested ({fast.get(path)}) but in step {step} {what}", level)
+
     # -- run ----------------------------------------------------------------------------------
     def run(self) -> Event:
         try:
@@ -153,7 +170,6 @@ class TrainingSession:
         from engine.data.dataset import prepare_dataset
         from engine.models.loading import load_model, load_tokenizer
         from engine.models.lora import attach_lora, lora_parameters
-        from engine.packed import reset_counters
         from engine.train import checkpoint as ckpt
         from engine.train.optim import make_optimizer
         from engine.train.schedule import StepPlan, lr_lambda
@@ -244,6 +260,7 @@ class TrainingSession:
         step = start_step
         stopped = False
         rows = data.packing.rows
+        said: set = set()  # fallbacks and missing fast paths already logged (once each)
         reset_counters()
         while step < total:
             if not self._resume.is_set():
@@ -304,6 +321,8 @@ class TrainingSession:
             step += 1
             ntok = sum(b.num_tokens for b in micro)
             counters = reset_counters()
+            calls, fallbacks = split_counts(counters)
+            self._say_what_did_not_run(fast, calls, fallbacks, str(device), step, said)
             if step % t.log_every == 0 or step == total:
                 tok_per_s.append(ntok / dt)
                 if is_cuda:
@@ -319,7 +338,7 @@ class TrainingSession:
                     mem_allocated=mem[0], mem_reserved=mem[1], mem_peak=mem[2], mem_total=mem_total,
                     device=str(device), metadata_builds=counters.get("metadata_builds", 0),
                     host_syncs=counters.get("host_syncs", 0),
-                    offload=_offload_note(offloader),
+                    offload=_offload_note(offloader), fast_path_calls=calls, fallbacks=fallbacks,
                 ))
             if t.save_every and step % t.save_every == 0 and step < total:
                 save(step)
