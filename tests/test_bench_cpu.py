@@ -1,18 +1,22 @@
-"""The benchmark harness on a CPU: the --cpu-smoke run end to end (ours + HF + PEFT, then fp32
-parity) through `engine.bench.__main__.main`, plus the pieces the GPU run relies on (batches,
-the 6N ceiling, the memcap search, the patch guard), all writing only to tmp files."""
+"""The benchmark harness on a CPU: the --cpu-smoke run end to end (ours + HF + PEFT, fp32
+parity, the 30-step learning check) through `engine.bench.__main__.main`, plus the pieces the
+GPU run relies on (learnable batches, the learning check and the summary's rules, the 6N
+ceiling, the memcap search, the patch guard), all writing only to tmp files."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from engine.bench.__main__ import main
-from engine.bench.batches import MAX_LEN, MIN_LEN, make_batches, make_step
+from engine.bench.batches import MAX_LEN, MIN_LEN, chain, make_batches, make_step
 from engine.bench.memcap import search_longest
-from engine.bench.report import DEFAULT_RESULTS, read_records
+from engine.bench.report import (DEFAULT_RESULTS, best_peer_same_run, learning_check, learning_verdict,
+                                 read_records)
 from engine.bench.workloads import WORKLOADS, ceiling_tokens_per_s, count_matmul_params, make_config, matmul_params
 
 
@@ -24,8 +28,12 @@ def test_cpu_smoke_end_to_end(tmp_path, capsys):
     before = _results_state()
     results = tmp_path / "results.jsonl"
     assert main(["--cpu-smoke", "--results", str(results)]) == 0
-    out = capsys.readouterr().out
-    assert "workload" in out.splitlines()[-3] or "CPU-tiny" in out  # the table is printed
+    lines = capsys.readouterr().out.splitlines()
+    # The console table: its header, then one row per implementation of this run.
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("workload ") and "learning" in ln)
+    assert lines[head + 2].split()[:3] == ["CPU-tiny", "ours", "ok"]
+    assert lines[head + 3].split()[:3] == ["CPU-tiny", "hf_sdpa", "ok"]
+    assert any(ln.startswith("LEARNING CHECK CPU-tiny") and ": ok:" in ln for ln in lines)
 
     recs = read_records(results)
     bench = {r["impl"]: r for r in recs if r["mode"] == "bench"}
@@ -35,13 +43,33 @@ def test_cpu_smoke_end_to_end(tmp_path, capsys):
         assert r["workload"] == "CPU-tiny" and r["tokens_per_s"] > 0
         assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
         assert len(r["step_times"]) == 2 and len(r["losses"]) == 3
+        # The whole curve, warm-up included, as floats.
+        assert len(r["loss_curve"]) == 3 and all(isinstance(x, float) for x in r["loss_curve"])
+        assert r["loss_curve"][0] == r["first_loss"] and r["loss_curve"][-1] == r["last_loss"]
+        assert r["data"]["ids"] == "markov" and r["lr"] == 1e-2  # CPU-tiny's learning rate
+        opt = r["options"]["optimizer"]
+        assert (opt["name"], opt["lr"], opt["weight_decay"], opt["betas"], opt["eps"]) == (
+            "AdamW", r["lr"], 0.0, [0.9, 0.999], 1e-8)
         for key in ("date", "commit", "gpu", "versions", "options", "step_s", "peak_gib", "reserved_gib",
-                    "first_loss", "last_loss", "ceiling_fraction"):
+                    "first_loss", "last_loss", "ceiling_fraction", "run_id"):
             assert key in r, key
+    assert bench["ours"]["run_id"] == bench["hf_sdpa"]["run_id"]
+    assert bench["ours"]["options"]["optimizer"]["source"] == "engine.train.optim.make_optimizer"
     # Same weights, same batches, same targets: the two implementations see the same first loss.
     assert bench["ours"]["first_loss"] == pytest.approx(bench["hf_sdpa"]["first_loss"], rel=1e-4)
     assert bench["ours"]["options"]["fast_paths_report"]  # prepare_model's report is recorded
     assert bench["ours"]["offload_step"] == "double"  # what the last timed step's offload did
+    # Three steps cannot show a fall: the speed record has no learning check, so it does not count.
+    assert learning_verdict(bench["ours"], recs)["verdict"] == "none"
+
+    # The learning check: 30 steps of ours (all-on) against stock HF + PEFT, same batches.
+    learning = [r for r in recs if r["mode"] == "learning"]
+    assert len(learning) == 1
+    lr = learning[0]
+    assert lr["status"].startswith("ok"), lr["status"]
+    assert lr["steps"] == 30 and len(lr["loss_curve"]) == 30 and len(lr["ref_loss_curve"]) == 30
+    assert lr["variant"] == "all-on" and lr["ref_impl"] == "hf_sdpa" and lr["options"]["offload"] == "double"
+    assert lr["stock_fall"] >= 0.3 and lr["max_step_rel_err"] <= 0.02
 
     parity = [r for r in recs if r["mode"] == "parity"]
     assert len(parity) == 1 and parity[0]["dtype"] == "float32"
@@ -52,6 +80,8 @@ def test_cpu_smoke_end_to_end(tmp_path, capsys):
     assert main(["--summarize", "--results", str(results), "--md", str(md)]) == 0
     text = md.read_text()
     assert "CPU-tiny" in text and "| ours |" in text and "Parity" in text
+    assert "| ours | ok | no learning check |" in text  # the 3-step speed record does not count
+    assert "## Learning check" in text and "| CPU-tiny | all-on | hf_sdpa |" in text
     assert _results_state() == before  # the repository's results.jsonl is never touched by tests
 
 
@@ -67,14 +97,81 @@ def test_merge_appends_only_new_records(tmp_path):
 def test_summary_shows_the_newest_record_by_date_not_by_file_order(tmp_path):
     # A merge can append an older call's records after a newer run's.
     a = tmp_path / "a.jsonl"
-    rec = {"mode": "bench", "workload": "W1", "impl": "ours", "status": "ok", "gpu": "G", "commit": "c"}
-    newer = dict(rec, date="2026-11-29T11:27:00+00:00", tokens_per_s=222_222.0)
-    older = dict(rec, date="2026-11-29T11:14:00+00:00", tokens_per_s=111_111.0)
+    rec = {"mode": "bench", "workload": "W1", "impl": "hf_sdpa", "status": "ok", "gpu": "G", "commit": "c"}
+    newer = dict(rec, date="2026-11-29T11:27:00+00:00", tokens_per_s=222_222.0, run_id="new")
+    older = dict(rec, date="2026-11-29T11:14:00+00:00", tokens_per_s=111_111.0, run_id="old")
     a.write_text(json.dumps(newer) + "\n" + json.dumps(older) + "\n")
     md = tmp_path / "R.md"
     assert main(["--summarize", "--results", str(a), "--md", str(md)]) == 0
+    latest, history = md.read_text().split("<details>")
+    assert "222,222" in latest and "111,111" not in latest
+    assert "111,111" in history and "| old |" in history  # older records are kept, with their run
+
+
+STOCK = [11.9, 11.2, 10.6, 10.1, 9.7, 9.4, 9.2, 9.0]  # falls 2.7 nats: first step - mean of the last three
+
+
+def test_learning_check_rejects_a_flat_curve_and_accepts_a_matching_one():
+    flat = [11.9] * len(STOCK)
+    bad = learning_check(flat, STOCK)
+    assert bad["verdict"] == "FAILED" and bad["ours_fall"] == pytest.approx(0.0, abs=1e-9)
+    # Ours is the stock curve up to rounding-sized differences (well inside 2%).
+    match = [x * (1 + 0.003 * (-1) ** i) for i, x in enumerate(STOCK)]
+    good = learning_check(match, STOCK)
+    assert good["verdict"] == "ok", good["reason"]
+    assert good["stock_fall"] == pytest.approx(STOCK[0] - sum(STOCK[-3:]) / 3)
+    # Over a few steps at a high loss a nearly flat curve stays within 2% of a falling one at
+    # every step: the fall is what tells them apart.
+    stock = [30.0, 29.8, 29.6, 29.5, 29.4, 29.3]
+    nearly_flat = [30.0, 29.95, 29.9, 29.9, 29.85, 29.85]
+    c = learning_check(nearly_flat, stock)
+    assert c["max_step_rel_err"] <= 0.02 and c["verdict"] == "FAILED" and "fell" in c["reason"]
+    # A stock curve that does not fall cannot check anything; nor can curves of other lengths.
+    assert learning_check(flat, flat)["verdict"] == "none"
+    assert learning_check(match[:-1], STOCK)["verdict"] == "none"
+    assert learning_check(None, STOCK)["verdict"] == "none"
+    assert learning_check(match[:-1] + [float("nan")], STOCK)["verdict"] == "FAILED"
+
+
+def _rec(impl, run, tps, curve=None, date="2026-12-01T10:00:00+00:00", **kw):
+    r = {"mode": "bench", "workload": "W1", "impl": impl, "status": "ok", "gpu": "G", "commit": "c" + run,
+         "run_id": run, "date": date, "tokens_per_s": tps, "options": {"variant": "all-on"} if impl == "ours" else {}}
+    if curve is not None:
+        r["loss_curve"] = curve
+    return dict(r, **kw)
+
+
+def test_summary_never_takes_ratios_or_references_across_runs(tmp_path):
+    matching = [x * 1.001 for x in STOCK]
+    recs = [
+        # Run A: ours learns like stock HF + PEFT of its own run and is 5x faster than it.
+        _rec("ours", "A", 50_000.0, matching), _rec("hf_sdpa", "A", 10_000.0, STOCK),
+        # Run B, later: a faster peer and no ours; a ratio across runs would read 2.00x.
+        _rec("hf_flex", "B", 25_000.0, STOCK, date="2026-12-01T11:00:00+00:00"),
+        # Run C: ours with a good-looking curve but no stock curve of its own run.
+        _rec("ours", "C", 77_777.0, matching, date="2026-12-01T09:00:00+00:00"),
+        # Run D: ours that does not learn; run E: a record from before loss curves.
+        _rec("ours", "D", 88_888.0, [11.9] * len(STOCK), date="2026-12-01T08:00:00+00:00"),
+        _rec("hf_sdpa", "D", 9_000.0, STOCK, date="2026-12-01T08:00:00+00:00"),
+        _rec("ours", "E", 99_999.0, date="2026-11-29T08:00:00+00:00"),
+    ]
+    by = {(r["impl"], r["run_id"]): r for r in recs}
+    assert best_peer_same_run(by["ours", "A"], recs) == 10_000.0
+    assert best_peer_same_run(by["ours", "C"], recs) is None
+    assert learning_verdict(by["ours", "A"], recs)["verdict"] == "ok"
+    assert learning_verdict(by["ours", "C"], recs)["verdict"] == "none"  # run A's and B's stock curves are not its own
+    assert learning_verdict(by["ours", "D"], recs)["verdict"] == "FAILED"
+    assert learning_verdict(by["ours", "E"], recs)["verdict"] == "none"
+
+    results, md = tmp_path / "r.jsonl", tmp_path / "R.md"
+    results.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["--summarize", "--results", str(results), "--md", str(md)]) == 0
     text = md.read_text()
-    assert "222,222" in text and "111,111" not in text
+    assert "| ours | ok | 50,000 |" in text and "5.00x" in text and "2.00x" not in text
+    for speed in ("77,777", "88,888", "99,999"):  # none of them counts as a speed
+        assert speed not in text
+    assert "FAILED learning" in text and "no learning check" in text
+    assert "no stock HF + PEFT / Liger curve in run C" in text
 
 
 def test_ceiling_reproduces_workloads_md():
@@ -99,15 +196,45 @@ def test_matmul_params_match_the_built_model(wid):
 def test_batches_follow_the_recipe():
     a = make_batches(4, 16_384, 151_936)
     b = make_batches(4, 16_384, 151_936)
-    for x, y in zip(a, b):  # a fresh seed per step, identical in every process
+    for x, y in zip(a, b):  # a fresh seed per step, identical in every call
         assert x.lengths == y.lengths and torch.equal(x.ids, y.ids)
-    assert a[0].lengths != a[1].lengths
+    assert a[0].lengths != a[1].lengths and not torch.equal(a[0].ids, a[1].ids)
     for s in a:
         assert sum(s.lengths) == 16_384 and s.num_tokens == 16_384
         assert all(MIN_LEN <= n <= MAX_LEN for n in s.lengths[:-1]) and 1 <= s.lengths[-1] <= MAX_LEN
         assert int(s.ids.max()) < 151_936
     single = make_step(1, 32_768, 128_256, packing="single")
     assert single.lengths == [32_768]
+
+
+def test_batches_are_learnable():
+    # One fixed set of 256 ids for every step; within a document, the next id is the current
+    # one's successor in the chain's cycle about 70% of the time (plus 1/256 by chance).
+    c = chain(151_936)
+    succ = {int(c.symbols[i]): int(c.symbols[c.succ[i]]) for i in range(len(c.symbols))}
+    follows = pairs = 0
+    for s in make_batches(3, 16_384, 151_936):
+        assert set(s.ids.tolist()) <= set(succ)
+        for doc in s.documents():
+            follows += sum(succ[x] == y for x, y in zip(doc, doc[1:]))
+            pairs += len(doc) - 1
+    assert 0.65 < follows / pairs < 0.75
+
+
+def test_batches_are_rebuilt_identically_in_another_process():
+    # The Unsloth child rebuilds the batches from the same numbers in its own process.
+    code = ("import hashlib; from engine.bench.batches import make_batches; "
+            "bs = make_batches(3, 4096, 151936); "
+            "print(hashlib.sha256(b''.join(b.ids.numpy().tobytes() + bytes(str(b.lengths), 'ascii') "
+            "for b in bs)).hexdigest())")
+    import hashlib
+
+    here = hashlib.sha256(b"".join(b.ids.numpy().tobytes() + bytes(str(b.lengths), "ascii")
+                                   for b in make_batches(3, 4096, 151_936))).hexdigest()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONHASHSEED": "123"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == here
 
 
 def test_hf_labels_train_the_engines_targets():

@@ -2,14 +2,22 @@
 
     python -m engine.bench --workloads W1,W2,W3 --max-seconds 540     # speed, all peers
     python -m engine.bench --workloads W1 --impls ours --ours-variants all-on,no-kernels,no-fused-ce
-    python -m engine.bench --parity                                   # ours vs HF + PEFT, fp32 and bf16
+    python -m engine.bench --parity                                   # learning check (30 steps) + one-step grads
     python -m engine.bench --memcap                                   # W7, longest sequence at 16 GiB
     python -m engine.bench --cpu-smoke --results /tmp/r.jsonl         # tiny end-to-end run on a CPU
     python -m engine.bench --summarize [--merge more.jsonl]           # RESULTS.md from results.jsonl
     python -m engine.bench --dry-run                                  # the plan, nothing built
 
+Every run trains on learnable batches (engine.bench.batches) with one AdamW definition
+(lr 1e-3 unless --lr says otherwise) and records each implementation's per-step loss curve.
+A speed of ours counts only when the learning check against a stock HF + PEFT (or Liger) curve
+of the same run passes (engine.bench.report.learning_check; WORKLOADS.md): so a speed run
+that should count includes hf_sdpa, hf_flex, liger_sdpa or liger_flex.
+
 Exit status: 0 when everything asked for ran (peers may be "not supported"), 1 when one of
-ours failed (error, OOM) in a speed run, 2 when parity failed.
+ours failed (error, OOM) in a speed run, 2 when parity or a learning check failed (a speed
+run whose ours curve does not learn like the stock curve of the same run; --parity's
+learning check or one-step gradient check).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import sys
 import time
 
 from engine.bench.report import DEFAULT_MD, DEFAULT_RESULTS, progress
+from engine.bench.runner import setup_for  # noqa: F401  (the setup of an impl name; kept importable here)
 
 DEFAULT_IMPLS = "ours,liger_flex,unsloth,hf_flex,hf_sdpa,liger_sdpa"
 KNOWN_IMPLS = ("ours", "hf", "hf_sdpa", "hf_flex", "hf_eager", "liger_sdpa", "liger_flex", "unsloth")
@@ -42,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="impl: each implementation on every workload before the next (default; the "
                         "important ones first under a time budget); workload: one workload at a time")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 8; --cpu-smoke 2)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW learning rate of every implementation (default 1e-3, CPU-tiny 1e-2: the loss "
+                        "falls within the timed steps on the learnable batches, so the learning check can tell)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; --cpu-smoke 1)")
     p.add_argument("--results", default=str(DEFAULT_RESULTS), help="JSON-lines file records are appended to")
     p.add_argument("--md", default=str(DEFAULT_MD), help="RESULTS.md path for --summarize")
@@ -52,8 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan (N, ceiling, batches, impls); build nothing")
     p.add_argument("--summarize", action="store_true", help="regenerate RESULTS.md from --results and exit")
     p.add_argument("--merge", default=None, help="with --summarize: first append the records of this file")
-    p.add_argument("--parity", action="store_true", help="one step of ours vs HF + PEFT fp32, in fp32 and bf16")
-    p.add_argument("--parity-layers", type=int, default=2)
+    p.add_argument("--parity", action="store_true",
+                   help="the learning check: ours (--learning-variant, default all-on) against stock HF + PEFT "
+                        "for --learning-steps optimizer steps on the same learnable batches (bf16 on a GPU), "
+                        "then one step's LoRA gradients against HF + PEFT fp32 (fp32 and bf16, shrunk model)")
+    p.add_argument("--learning-steps", type=int, default=None,
+                   help="optimizer steps of --parity's learning check (default 30, the WORKLOADS.md minimum)")
+    p.add_argument("--learning-layers", type=int, default=0,
+                   help="layers of the learning check's model (default 0: the workload's own depth)")
+    p.add_argument("--learning-ref", default="hf_sdpa", help="the stock implementation of the learning check")
+    p.add_argument("--learning-variant", default="all-on", help="the variant of ours the learning check trains")
+    p.add_argument("--parity-layers", type=int, default=2, help="layers of the one-step gradient check's model")
     p.add_argument("--parity-vocab", type=int, default=None, help="shrink the vocabulary for parity")
     p.add_argument("--parity-tokens", type=int, default=2048)
     p.add_argument("--parity-dtypes", default="float32,bfloat16")
@@ -66,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memcap-gib", type=float, default=16.0)
     p.add_argument("--memcap-max-tokens", type=int, default=131_072)
     p.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny model on the CPU: ours + hf_sdpa for 2 steps, then fp32 parity")
+                   help="tiny model on the CPU: ours + hf_sdpa for 2 steps, fp32 one-step parity, "
+                        "and a 30-step learning check")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--unsloth-site", default=None,
                    help="unpacked Unsloth bundle (the 'site' folder of .peer/unsloth-site.tgz); "
@@ -114,22 +136,6 @@ def plan_impls(wl, impls: list[str], variants: list[str]) -> list[tuple[str, dic
     return out
 
 
-def setup_for(impl: str, options: dict):
-    from engine.bench.ours import setup_ours
-    from engine.bench.peers.hf import setup_hf
-    from engine.bench.peers.moe import setup_moe_block
-
-    if impl == "ours":
-        return setup_ours(options.get("variant", "all-on"))
-    if impl.startswith("hf_moe_"):
-        return setup_moe_block(impl[len("hf_moe_"):])
-    attn = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
-    family, _, kind = impl.partition("_")
-    if family in ("hf", "liger") and kind in attn:
-        return setup_hf(attn[kind], liger=family == "liger")
-    raise SystemExit(f"unknown impl {impl!r}; known: {', '.join(KNOWN_IMPLS)}")
-
-
 def base_record(args, env: dict, mode: str = "bench") -> dict:
     from engine.bench.report import now_iso
 
@@ -137,7 +143,7 @@ def base_record(args, env: dict, mode: str = "bench") -> dict:
 
 
 def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dict]:
-    from engine.bench.batches import make_batches
+    from engine.bench.batches import describe, make_batches
     from engine.bench.peers.unsloth import run_child
     from engine.bench.report import append_record
     from engine.bench.runner import Context, run_impl
@@ -152,7 +158,9 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
         docs = sum(len(b.lengths) for b in batches[wl.id]) / len(batches[wl.id])
         longest[wl.id] = 0.0
         progress(f"== {wl.id} {wl.title}: {wl.tokens} tokens/step, {docs:.1f} documents/step, "
-                 f"N={matmul_params(wl) / 1e9:.3f}B, ceiling {ceiling_tokens_per_s(wl):,.0f} tokens/s")
+                 f"N={matmul_params(wl) / 1e9:.3f}B, ceiling {ceiling_tokens_per_s(wl):,.0f} tokens/s; "
+                 f"learnable ids (loss floor {describe(wl.config['vocab_size'])['entropy_floor']} nats), "
+                 f"AdamW lr {lr_for(wl, args):g}")
     # Impl-major by default: under a time budget every workload gets ours and the best peers
     # before any workload gets the slow baselines.
     jobs = [(wl, impl, opts) for wl in speed for impl, opts in plan_impls(wl, impls, variants)]
@@ -162,7 +170,7 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
             rank.setdefault((impl, opts.get("variant")), len(rank))
         jobs.sort(key=lambda j: rank[(j[1], j[2].get("variant"))])
     for wl, impl, options in jobs:
-        base = base_record(args, env)
+        base = dict(base_record(args, env), lr=lr_for(wl, args), data=describe(wl.config["vocab_size"]))
         left = budget.remaining()
         need = max(15.0, 0.6 * longest[wl.id])  # a peer rarely takes less than this workload's slowest so far
         if left < need and impl != "unsloth":
@@ -173,10 +181,10 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
             if device.type != "cuda":
                 rec = dict(base, workload=wl.id, impl=impl, options={}, status="not supported: Unsloth needs a CUDA GPU")
             else:
-                rec = run_child(wl.id, args, budget, base)
+                rec = run_child(wl.id, args, budget, base, lr=lr_for(wl, args))
             progress(f"{wl.id} unsloth: {rec.get('status')}")
         else:
-            ctx = Context(wl, batches[wl.id], device, args.warmup, args.steps, budget, args)
+            ctx = Context(wl, batches[wl.id], device, args.warmup, args.steps, budget, args, lr=lr_for(wl, args))
             rec = run_impl(setup_for(impl, options), ctx, impl, base, options)
         longest[wl.id] = max(longest[wl.id], rec.get("wall_s") or 0.0)
         if wl.kind == "train" and device.type == "cuda":  # the ceiling is the H200's
@@ -221,6 +229,38 @@ def run_memcaps(args, workloads, device, budget, env) -> list[dict]:
     return records
 
 
+def lr_for(wl, args) -> float:
+    """The learning rate of a workload's runs: --lr, else the workload's own (CPU-tiny's 64-wide
+    model needs 1e-2 to fall 0.3 nats in 30 steps), else the recipe's 1e-3."""
+    from engine.bench.runner import DEFAULT_LR
+
+    return float(args.lr if args.lr is not None else wl.extra.get("lr", DEFAULT_LR))
+
+
+def run_learnings(args, workloads, device, budget, env) -> tuple[list[dict], bool]:
+    """--parity's learning check, one record per workload; ok is False when any failed."""
+    from engine.bench.parity import run_learning
+    from engine.bench.report import append_record
+    from engine.bench.workloads import shrink
+
+    rows, ok = [], True
+    for wl in workloads:
+        if wl.kind != "train" and wl.id != "CPU-tiny":
+            progress(f"learning: {wl.id} skipped (only training workloads have a loss curve)")
+            continue
+        model = shrink(wl, args.learning_layers).with_changes(id=wl.id) if args.learning_layers else wl
+        steps = args.learning_steps or 30
+        progress(f"== learning check {wl.id}: ours[{args.learning_variant}] vs {args.learning_ref}, {steps} steps, "
+                 f"{model.config['num_hidden_layers']} layers, {model.tokens} tokens/step, lr {lr_for(wl, args):g}")
+        rec = run_learning(model, device, steps=steps, lr=lr_for(wl, args), budget=budget,
+                           base=base_record(args, env, "learning"), variant=args.learning_variant,
+                           ref_impl=args.learning_ref, args=args)
+        append_record(args.results, rec)
+        rows.append(rec)
+        ok &= rec["status"].startswith("ok")
+    return rows, ok
+
+
 def run_parities(args, workloads, device, env, dtypes) -> tuple[list[dict], bool]:
     from engine.bench.parity import run_parity
     from engine.bench.report import append_record
@@ -244,7 +284,7 @@ def run_parities(args, workloads, device, env, dtypes) -> tuple[list[dict], bool
 def dry_run(args, workloads, impls, variants) -> int:
     import importlib.util
 
-    from engine.bench.batches import make_batches
+    from engine.bench.batches import describe, make_batches
     from engine.bench.peers.unsloth import find_site
     from engine.bench.workloads import ceiling_tokens_per_s, matmul_params
 
@@ -259,6 +299,7 @@ def dry_run(args, workloads, impls, variants) -> int:
         print(f"{wl.id} {wl.title} [{wl.kind}{', ' + wl.quant if wl.quant else ''}]: N={matmul_params(wl):,} "
               f"ceiling {ceiling_tokens_per_s(wl):,.0f} tokens/s; {wl.tokens} tokens/step, documents/step "
               f"{min(docs)}-{max(docs)} (mean {sum(docs) / len(docs):.1f}); target: {wl.target}", flush=True)
+        print(f"  data: {describe(wl.config['vocab_size'])}; AdamW lr {lr_for(wl, args):g}", flush=True)
         if wl.kind == "memcap":
             print(f"  memcap impls: {args.memcap_impls}, cap {args.memcap_gib} GiB, up to {args.memcap_max_tokens}")
         else:
@@ -293,13 +334,15 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup = 1 if args.cpu_smoke else 3
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    if args.learning_steps is not None and args.learning_steps < 4:
+        raise SystemExit("--learning-steps must be >= 4 (a first step and three to average); WORKLOADS.md asks >= 30")
 
     if args.child_impl == "unsloth":  # must import unsloth before anything imports transformers
         from engine.bench.peers.unsloth import child_main
 
         return child_main(args)
 
-    from engine.bench.report import format_table, summarize
+    from engine.bench.report import summarize
 
     if args.summarize:
         if args.merge:
@@ -343,16 +386,29 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.max_seconds, start)
     env = environment(args.unsloth_site)
     progress(f"device {env['gpu']}; commit {env['commit']}; versions {env['versions']}; run {args.run_id}")
+    threads = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+        # The smoke's 64-wide model gains nothing from threads, and on a busy small machine
+        # (tests in parallel) OpenMP threads waiting for a core make each step seconds long.
+        torch.set_num_threads(1 if args.cpu_smoke else max(1, min(4, os.cpu_count() or 1)))
+    try:
+        return _run(args, workloads, impls, variants, device, budget, env, start)
+    finally:
+        torch.set_num_threads(threads)  # main() also runs inside a test process
+
+
+def _run(args, workloads, impls, variants, device, budget, env, start) -> int:
+    from engine.bench.report import format_table, learning_verdict, summarize
 
     records: list[dict] = []
-    failed = False
-    parity_ok = True
+    learning: list[dict] = []
+    parity_ok = learning_ok = True
     if args.cpu_smoke:
         records = run_speed(args, workloads, impls, variants, device, budget, env)
         _, parity_ok = run_parities(args, workloads, device, env, ["float32"])
+        learning, learning_ok = run_learnings(args, workloads, device, budget, env)
     elif args.parity:
+        learning, learning_ok = run_learnings(args, workloads, device, budget, env)
         _, parity_ok = run_parities(args, workloads, device, env, _list(args.parity_dtypes))
     elif args.memcap:
         records = run_memcaps(args, workloads, device, budget, env)
@@ -363,12 +419,27 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + format_table(records), flush=True)
     failed = any(r["impl"] == "ours" and (r.get("status") == "oom" or str(r.get("status", "")).startswith("error"))
                  for r in records)
+    # A speed run's own learning check: ours against the stock curves of this run.
+    unlearned = [r for r in records if r.get("mode") == "bench" and r["impl"] == "ours" and r.get("status") == "ok"
+                 and learning_verdict(r, records)["verdict"] == "FAILED"]
     if os.path.abspath(args.results) == os.path.abspath(str(DEFAULT_RESULTS)):
         summarize(args.results, args.md)
     progress(f"records appended to {args.results}; {time.monotonic() - start:.0f} s in all")
+    for r in learning:
+        print(f"LEARNING CHECK {r['workload']} ours[{r.get('variant')}] vs {r.get('ref_impl')}, {r.get('steps')} "
+              f"steps: {r['status']}", flush=True)
+    for r in unlearned:
+        from engine.bench.report import impl_label
+
+        print(f"LEARNING CHECK FAILED {r['workload']} {impl_label(r)}: "
+              f"{learning_verdict(r, records)['reason']}", flush=True)
+    if not learning_ok:
+        print("LEARNING CHECK FAILED: ours does not learn like stock HF + PEFT on the same batches (or the "
+              "check could not decide); see the curves above.", flush=True)
     if not parity_ok:
         print("PARITY FAILED: the engine's loss or LoRA gradients differ from HF + PEFT (fp32) beyond the "
               "WORKLOADS.md tolerance (fp32 <= 1e-4, bf16 <= 1e-2); see the parity lines above.", flush=True)
+    if not (parity_ok and learning_ok) or unlearned:
         return 2
     return 1 if failed else 0
 

@@ -11,7 +11,8 @@ import traceback
 from typing import Callable
 
 from engine.bench.report import progress
-from engine.bench.runner import GIB, Budget, BudgetExceeded, NotSupported, is_oom
+from engine.bench.runner import (DEFAULT_LR, GIB, Budget, BudgetExceeded, NotSupported, is_oom,
+                                 make_ours_optimizer, make_peer_optimizer)
 
 UNIT = 1024
 
@@ -81,7 +82,9 @@ def _make_step(impl: str, workload, device):
             return model(input_ids=t, labels=t, use_cache=False).loss
     else:
         raise NotSupported(f"memcap supports ours, hf_* and liger_*, not {impl}")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    # The bench's one optimizer definition (memory only: the state is the same either way).
+    make_opt = make_ours_optimizer if impl.split(":")[0] == "ours" else make_peer_optimizer
+    opt, _ = make_opt([p for p in model.parameters() if p.requires_grad], DEFAULT_LR)
 
     def step(ids: list[int]) -> None:
         loss = forward(ids)

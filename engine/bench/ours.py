@@ -1,7 +1,8 @@
 """The Tunesmith engine as a benchmark implementation, through the engine's own code path.
 
 `attach_lora` -> `prepare_model` -> per step `PackedBatch.to(device)` + `forward_loss` +
-backward + AdamW, exactly what the TrainingSession runs. Variants switch single fast paths
+backward + the engine's AdamW (engine.train.optim, fused on CUDA), exactly what the
+TrainingSession runs. Variants switch single fast paths
 off for ablations (`--ours-variants all-on,no-kernels,...` or `field=value+field=value`).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from engine.bench.runner import Context, NotSupported, NotYetSupported, Prepared
+from engine.bench.runner import Context, NotSupported, NotYetSupported, Prepared, make_ours_optimizer
 
 # "all-on" is the engine as a run on a GPU gets it under the WORKLOADS recipe (checkpointing
 # on, so the hardware policy picks double-buffered offload); every variant is a change from it.
@@ -120,7 +121,6 @@ def setup_ours(variant: str):
 
         from engine.bench.workloads import build_model
         from engine.data.collate import PackedBatch
-        from engine.train.optim import make_optimizer
         from engine.train.step import offloader_of
 
         wl = ctx.workload
@@ -136,7 +136,7 @@ def setup_ours(variant: str):
                             device=ctx.device, attn_implementation="sdpa")
         model, fp, report = prepare_ours(model, wl, ctx.device, fields)
         run, fused = loss_fn(model, fp, report)
-        opt = make_optimizer([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        opt, opt_options = make_ours_optimizer([p for p in model.parameters() if p.requires_grad], ctx.lr)
 
         # Collation is host work a data loader does ahead of the GPU; it is timed apart and
         # kept out of the step time, as the peers' inputs are also built before timing.
@@ -159,7 +159,8 @@ def setup_ours(variant: str):
 
         options = {"variant": variant, "fast_paths": dataclasses.asdict(fp), "fast_paths_report": report,
                    "offload": split_fields(fields)[1].get("offload", "off"),
-                   "fused_ce": fused, "attn_build": "sdpa", "lora_params": _count_trainable(model)}
+                   "fused_ce": fused, "attn_build": "sdpa", "lora_params": _count_trainable(model),
+                   "optimizer": opt_options}
         return Prepared(step, options, extra, keep=[model, opt, packed])
 
     return setup

@@ -206,3 +206,62 @@ def run_parity(workload, device, dtypes=("float32", "bfloat16"), seed: int = 0,
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return results
+
+
+# -- many steps: the learning check ---------------------------------------------------------------
+
+LEARNING_STEPS = 30  # WORKLOADS.md, Parity: every fast-path combination trains >= 30 steps
+
+
+def run_learning(workload, device, *, steps: int = LEARNING_STEPS, lr: float, budget, base: dict,
+                 variant: str = "all-on", ref_impl: str = "hf_sdpa", args=None) -> dict:
+    """Train ours (`variant`, by default all-on: offload included, what a GPU run gets) and a
+    stock HF + PEFT implementation for `steps` optimizer steps each, on the same learnable
+    batches, from the same weights, with the same AdamW; compare the loss curves with the
+    learning check (engine.bench.report.learning_check). Returns a "learning" record.
+
+    Both go through the speed harness (runner.run_impl with no warm-up), so this checks exactly
+    the code the timed runs time: bf16 on CUDA, fp32 on the CPU.
+    """
+    from engine.bench.batches import describe, make_batches
+    from engine.bench.report import learning_check
+    from engine.bench.runner import Context, run_impl, setup_for
+
+    wl = workload
+    batches = make_batches(steps, wl.tokens, wl.config["vocab_size"], wl.packing)
+    rec = dict(base, mode="learning", workload=wl.id, impl="ours", variant=variant, ref_impl=ref_impl,
+               dtype="bfloat16" if device.type == "cuda" else "float32", steps=steps, lr=lr,
+               tokens=wl.tokens, data=describe(wl.config["vocab_size"]))
+    curves, runs = {}, {}
+    for impl, options in (("ours", {"variant": variant}), (ref_impl, {})):
+        ctx = Context(wl, batches, device, 0, steps, budget, args, lr=lr)
+        r = run_impl(setup_for(impl, options), ctx, impl, dict(base, mode="learning"), options)
+        runs[impl] = r
+        curves[impl] = r.get("loss_curve") or []
+        if r.get("status") != "ok":
+            rec.update(status=f"FAILED: {impl} did not finish ({r.get('status')})", loss_curve=curves.get("ours"),
+                       ref_loss_curve=curves.get(ref_impl))
+            progress(f"learning {wl.id}: {rec['status']}")
+            return rec
+    ours, stock = curves["ours"], curves[ref_impl]
+    check = learning_check(ours, stock)
+    rec.update(loss_curve=ours, ref_loss_curve=stock, options=runs["ours"].get("options"),
+               ref_options=runs[ref_impl].get("options"),
+               **{k: check.get(k) for k in ("stock_fall", "ours_fall", "max_step_rel_err", "worst_step")})
+    # Here "no check" is a failure too: this run chose its steps and learning rate to show a fall.
+    rec["status"] = "ok: " + check["reason"] if check["verdict"] == "ok" else "FAILED: " + check["reason"]
+    progress(f"learning {wl.id} ours[{variant}] vs {ref_impl}, {steps} steps at lr {lr:g}:\n" +
+             curves_table({"ours": ours, ref_impl: stock}))
+    progress(f"learning {wl.id}: {rec['status']}")
+    return rec
+
+
+def curves_table(named: dict) -> str:
+    """Loss curves side by side, one step a line."""
+    names = list(named)
+    n = max((len(c) for c in named.values()), default=0)
+    rows = ["  step " + "".join(f"{k:>16}" for k in names)]
+    for i in range(n):
+        rows.append(f"  {i + 1:>4} " + "".join(
+            f"{named[k][i]:>16.6f}" if i < len(named[k]) and named[k][i] is not None else " " * 16 for k in names))
+    return "\n".join(rows)

@@ -3,12 +3,17 @@
 One JSON object per (workload, implementation) run, appended as soon as it is measured so a
 run killed at a time limit keeps what it finished. RESULTS.md is always regenerated from
 results.jsonl (`python -m engine.bench --summarize`), never edited by hand.
+
+The learning check lives here (`learning_check`, a pure function on two loss curves, and
+`learning_verdict`, which finds the stock curve of a record's own run): the summary and the
+console table show a speed of ours only where it passed, and take ratios within one run only.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import subprocess
 from collections import OrderedDict
@@ -122,22 +127,164 @@ def _fmt(v, spec: str = ",.0f", none: str = "-") -> str:
         return str(v)
 
 
+# -- the learning check (WORKLOADS.md, "The common recipe") -------------------------------------
+
+# A speed of ours counts only when its loss curve learns like stock HF + PEFT's in the same run.
+MIN_FALL = 0.3  # nats the stock curve must fall (first step against the mean of the last three)
+FALL_TOL = 0.10  # ours falls by the stock fall within 10%
+STEP_TOL = 0.02  # every step of ours within 2% of the stock curve
+MIN_STEPS = 4  # a first step and three more to average
+# Stock references, in order of preference: HF + PEFT as people run it, then with Liger.
+REFERENCE_IMPLS = ("hf_sdpa", "hf_flex", "hf_eager", "liger_sdpa", "liger_flex")
+OLD_RECORD = "no loss curve (recorded before the learning check)"
+
+
+def curve_fall(curve: list[float]) -> float:
+    """First step's loss minus the mean of the last three (nats)."""
+    return curve[0] - sum(curve[-3:]) / 3
+
+
+def _finite_curve(curve) -> bool:
+    return bool(curve) and all(isinstance(x, (int, float)) and math.isfinite(x) for x in curve)
+
+
+def learning_check(ours: list[float] | None, stock: list[float] | None, *, min_fall: float = MIN_FALL,
+                   fall_tol: float = FALL_TOL, step_tol: float = STEP_TOL) -> dict:
+    """Does the curve `ours` learn like the stock curve of the same run on the same batches?
+
+    Returns {"verdict": "ok" | "FAILED" | "none", "reason": str, ...numbers}. "none" means the
+    check cannot decide (no curve, too few steps, or a stock curve that does not fall by
+    `min_fall`: over a few steps a flat curve sits within 2% of a falling one, so only the fall
+    tells them apart); such a record does not count as a speed either.
+    """
+    out: dict[str, Any] = {"verdict": "none", "min_fall": min_fall, "fall_tol": fall_tol, "step_tol": step_tol}
+    if not ours:
+        return dict(out, reason="no loss curve")
+    if not _finite_curve(stock):
+        return dict(out, reason="no usable stock curve")
+    if len(ours) != len(stock):
+        return dict(out, reason=f"{len(ours)} steps against the stock curve's {len(stock)}")
+    if len(stock) < MIN_STEPS:
+        return dict(out, reason=f"{len(stock)} steps: fewer than {MIN_STEPS} cannot show a fall")
+    stock_fall = curve_fall(stock)
+    out["stock_fall"] = stock_fall
+    if stock_fall < min_fall:
+        return dict(out, reason=f"the stock curve fell {stock_fall:.3f} nats (< {min_fall}): more steps or a "
+                                "higher learning rate are needed to tell a learning run from a flat one")
+    if not _finite_curve(ours):
+        return dict(out, verdict="FAILED", reason="non-finite loss in ours")
+    ours_fall = curve_fall(ours)
+    rel = [abs(a - b) / abs(b) for a, b in zip(ours, stock)]
+    worst = max(range(len(rel)), key=rel.__getitem__)
+    out.update(ours_fall=ours_fall, max_step_rel_err=rel[worst], worst_step=worst + 1)
+    bad = []
+    if abs(ours_fall - stock_fall) > fall_tol * stock_fall:
+        bad.append(f"fell {ours_fall:.3f} nats, stock {stock_fall:.3f} (more than {fall_tol:.0%} apart)")
+    if rel[worst] > step_tol:
+        bad.append(f"step {worst + 1}: {ours[worst]:.4f} vs stock {stock[worst]:.4f} "
+                   f"({rel[worst]:.1%} > {step_tol:.0%})")
+    if bad:
+        return dict(out, verdict="FAILED", reason="; ".join(bad))
+    return dict(out, verdict="ok", reason=f"fell {ours_fall:.3f} nats (stock {stock_fall:.3f}), "
+                                          f"worst step {rel[worst]:.2%}")
+
+
+def _same_run(a: dict, b: dict) -> bool:
+    """Measured in one process run, one after another on the same batches (never across runs)."""
+    return (a.get("run_id") is not None and a.get("run_id") == b.get("run_id")
+            and a.get("workload") == b.get("workload") and a.get("gpu") == b.get("gpu")
+            and a.get("mode", "bench") == b.get("mode", "bench"))
+
+
+def _no_loss(rec: dict) -> bool:
+    """Workloads whose step has no training loss (W5's MoE block forward + backward)."""
+    from engine.bench.workloads import WORKLOADS
+
+    wl = WORKLOADS.get(rec.get("workload"))
+    return bool(wl and wl.kind == "moe_block") or str(rec.get("impl", "")).startswith("hf_moe_")
+
+
+def learning_verdict(rec: dict, records: Iterable[dict]) -> dict:
+    """The learning check of one record against the stock records of its own run.
+
+    Ours (and Unsloth, for information) is checked against each stock HF + PEFT / Liger record
+    of the same run that has a curve, in REFERENCE_IMPLS order: the first that passes is the
+    verdict, else the first that failed, else why no check could be made. A stock record gets
+    its own fall. `counts` says whether the record's speed may be shown.
+    """
+    impl = rec.get("impl")
+    if _no_loss(rec):
+        return {"verdict": "n/a", "reason": "n/a (MoE block: no training loss)", "counts": True}
+    curve = rec.get("loss_curve")
+    if impl in REFERENCE_IMPLS:
+        if not curve:
+            return {"verdict": "none", "reason": OLD_RECORD, "counts": True}
+        if not _finite_curve(curve) or len(curve) < MIN_STEPS:
+            return {"verdict": "none", "reason": "stock curve too short or not finite", "counts": True}
+        fall = curve_fall(curve)
+        note = "" if fall >= MIN_FALL else f" (< {MIN_FALL}: cannot check others)"
+        return {"verdict": "reference", "reason": f"stock: fell {fall:.3f} nats{note}", "counts": True,
+                "stock_fall": fall}
+    counts_anyway = impl != "ours"  # the gate is on ours; a peer's speed is shown with its note
+    if not curve:
+        return {"verdict": "none", "reason": OLD_RECORD, "counts": counts_anyway}
+    refs = {}
+    for r in records:
+        if (r is not rec and _same_run(r, rec) and r.get("impl") in REFERENCE_IMPLS
+                and r.get("status") == "ok" and r.get("loss_curve")):
+            refs.setdefault(r["impl"], r)  # first in file order: one record per impl and run
+    if not refs:
+        return {"verdict": "none", "counts": counts_anyway,
+                "reason": f"no stock HF + PEFT / Liger curve in run {rec.get('run_id') or '?'}"}
+    checks = [(name, learning_check(curve, refs[name]["loss_curve"])) for name in REFERENCE_IMPLS if name in refs]
+    for want in ("ok", "FAILED", "none"):
+        for name, c in checks:
+            if c["verdict"] == want:
+                label = {"ok": "ok", "FAILED": "FAILED", "none": "no learning check"}[want]
+                return dict(c, reference=name, counts=counts_anyway or want == "ok",
+                            reason=f"{label} vs {name}: {c['reason']}")
+    raise AssertionError("unreachable")
+
+
+def speed_cell(rec: dict, verdict: dict) -> str | None:
+    """What stands in the tokens/s column instead of a speed (None: show the speed)."""
+    if rec.get("status") != "ok":
+        return "-"
+    if verdict["counts"]:
+        return None
+    return "FAILED learning" if verdict["verdict"] == "FAILED" else "no learning check"
+
+
+def best_peer_same_run(rec: dict, records: Iterable[dict]) -> float | None:
+    """The fastest peer's tokens/s in the record's own run (ratios never span runs)."""
+    best = None
+    for r in records:
+        if (_same_run(r, rec) and _is_peer(r.get("impl")) and r.get("status") == "ok"
+                and r.get("tokens_per_s")):
+            best = max(best or 0.0, r["tokens_per_s"])
+    return best
+
+
 def format_table(records: Iterable[dict]) -> str:
-    """The console table printed at the end of a run."""
+    """The console table printed at the end of a run (the learning check within these records)."""
+    records = list(records)
     rows = [("workload", "impl", "status", "tok/s", "min-max tok/s", "step s", "peak GiB",
-             "reserved GiB", "ceiling", "loss first->last")]
+             "reserved GiB", "ceiling", "loss first->last", "learning")]
     for r in records:
         status = r.get("status", "?")
         ok = status == "ok"
+        v = learning_verdict(r, records) if r.get("mode", "bench") == "bench" else {"reason": "-", "counts": True}
+        cell = speed_cell(r, v) if r.get("mode", "bench") == "bench" else None
         rows.append((
             r.get("workload", "?"), impl_label(r), status if len(status) <= 60 else status[:57] + "...",
-            _fmt(r.get("tokens_per_s")) if ok else "-",
-            f"{_fmt(r.get('tokens_per_s_min'))}-{_fmt(r.get('tokens_per_s_max'))}" if ok else "-",
-            _fmt(r.get("step_s"), ".3f") if ok else "-",
+            cell or (_fmt(r.get("tokens_per_s")) if ok else "-"),
+            f"{_fmt(r.get('tokens_per_s_min'))}-{_fmt(r.get('tokens_per_s_max'))}" if ok and not cell else "-",
+            _fmt(r.get("step_s"), ".3f") if ok and not cell else "-",
             _fmt(r.get("peak_gib"), ".2f"), _fmt(r.get("reserved_gib"), ".2f"),
-            _fmt(100 * r["ceiling_fraction"], ".1f") + "%" if ok and r.get("ceiling_fraction") else "-",
+            _fmt(100 * r["ceiling_fraction"], ".1f") + "%" if ok and not cell and r.get("ceiling_fraction") else "-",
             f"{_fmt(r.get('first_loss'), '.4f')}->{_fmt(r.get('last_loss'), '.4f')}"
             if r.get("first_loss") is not None else "-",
+            v["reason"] if len(v["reason"]) <= 90 else v["reason"][:87] + "...",
         ))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
@@ -157,6 +304,38 @@ def _latest_per_key(records: list[dict], key) -> "OrderedDict[Any, dict]":
     return latest
 
 
+def _cell(text) -> str:
+    return str(text).replace("|", "/").replace("\n", " ")
+
+
+def _speed_row(r: dict, records: list[dict], history: bool) -> str:
+    """One row of a workload's table: a speed only where the learning check lets it count."""
+    ok = r.get("status") == "ok"
+    v = learning_verdict(r, records)
+    instead = speed_cell(r, v)
+    shown = ok and instead is None
+    best = best_peer_same_run(r, records) if shown else None
+    vs = f"{r['tokens_per_s'] / best:.2f}x" if best and r.get("tokens_per_s") else "-"
+    cells = [
+        impl_label(r), _cell(r.get("status", "?"))[:120],
+        instead or _fmt(r.get("tokens_per_s")),
+        f"{_fmt(r.get('tokens_per_s_min'))}-{_fmt(r.get('tokens_per_s_max'))}" if shown else "-",
+        # A run that did not learn may not have done the work: its memory is no figure either.
+        _fmt(r.get("peak_gib"), ".2f") if shown or not ok else "-",
+        _fmt(r.get("reserved_gib"), ".2f") if shown or not ok else "-",
+        (_fmt(100 * r["ceiling_fraction"], ".1f") + "%") if shown and r.get("ceiling_fraction") else "-",
+        vs, _cell(v["reason"]), (r.get("date") or "")[:16], (r.get("commit") or "")[:10],
+        r.get("run_id") or "-",
+    ]
+    if history:
+        cells = [cells[9], cells[11], cells[10]] + cells[:9]
+    return "| " + " | ".join(cells) + " |"
+
+
+SPEED_HEADER = ["impl", "status", "tokens/s", "min-max", "peak GiB", "reserved GiB", "ceiling",
+                "vs best peer (same run)", "learning check", "date", "commit", "run"]
+
+
 def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD) -> str:
     """Regenerate RESULTS.md from results.jsonl; returns the text written."""
     from engine.bench.workloads import WORKLOADS
@@ -165,43 +344,45 @@ def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD
     speed = [r for r in records if r.get("mode", "bench") == "bench"]
     out = ["# Benchmark results", "",
            f"Generated by `python -m engine.bench --summarize` from `{Path(results).name}` "
-           f"({len(records)} records). Per workload, the latest record of each implementation "
-           "and GPU; \"vs best peer\" is tokens/s over the fastest peer's (HF + PEFT, Liger, "
-           "Unsloth) in the same table. Rows with the same run id were measured in one process run, "
-           "one after another on the same batches; compare ratios within a run. Recipe and "
-           "targets: WORKLOADS.md.", ""]
+           f"({len(records)} records). Per workload and GPU: the latest record of each implementation, "
+           "then every record (newest first). Recipe, learning check and targets: WORKLOADS.md.", "",
+           f"- A speed of ours is shown only when its learning check passed: the same run (same run id) "
+           f"has a stock HF + PEFT (or Liger) loss curve on the same batches that falls by at least "
+           f"{MIN_FALL} nats (first step against the mean of the last three), ours falls by the same "
+           f"within {FALL_TOL:.0%}, and every step of ours is within {STEP_TOL:.0%} of the stock curve. "
+           "Otherwise the row says \"FAILED learning\" or \"no learning check\" (records from before "
+           "the check have no loss curve; their token ids were uniform random and could not be learned).",
+           "- \"vs best peer (same run)\" is tokens/s over the fastest peer's (HF + PEFT, Liger, Unsloth) "
+           "of the same run id; ratios are never taken across runs.", ""]
     by_wl: "OrderedDict[str, list[dict]]" = OrderedDict()
     for r in speed:
         by_wl.setdefault(r["workload"], []).append(r)
     order = {k: i for i, k in enumerate(list(WORKLOADS) + ["CPU-tiny"])}
+    header = "| " + " | ".join(SPEED_HEADER) + " |"
+    rule = "|" + "---|" * len(SPEED_HEADER)
+    hist_cols = [SPEED_HEADER[9], SPEED_HEADER[11], SPEED_HEADER[10]] + SPEED_HEADER[:9]
     for wid in sorted(by_wl, key=lambda k: (order.get(k, 99), k)):
-        latest = list(_latest_per_key(by_wl[wid], lambda r: (r.get("gpu"), impl_label(r))).values())
-        for gpu in dict.fromkeys(r.get("gpu") for r in latest):
-            rows = [r for r in latest if r.get("gpu") == gpu]
+        for gpu in dict.fromkeys(r.get("gpu") for r in by_wl[wid]):
+            mine = [r for r in by_wl[wid] if r.get("gpu") == gpu]
+            latest = list(_latest_per_key(mine, lambda r: impl_label(r)).values())
             wl = WORKLOADS.get(wid)
             title = f"{wid}: {wl.title}" if wl else wid
             out += [f"## {title} ({gpu})", ""]
             if wl and wl.target:
                 out += [f"Target: {wl.target}.", ""]
-            peers = [r for r in rows if _is_peer(r.get("impl")) and r.get("status") == "ok"
-                     and r.get("tokens_per_s")]
-            best = max((r["tokens_per_s"] for r in peers), default=None)
-            unit = "blocks fwd+bwd: tokens/s" if wl and wl.kind == "moe_block" else "tokens/s"
-            out += [f"| impl | status | {unit} | min-max | peak GiB | reserved GiB | ceiling | vs best peer | date | commit | run |",
-                    "|---|---|---|---|---|---|---|---|---|---|---|"]
-            for r in sorted(rows, key=lambda r: -(r.get("tokens_per_s") or 0) if r.get("status") == "ok" else 1e18):
-                ok = r.get("status") == "ok"
-                vs = f"{r['tokens_per_s'] / best:.2f}x" if ok and best and r.get("tokens_per_s") else "-"
-                out.append("| " + " | ".join([
-                    impl_label(r), r.get("status", "?").replace("|", "/").replace("\n", " ")[:120],
-                    _fmt(r.get("tokens_per_s")) if ok else "-",
-                    f"{_fmt(r.get('tokens_per_s_min'))}-{_fmt(r.get('tokens_per_s_max'))}" if ok else "-",
-                    _fmt(r.get("peak_gib"), ".2f"), _fmt(r.get("reserved_gib"), ".2f"),
-                    (_fmt(100 * r["ceiling_fraction"], ".1f") + "%") if ok and r.get("ceiling_fraction") else "-",
-                    vs, (r.get("date") or "")[:16], (r.get("commit") or "")[:10],
-                    (r.get("run_id") or "")[9:15],
-                ]) + " |")
+            if wl and wl.kind == "moe_block":
+                out += ["Speeds are MoE block forward + backward tokens/s (no training loss, so no learning check).", ""]
+            out += ["Latest record per implementation:", "", header, rule]
+            for r in sorted(latest, key=lambda r: (-(r.get("tokens_per_s") or 0) if r.get("status") == "ok"
+                                                   and speed_cell(r, learning_verdict(r, records)) is None
+                                                   else 1e18)):
+                out.append(_speed_row(r, records, history=False))
             out.append("")
+            hist = sorted(mine, key=lambda r: str(r.get("date") or ""), reverse=True)
+            out += ["<details><summary>History: all {} records, newest first</summary>".format(len(hist)), "",
+                    "| " + " | ".join(hist_cols) + " |", "|" + "---|" * len(hist_cols)]
+            out += [_speed_row(r, records, history=True) for r in hist]
+            out += ["", "</details>", ""]
     unmeasured = [w for w in WORKLOADS if w not in by_wl and not any(
         r.get("workload") == w for r in records)]
     if unmeasured:
@@ -216,6 +397,24 @@ def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD
             trials = ", ".join(f"{t['tokens']}:{'ok' if t['ok'] else 'oom'}" for t in r.get("trials", []))
             out.append(f"| {impl_label(r)} | {r.get('status')} | {_fmt(r.get('longest_tokens'))} | "
                        f"{r.get('cap_gib')} | {trials} | {r.get('gpu')} | {(r.get('date') or '')[:16]} |")
+        out.append("")
+    learning = [r for r in records if r.get("mode") == "learning"]
+    if learning:
+        out += ["## Learning check (`--parity`): ours against stock HF + PEFT over many steps", "",
+                "| workload | variant | stock | dtype | steps | lr | status | stock fall | ours fall | worst step | "
+                "loss stock first->last | loss ours first->last | gpu | date | commit | run |",
+                "|" + "---|" * 16]
+        for r in sorted(learning, key=lambda r: str(r.get("date") or ""), reverse=True):
+            sc, oc = r.get("ref_loss_curve") or [], r.get("loss_curve") or []
+            out.append("| " + " | ".join(_cell(x) for x in [
+                r.get("workload"), r.get("variant"), r.get("ref_impl"), r.get("dtype"), r.get("steps"),
+                _fmt(r.get("lr"), ".0e"), str(r.get("status"))[:160], _fmt(r.get("stock_fall"), ".3f"),
+                _fmt(r.get("ours_fall"), ".3f"),
+                (_fmt(100 * r["max_step_rel_err"], ".2f") + "%") if r.get("max_step_rel_err") is not None else "-",
+                f"{_fmt(sc[0] if sc else None, '.4f')}->{_fmt(sc[-1] if sc else None, '.4f')}",
+                f"{_fmt(oc[0] if oc else None, '.4f')}->{_fmt(oc[-1] if oc else None, '.4f')}",
+                r.get("gpu"), (r.get("date") or "")[:16], (r.get("commit") or "")[:10], r.get("run_id") or "-",
+            ]) + " |")
         out.append("")
     parity = [r for r in records if r.get("mode") == "parity"]
     if parity:

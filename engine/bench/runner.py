@@ -6,6 +6,11 @@ WORKLOADS.md way (warm-up steps, then synchronized wall time per step; median; p
 over the timed steps only), turns an OOM or an exception into a record instead of a crash,
 and frees everything before the next implementation starts. Class-level monkey patches
 (Liger's, or any the engine makes) are undone between implementations by `PatchGuard`.
+
+Every record keeps its per-step `loss_curve` (warm-up steps included): the learning check
+(engine.bench.report.learning_check) compares it with a stock HF + PEFT curve of the same run.
+Every implementation trains with one optimizer definition (`ADAMW`, `DEFAULT_LR`): the curves
+can only be compared when the updates are meant to be the same.
 """
 
 from __future__ import annotations
@@ -21,6 +26,45 @@ from typing import Any, Callable
 from engine.bench.report import progress
 
 GIB = 1024 ** 3
+
+# The one optimizer of every implementation (WORKLOADS.md, "The common recipe"): AdamW over the
+# LoRA parameters with these settings. lr 1e-3 makes the loss fall visibly within a speed run's
+# 11 steps on the learnable batches (speed does not depend on it); weight decay 0, torch's
+# default betas and eps. Only the implementation (fused kernel or not) may differ, and the
+# record says which (options["optimizer"]).
+DEFAULT_LR = 1e-3
+ADAMW = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def make_peer_optimizer(params, lr: float):
+    """AdamW for the peers, set up as stock training does: transformers' Trainer defaults to
+    adamw_torch_fused on torch >= 2.8, i.e. the fused kernel on CUDA (torch's default elsewhere)."""
+    import torch
+
+    params = list(params)
+    on_cuda = bool(params) and all(p.is_cuda for p in params)
+    opt = torch.optim.AdamW(params, lr=lr, fused=True if on_cuda else None, **ADAMW)
+    return opt, optimizer_options(opt, "torch.optim.AdamW (as transformers' Trainer default adamw_torch_fused)")
+
+
+def make_ours_optimizer(params, lr: float):
+    """The engine's own optimizer (what a TrainingSession uses), checked against ADAMW."""
+    from engine.train.optim import make_optimizer
+
+    opt = make_optimizer(list(params), lr=lr, weight_decay=ADAMW["weight_decay"])
+    return opt, optimizer_options(opt, "engine.train.optim.make_optimizer")
+
+
+def optimizer_options(opt, source: str) -> dict:
+    """The record's note on an optimizer; raises when it is not the one definition."""
+    d = opt.defaults
+    got = {"betas": tuple(d.get("betas", ())), "eps": d.get("eps"), "weight_decay": d.get("weight_decay")}
+    if type(opt).__name__ != "AdamW" or got != ADAMW:
+        raise RuntimeError(f"{source} made {type(opt).__name__} {got}, not the bench's AdamW {ADAMW}")
+    impl = ("fused" if d.get("fused") else "foreach" if d.get("foreach")
+            else "torch default (foreach on CUDA, for-loop on CPU)")
+    return {"name": "AdamW", "lr": d.get("lr"), "betas": list(got["betas"]), "eps": got["eps"],
+            "weight_decay": got["weight_decay"], "implementation": impl, "source": source}
 
 
 class BudgetExceeded(Exception):
@@ -59,6 +103,7 @@ class Context:
     steps: int
     budget: Budget
     args: Any = None
+    lr: float = DEFAULT_LR
 
 
 def sync(device) -> None:
@@ -154,7 +199,8 @@ def measure(prep: Prepared, ctx: Context, label: str) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    partial = {"warmup_s": warm_times, "losses": losses, "step_times": times}
+    # The same list object grows with every step: a run stopped by the budget keeps its curve.
+    partial = {"warmup_s": warm_times, "losses": losses, "loss_curve": losses, "step_times": times}
     for j in range(ctx.steps):
         try:
             ctx.budget.check(f"{label} timed step {j + 1}")
@@ -169,7 +215,7 @@ def measure(prep: Prepared, ctx: Context, label: str) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(None if loss is None else float(loss))
         progress(f"{label} step {j + 1}/{ctx.steps}: {times[-1]:.3f} s, loss {_f(losses[-1])}")
-    out = dict(partial)
+    out = dict(partial, loss_curve=list(losses))
     tokens = ctx.batches[0].num_tokens if ctx.batches else ctx.workload.tokens
     med = statistics.median(times)
     out.update(step_s=med, tokens_per_s=tokens / med, tokens_per_s_min=tokens / max(times),
@@ -263,3 +309,20 @@ class NotSupported(Exception):
 
 class NotYetSupported(Exception):
     """The engine does not have this feature yet."""
+
+
+def setup_for(impl: str, options: dict):
+    """The setup function of an implementation name (ours takes options["variant"])."""
+    from engine.bench.ours import setup_ours
+    from engine.bench.peers.hf import setup_hf
+    from engine.bench.peers.moe import setup_moe_block
+
+    if impl == "ours":
+        return setup_ours(options.get("variant", "all-on"))
+    if impl.startswith("hf_moe_"):
+        return setup_moe_block(impl[len("hf_moe_"):])
+    attn = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
+    family, _, kind = impl.partition("_")
+    if family in ("hf", "liger") and kind in attn:
+        return setup_hf(attn[kind], liger=family == "liger")
+    raise SystemExit(f"unknown impl {impl!r}")

@@ -3,12 +3,13 @@
 Packed rows go in as position_ids (transformers detects the packing from the restarts and
 builds a block-diagonal mask, or a flex BlockMask); labels are the input ids with -100 at each
 document start, so HF's internal shift trains exactly the engine's targets. Gradient
-checkpointing is HF's own, non-reentrant.
+checkpointing is HF's own, non-reentrant. The optimizer is the bench's one AdamW definition,
+set up as transformers' Trainer does by default (runner.make_peer_optimizer).
 """
 
 from __future__ import annotations
 
-from engine.bench.runner import Context, NotSupported, Prepared
+from engine.bench.runner import Context, NotSupported, Prepared, make_peer_optimizer
 
 LIGER_FUNCS = {"qwen3": "apply_liger_kernel_to_qwen3", "llama": "apply_liger_kernel_to_llama",
                "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
@@ -62,7 +63,7 @@ def setup_hf(attn: str, liger: bool = False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = get_peft_model(model, peft_config(wl))
         model.train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        opt, options["optimizer"] = make_peer_optimizer([p for p in model.parameters() if p.requires_grad], ctx.lr)
         inputs = [b.hf_inputs() for b in ctx.batches]
 
         def step(i):

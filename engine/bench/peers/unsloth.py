@@ -6,7 +6,9 @@ whole process, so it cannot share the bench's process. The parent runs
 bundle (.peer/unsloth-site.tgz, see fetch-peer-unsloth.sh) first on PYTHONPATH, in a scratch
 folder (Unsloth writes a compile cache into its working folder), and merges the record.
 The child saves the random-weight model and a word-level tokenizer to a folder, loads it with
-FastLanguageModel, and times the same batches (packed lengths as an int32 `packed_seq_lengths`).
+FastLanguageModel, and times the same batches (packed lengths as an int32 `packed_seq_lengths`),
+rebuilt from the same numbers (engine.bench.batches), with the same optimizer definition and
+learning rate (--lr); its record carries the parent's run id and its loss curve.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 
 from engine.bench.report import progress
-from engine.bench.runner import Budget, Context, NotSupported, Prepared
+from engine.bench.runner import DEFAULT_LR, Budget, Context, NotSupported, Prepared, make_peer_optimizer
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MIN_SECONDS = 60  # import, model save and reload alone take about this long on the 8B workload
@@ -34,7 +36,7 @@ def find_site(explicit: str | None) -> str | None:
     return None
 
 
-def run_child(workload_id: str, args, budget: Budget, base: dict) -> dict:
+def run_child(workload_id: str, args, budget: Budget, base: dict, lr: float) -> dict:
     """Run the Unsloth child for one workload; always returns a record."""
     rec = dict(base, workload=workload_id, impl="unsloth", options={})
     site = find_site(getattr(args, "unsloth_site", None))
@@ -57,7 +59,10 @@ def run_child(workload_id: str, args, budget: Budget, base: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="tunesmith-unsloth-") as tmp:
         out_json = Path(tmp) / "record.json"
         cmd = [sys.executable, "-m", "engine.bench", "--child-impl", "unsloth", "--workloads", workload_id,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--json-out", str(out_json)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--json-out", str(out_json),
+               "--lr", repr(float(lr))]
+        if args.run_id:  # the child's record belongs to this run: its loss curve is compared within it
+            cmd += ["--run-id", args.run_id]
         if budget.deadline is not None:
             cmd += ["--max-seconds", str(int(max(1, remaining - 5)))]
         env = dict(os.environ)
@@ -163,7 +168,7 @@ def setup_unsloth(folder: Path):
             model, r=16, target_modules=list(wl.lora_targets), lora_alpha=16, lora_dropout=0.0, bias="none",
             use_gradient_checkpointing="unsloth", random_state=0, max_seq_length=wl.tokens)
         FastLanguageModel.for_training(model)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        opt, opt_options = make_peer_optimizer([p for p in model.parameters() if p.requires_grad], ctx.lr)
         inputs = []
         for b in ctx.batches:
             inp = b.hf_inputs()
@@ -181,7 +186,7 @@ def setup_unsloth(folder: Path):
             return loss.detach()
 
         return Prepared(step, {"use_gradient_checkpointing": "unsloth", "packed_seq_lengths": "int32 (host)",
-                               "model_folder_save_s": round(save_s, 1),
+                               "model_folder_save_s": round(save_s, 1), "optimizer": opt_options,
                                "lora_params": sum(p.numel() for p in model.parameters() if p.requires_grad)},
                         keep=[model, opt, inputs])
 
@@ -197,7 +202,7 @@ def child_main(args) -> int:
         version, why = None, f"not supported: unsloth does not import ({type(exc).__name__}: {str(exc)[:300]})"
     import torch
 
-    from engine.bench.batches import make_batches
+    from engine.bench.batches import describe, make_batches
     from engine.bench.report import environment, now_iso
     from engine.bench.runner import Context, run_impl
     from engine.bench.workloads import get_workload
@@ -205,13 +210,15 @@ def child_main(args) -> int:
     env = environment()
     env["versions"]["unsloth"] = version
     wl = get_workload(args.workloads.split(",")[0])
-    base = {"date": now_iso(), "run_id": args.run_id, "mode": "bench", **env}
+    lr = float(args.lr if args.lr is not None else wl.extra.get("lr", DEFAULT_LR))
+    base = {"date": now_iso(), "run_id": args.run_id, "mode": "bench", **env, "lr": lr,
+            "data": describe(wl.config["vocab_size"])}
     if why is not None:
         rec = dict(base, workload=wl.id, impl="unsloth", options={}, status=why)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         batches = make_batches(args.warmup + args.steps, wl.tokens, wl.config["vocab_size"], wl.packing)
-        ctx = Context(wl, batches, device, args.warmup, args.steps, Budget(args.max_seconds), args)
+        ctx = Context(wl, batches, device, args.warmup, args.steps, Budget(args.max_seconds), args, lr=lr)
         with tempfile.TemporaryDirectory(prefix="tunesmith-unsloth-model-") as folder:
             rec = run_impl(setup_unsloth(Path(folder)), ctx, "unsloth", base)
         from engine.bench.workloads import ceiling_tokens_per_s
