@@ -3,8 +3,11 @@
 Runs the workloads of WORKLOADS.md (W1-W7) for the Tunesmith engine ("ours") and its peers
 (HF + PEFT with sdpa / flex_attention, + Liger, Unsloth) in one process on the same batches,
 appends one JSON object per run to ``engine/bench/results.jsonl`` and renders RESULTS.md.
-Also: a parity check against HF + PEFT (``--parity``), the 16 GiB longest-sequence search
-(``--memcap``) and a CPU smoke run (``--cpu-smoke``).
+The batches are learnable (engine.bench.batches) and every record keeps its loss curve: a
+speed of ours counts only when it learns like stock HF + PEFT in the same run (the learning
+check, engine.bench.report). Also: the 30-step learning check plus one step's gradients
+against HF + PEFT (``--parity``), the 16 GiB longest-sequence search (``--memcap``) and a CPU
+smoke run (``--cpu-smoke``).
 
 Importing this package is cheap on purpose: the Unsloth child process must import unsloth
 before transformers, so nothing here imports torch or transformers at module level.

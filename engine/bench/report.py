@@ -219,8 +219,10 @@ def learning_verdict(rec: dict, records: Iterable[dict]) -> dict:
     if impl in REFERENCE_IMPLS:
         if not curve:
             return {"verdict": "none", "reason": OLD_RECORD, "counts": True}
-        if not _finite_curve(curve) or len(curve) < MIN_STEPS:
-            return {"verdict": "none", "reason": "stock curve too short or not finite", "counts": True}
+        if not _finite_curve(curve):
+            return {"verdict": "none", "reason": "stock: non-finite loss", "counts": True}
+        if len(curve) < MIN_STEPS:
+            return {"verdict": "none", "reason": f"stock: {len(curve)} steps, too few to show a fall", "counts": True}
         fall = curve_fall(curve)
         note = "" if fall >= MIN_FALL else f" (< {MIN_FALL}: cannot check others)"
         return {"verdict": "reference", "reason": f"stock: fell {fall:.3f} nats{note}", "counts": True,
