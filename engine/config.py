@@ -81,6 +81,9 @@ class TrainingConfig:
     grad_accum: int = 1
     lr: float = 2e-4
     weight_decay: float = 0.0
+    # AdamW's implementation: "auto" is the fused kernel on CUDA (one launch for every adapter
+    # tensor) and the default elsewhere; "adamw" is the stock foreach/for-loop one.
+    optimizer: Literal["auto", "adamw_fused", "adamw"] = "auto"
     warmup_steps: int = 0
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = 1.0

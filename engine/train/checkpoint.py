@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from engine.lora_autograd import adapters_changed
+
 STATE_FILE = "trainer_state.json"
 
 
@@ -65,6 +67,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> dict:
     state = read_state(ckpt)
     weights = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
     result = set_peft_model_state_dict(model, weights)
+    adapters_changed()  # the fused LoRA path's cached adapter copies are stale now
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise RuntimeError(f"{ckpt}: adapter does not match the model ({len(unexpected)} unexpected weights)")

@@ -2,14 +2,24 @@
 
 On CUDA, AdamW's fused kernel updates every adapter tensor in one launch; the step loop is
 host-bound on small models, so hundreds of per-tensor launches per step are worth saving.
+The fused kernel does not bump the parameters' `_version`: nothing in the engine may key a
+cache on it (engine.lora_autograd keys its adapter cache on a generation that every optimizer
+step advances).
 """
 
 from __future__ import annotations
 
 import torch
 
+OPTIMIZERS = ("auto", "adamw_fused", "adamw")
 
-def make_optimizer(params, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+
+def make_optimizer(params, lr: float, weight_decay: float = 0.0, kind: str = "auto") -> torch.optim.AdamW:
+    """AdamW over `params`. kind "auto": fused where every parameter is on CUDA, else the
+    default (foreach/for-loop) implementation; "adamw_fused" / "adamw" force one."""
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {kind!r}; expected one of {OPTIMIZERS}")
     params = list(params)
     on_cuda = bool(params) and all(p.is_cuda for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True if on_cuda else None)
+    fused = {"auto": True if on_cuda else None, "adamw_fused": True, "adamw": None}[kind]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
