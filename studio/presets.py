@@ -44,6 +44,38 @@ def describe(path: Path) -> str:
     return " ".join(lines)
 
 
+# The fused LoRA Functions have no dropout: any lora.dropout > 0 keeps q/k/v, o and the MLP on
+# PEFT's path (engine.lora_autograd.lora_unsupported_reason). The window says so wherever the
+# value is chosen or the fast paths are listed.
+FUSED_LORA_OFF = "fused LoRA: off with dropout > 0"
+FUSED_LORA_KEYS = ("fused LoRA QKV", "fused LoRA O", "fused LoRA MLP", "lora_qkv", "lora_o", "lora_mlp")
+
+
+def lora_dropout(data: dict) -> float:
+    """lora.dropout of a (partial) config mapping, 0.0 when absent or unreadable."""
+    try:
+        return float((data.get("lora") or {}).get("dropout", 0.0) or 0.0)
+    except (TypeError, ValueError, AttributeError):
+        return 0.0
+
+
+def dropout_note(dropout: float) -> str:
+    """A sentence for the window when `dropout` turns the fused LoRA path off; "" otherwise."""
+    if not dropout or dropout <= 0:
+        return ""
+    return (f"LoRA dropout {dropout:g} turns the fused LoRA path off ({FUSED_LORA_OFF}): the q/k/v, o "
+            "and MLP projections run PEFT's slower path. Set LoRA dropout to 0 to keep them fused.")
+
+
+def with_dropout(fast_paths: dict, dropout: float) -> dict:
+    """A fast-path listing ({name: "on" | why off}) with the fused LoRA entries marked off when
+    `dropout` > 0 (the architecture's listing does not know the run's LoRA settings)."""
+    if not dropout or dropout <= 0:
+        return dict(fast_paths)
+    return {k: (f"off with dropout > 0 (lora.dropout = {dropout:g})" if k in FUSED_LORA_KEYS
+                and str(v).startswith("on") else v) for k, v in fast_paths.items()}
+
+
 def load_preset(path: Path) -> dict:
     data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     if not isinstance(data, dict):

@@ -9,6 +9,7 @@ from PySide6.QtWidgets import (
     QLineEdit, QPushButton, QRadioButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
+from studio import presets
 from studio.model_report import POPULAR_MODELS, model_report
 from studio.panels.common import Banner, caption, card, fmt_bytes, fmt_count, title, value_label
 from studio.tasks import run_task
@@ -186,6 +187,8 @@ class ModelPanel(QWidget):
         self._seq_timer.start()
 
     def _state_changed(self, path: str) -> None:
+        if path in ("", "lora.dropout") and self.report is not None:
+            self._show_fast_paths(self.report)
         if path in ("", "model.name_or_path", "data.max_seq_len", "lora.r"):
             self._sync_from_state()
             if path != "data.max_seq_len" or not self._seq_timer.isActive():
@@ -249,13 +252,22 @@ class ModelPanel(QWidget):
                                       "Training runs on the CPU, slowly: fine for the demo model.")
         else:
             self.device_label.setText(f"vs {rep['device']}: {fmt_bytes(rep['device_total'])}")
+        self._show_fast_paths(rep)
+        self.report_ready.emit(rep)
+
+    def _show_fast_paths(self, rep: dict) -> None:
         fps = rep["fast_paths"]
         if fps is None:
             self.fast_paths.setText("The engine does not report fast paths for this architecture yet.")
-        else:
-            lines = [f"{'✓' if v.startswith(('on', 'applies')) else '–'} <b>{k}</b>: {v}" for k, v in fps.items()]
-            self.fast_paths.setText("<br>".join(lines) or "none")
-        self.report_ready.emit(rep)
+            return
+        try:
+            dropout = float(self.state.get("lora.dropout") or 0.0)
+        except (TypeError, ValueError):
+            dropout = 0.0
+        fps = presets.with_dropout(fps, dropout)
+        lines = [f"{'✓' if v.startswith(('on', 'applies')) else '–'} <b>{k}</b>: {v}" for k, v in fps.items()]
+        self.fast_paths.setText("<br>".join(lines) or "none")
+        self.fast_paths.setToolTip(presets.dropout_note(dropout))
 
 
 def _exists(name: str) -> bool:

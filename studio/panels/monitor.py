@@ -1,5 +1,7 @@
 """Monitor page: live charts of loss (raw and smoothed), learning rate, gradient norm,
-tokens/s, step time and memory; a progress bar with ETA; Pause, Resume, Stop; the log.
+tokens/s, step time and memory; a progress bar with ETA; Pause, Resume, Stop; the log; and a
+warning when a fast path the run asked for did not run in a step, or ran on some layers only
+(the step's counted calls and fallbacks against the run's fast-path report).
 
 Events append to numpy buffers as they arrive; the charts redraw from a timer, one chart
 per tick and only when it changed. A pyqtgraph chart costs 5-15 ms to repaint (mostly axis
@@ -112,6 +114,10 @@ class MonitorPanel(QWidget):
 
         self.last_step = 0
         self.total_steps = 0
+        self.last_metrics = None
+        self.fast_paths: dict[str, str] = {}  # the run's report: name -> "on" | why off
+        self.fast_path_warning = ""  # what the banner says about fast paths that did not run
+        self._missing_seen: set = set()
         self._started = None
         self._next_chart = 0
         self._redraw = QTimer(self, interval=40)
@@ -135,6 +141,10 @@ class MonitorPanel(QWidget):
         self.status.setText("Preparing: loading the model and data…")
         self.eta.setText("")
         self.last_step = 0
+        self.last_metrics = None
+        self.fast_paths = {}
+        self.fast_path_warning = ""
+        self._missing_seen = set()
         self._started = time.monotonic()
         self.set_controls("running")
         self._redraw.start()
@@ -153,6 +163,7 @@ class MonitorPanel(QWidget):
         summary = ev.data_summary or {}
         if summary:
             self.append_log("data: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+        self.fast_paths = dict(ev.fast_paths or {})
         if ev.fast_paths:
             self.append_log("fast paths: " + ", ".join(f"{k}: {v}" for k, v in ev.fast_paths.items()))
 
@@ -175,7 +186,36 @@ class MonitorPanel(QWidget):
             self.memory.set_limit(m.mem_total / u, f"card {fmt_bytes(m.mem_total)}")
         self.progress.setMaximum(max(1, self.total_steps))
         self.progress.setValue(min(self.last_step, self.total_steps))
+        self.last_metrics = m
         self._update_eta(m)
+        self._check_fast_paths(m)
+
+    def _check_fast_paths(self, m) -> None:
+        """Warn when a requested fast path did not run in this step, or ran on some layers only.
+
+        The banner changes only when the set of problems does (not every step), and the log
+        gets each distinct problem once."""
+        calls = getattr(m, "fast_path_calls", None) or {}
+        fallbacks = getattr(m, "fallbacks", None) or {}
+        if not self.fast_paths or not (calls or fallbacks):
+            return  # nothing counted: a run from before the counters existed
+        from engine.counters import requested_but_not_run
+
+        missing = requested_but_not_run(self.fast_paths, calls, fallbacks, str(m.device))
+        if not missing:
+            return
+        new = False
+        for path, what in missing.items():
+            key = (path, what.split(":")[0].split(";")[0])
+            if key not in self._missing_seen:
+                self._missing_seen.add(key)
+                new = True
+                self.append_log(f"fast path {path} was requested but in step {m.step} {what}", "warning")
+        if new or not self.fast_path_warning:
+            lines = "; ".join(f"{path} {what}" for path, what in missing.items())
+            self.fast_path_warning = (f"Step {m.step}: requested fast paths did not all run: {lines}. "
+                                      "Those layers ran the slower stock path (see the log).")
+            self.banner.show_message(self.fast_path_warning, "warning")
 
     def _update_eta(self, m) -> None:
         done = self.last_step - getattr(self, "_first_step", 0)
@@ -188,9 +228,13 @@ class MonitorPanel(QWidget):
         offload = f" · offload {m.offload}" if getattr(m, "offload", "") else ""
         self.eta.setText(f"loss {m.loss:.3f} · {m.tokens_per_second:,.0f} tok/s · ETA {fmt_seconds(left)}"
                          f"{packing}{offload}")
+        calls = getattr(m, "fast_path_calls", None) or {}
+        ran = ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "nothing counted"
         self.eta.setToolTip("Per step: how often the packed-sequence metadata was built (once per "
-                            "micro-batch is ideal) and how many device-to-host syncs it cost (0 is ideal); "
-                            "with offloaded checkpointing, the buffering used (double hides the copies).")
+                            "micro-batch is ideal) and how many device-to-host syncs it cost (0 is ideal on a "
+                            "GPU; on a CPU the reference attention's reads of the document bounds count); "
+                            "with offloaded checkpointing, the buffering used (double hides the copies).\n"
+                            f"Ran in the last step: {ran}.")
 
     def paused(self, step: int) -> None:
         self.set_controls("paused")

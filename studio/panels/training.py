@@ -31,7 +31,12 @@ class TrainingPanel(QWidget):
         self._presets = presets.list_presets()
         for name, path in self._presets.items():
             self.preset.addItem(name)
-            self.preset.setItemData(self.preset.count() - 1, presets.describe(path), Qt.ItemDataRole.ToolTipRole)
+            tip = presets.describe(path)
+            try:
+                note = presets.dropout_note(presets.lora_dropout(presets.load_preset(path)))
+            except Exception:  # an unreadable preset says so when applied
+                note = ""
+            self.preset.setItemData(self.preset.count() - 1, f"{tip} {note}".strip(), Qt.ItemDataRole.ToolTipRole)
         apply = QPushButton("Apply preset")
         apply.clicked.connect(lambda: self.apply_preset(self.preset.currentText()))
         save = QPushButton("Save config…")
@@ -100,7 +105,10 @@ class TrainingPanel(QWidget):
                 merged[section].update(values)
         self.state.replace(merged)
         self.preset.setCurrentText(name)
-        if not quiet:
+        note = presets.dropout_note(presets.lora_dropout(merged))
+        if note:  # said even when quiet: it changes what the run can do
+            self.banner.show_message(f"Preset '{name}' applied; your model and data are unchanged. {note}", "warning")
+        elif not quiet:
             self.banner.show_message(f"Preset '{name}' applied; your model and data are unchanged.", "info")
 
     def save_config(self, path: str | Path) -> RunConfig:
@@ -179,7 +187,10 @@ class TrainingPanel(QWidget):
         self.form.mark_auto(resolved.to_dict(), list(resolved.auto_fields))
         self.auto_text.setPlainText("\n\n".join(lines) or "Nothing is automatic: every value was set by you.")
         t = resolved.training
+        dropout = float(resolved.lora.dropout or 0.0)
         self.summary.setText(
             f"device {t.device} · {t.max_steps or f'{t.epochs:g} epoch(s)'} {'steps' if t.max_steps else ''} · "
             f"rows per micro-batch {t.rows_per_micro_batch} · grad accum {t.grad_accum}"
+            + (f" · {presets.FUSED_LORA_OFF}" if dropout > 0 else "")
         )
+        self.summary.setToolTip(presets.dropout_note(dropout))
