@@ -6,16 +6,16 @@ same loss and gradients as running its documents one by one, unpacked, with stoc
 
 import inspect
 
+import peft
 import pytest
 import torch
+import transformers
 
 from engine import packed
 from engine.attention import (ATTN_NAME, disable_packed_attention, enable_packed_attention,
                               varlen_attention)
 from engine.kernels.varlen_attention import varlen_attention_reference
 from engine.packed import PackedSeqInfo
-
-transformers = pytest.importorskip("transformers")
 
 LENGTHS = [5, 1, 12, 9]
 
@@ -62,12 +62,21 @@ def _unpacked_run(model, ids, info):
     return loss.detach(), _grads(model)
 
 
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
 def _assert_same(a, b, tol):
+    """Loss and every gradient within `tol` of the reference relative to its norm: packed and
+    unpacked sum the documents' gradients in another order, so single elements near zero
+    differ by rounding that depends on the CPU's BLAS; a wrong mask or position is off by
+    O(1) relative."""
     (la, ga), (lb, gb) = a, b
-    torch.testing.assert_close(la, lb, atol=tol, rtol=tol)
+    assert _rel(la, lb) <= tol, (la, lb)
     assert ga.keys() == gb.keys() and ga
     for name in ga:
-        torch.testing.assert_close(ga[name], gb[name], atol=tol, rtol=tol, msg=name)
+        assert ga[name].shape == gb[name].shape, name
+        assert _rel(ga[name], gb[name]) <= tol, (name, _rel(ga[name], gb[name]))
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
@@ -144,7 +153,6 @@ def test_generation_with_cache_matches_sdpa():
 
 
 def test_peft_wrapped_model_and_no_dense_mask():
-    peft = pytest.importorskip("peft")
     from transformers import masking_utils
 
     model = _tiny("qwen3")

@@ -157,8 +157,7 @@ def test_attention_kwargs_pass_through(model_type):
 
 def test_packed_varlen_attention_from_engine():
     """With engine.attention's packed varlen function active, patched == stock."""
-    attention = pytest.importorskip("engine.attention")
-    packed = pytest.importorskip("engine.packed")
+    from engine import attention, packed
     model = tiny("qwen3")
     assert attention.enable_packed_attention(model) == "on"
     ids, _ = packed_batch()
