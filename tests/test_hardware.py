@@ -168,13 +168,18 @@ def test_laptop_4060_with_8b_model_loads_in_4bit():
     assert cfg.model.load_in_4bit is True
     assert cfg.training.gradient_checkpointing is True
     assert cfg.training.rows_per_micro_batch == 1
-    assert cfg.training.offload in ("single", "double")
+    # The 4-bit run's estimate takes all of the 7.2 GiB free: no room for a second buffer.
+    assert cfg.training.offload == "single"
+    assert "no room for the second" in d.choices["training.offload"][1]
     assert all(getattr(cfg.fast_paths, f) is True for f in FAST)
     # The chunk of fp32 logits stays inside the budget for an 8 GB card.
     assert cfg.fast_paths.ce_chunk_tokens * 151936 * 4 <= 0.04 * 7400 * MiB
     assert d.notes["data.num_workers"][0] == 0  # Windows
     assert "16-bit LoRA needs" in d.choices["model.load_in_4bit"][1]
-    assert d.verdict in ("fits", "tight", "will not fit")
+    # Even in 4 bits an 8B model fills an 8 GB card: over 85% of it, under all of it.
+    assert 0.85 * 8188 * MiB < d.estimate <= 8188 * MiB
+    assert d.verdict == "tight"
+    assert any("tight" in w for w in d.warnings), d.warnings
 
 
 def test_laptop_4060_with_small_model_stays_16bit():
