@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from engine.counters import COUNTERS
 from engine.models import quant
@@ -203,6 +204,31 @@ def runtime_ok(parts: Sequence[LoRAParts], x: torch.Tensor) -> bool:
     return True
 
 
+# -- adapter generation: what invalidates the cached adapter weights ----------------------------
+
+# One counter for the whole process. Every optimizer step advances it (a global post-step hook:
+# any optimizer, fused or not, ours or a caller's), and so does every load of adapter weights
+# through the engine (`adapters_changed`). Code that writes adapter weights some other way
+# without bumping `_version` (through `.data`, say) must call `adapters_changed()` itself.
+_GENERATION = [0]
+
+
+def adapters_changed() -> None:
+    """Mark every cached adapter weight stale (the next forward rebuilds it)."""
+    _GENERATION[0] += 1
+
+
+def adapter_generation() -> int:
+    return _GENERATION[0]
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    _GENERATION[0] += 1
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
+
+
 # -- a planned group of projections and its per-step weight cache ------------------------------
 
 
@@ -214,10 +240,15 @@ class LoRAGroup:
     dtype, and each B cast and pre-multiplied by its scale. Adapters change only at optimizer
     steps, while the Functions read them in every forward, recompute and backward, so building
     these once per step removes most of the small cast/cat kernels (and their launch cost) from
-    the step. The cache is keyed by each weight's identity, `_version` (bumped by any in-place
-    update: optimizer steps, `copy_` from a loaded state dict) and data pointer (`.data =`
-    swaps), so it is never served stale; entries are rebuilt, never updated in place, so a
-    Function's saved copy stays consistent with its forward.
+    the step.
+
+    The cache is keyed by the adapter generation (`adapter_generation`), which every optimizer
+    step and every load of adapter weights advances, and by each weight's identity, `_version`
+    and data pointer (in-place `copy_` and `.data =` swaps). `_version` alone is not enough:
+    a fused optimizer (AdamW(fused=True), the engine's choice on CUDA) updates parameters
+    without bumping it, and a cache keyed on it served the step-0 adapters for a whole run.
+    Entries are rebuilt, never updated in place, so a Function's saved copy stays consistent
+    with its forward.
     """
 
     __slots__ = ("parts", "bases", "scales", "ranks", "_lora", "_key", "_value")
@@ -254,7 +285,7 @@ class LoRAGroup:
 
         A_all is None when no projection has LoRA; B entries are None where one has none.
         """
-        key = [dtype]
+        key = [dtype, _GENERATION[0]]
         for t in ab:
             if t is not None:
                 key += (id(t), t._version, t.data_ptr())

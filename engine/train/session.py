@@ -219,7 +219,7 @@ class TrainingSession:
         n_train = sum(p.numel() for p in params)
         self.log(f"LoRA: {n_train:,} trainable parameters; fast paths: " + ", ".join(f"{k}={v}" for k, v in fast.items()))
 
-        optimizer = make_optimizer(params, t.lr, t.weight_decay)
+        optimizer = make_optimizer(params, t.lr, t.weight_decay, t.optimizer)
         plan = StepPlan(len(data.packing.rows), int(t.rows_per_micro_batch), t.grad_accum, t.seed)
         total = plan.total_steps(t.max_steps, t.epochs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.scheduler, t.warmup_steps, total))
