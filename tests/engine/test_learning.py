@@ -55,10 +55,11 @@ def _assert_fused_ran(curve):
     assert curve.fast_report["lora_mlp"].startswith("on") and curve.fast_report["lora_qkv"].startswith("on"), \
         curve.fast_report
     for s in curve.steps:
-        calls = getattr(s, "fast_path_calls", None)
-        if calls is not None:  # counted per step: the fused Functions ran, nothing fell back
-            assert calls.get("lora_mlp", 0) > 0 and calls.get("lora_linears", 0) > 0, calls
-            assert not s.fallbacks, s.fallbacks
+        # Counted per step: the fused Functions and the kernels' references ran, nothing fell back.
+        calls = s.fast_path_calls
+        for key in ("lora_mlp", "lora_linears", "rmsnorm:torch", "fused_ce:torch", "attention:reference"):
+            assert calls.get(key, 0) > 0, (key, calls)
+        assert not s.fallbacks, s.fallbacks
 
 
 @pytest.mark.slow
