@@ -209,11 +209,14 @@ def test_qlora_nf4_learns_like_stock_qlora(root, data):
     _check(name, ours, _reference(cfg), ALL)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-def test_moe_grouping_learns_like_stock(root, data, arch):
+# GPT-OSS has no attention patch (its attention has sinks): its LoRA projections run PEFT's
+# stock path by design, so only the MoE grouping and the fused CE are expected there.
+@pytest.mark.parametrize("arch,expected", [("qwen3_moe", ("moe", "lora_linears") + CE),
+                                           ("gpt_oss", ("moe",) + CE)])
+def test_moe_grouping_learns_like_stock(root, data, arch, expected):
     name, cfg = _case(root, data, arch)
     ours = train(cfg)
-    _check(name, ours, _reference(cfg), ("moe", "lora_linears"))
+    _check(name, ours, _reference(cfg), expected)
 
 
 def test_kept_attention_on_long_documents_learns_like_stock(root, data):
