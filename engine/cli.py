@@ -1,4 +1,4 @@
-"""The headless command line: `tunesmith train | export | bench | hw | demo` (also `python -m engine`).
+"""The headless command line: `tunesmith train | export | hw | demo` (also `python -m engine`).
 
 The window (`tunesmith` with no subcommand) lives in studio.cli, which hands every
 subcommand to `main` here, so the CLI and the GUI drive the same engine API.
@@ -108,12 +108,6 @@ def cmd_hw(args) -> int:
     return 0
 
 
-def cmd_bench(argv: list[str]) -> int:
-    from engine.bench.__main__ import main as bench_main
-
-    return bench_main(argv)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tunesmith", description="Fast LoRA / QLoRA fine-tuning (headless commands).")
     sub = p.add_subparsers(dest="command")
@@ -134,14 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_export)
     h = sub.add_parser("hw", help="show the detected hardware and the defaults chosen for it")
     h.set_defaults(func=cmd_hw)
-    sub.add_parser("bench", help="run the benchmark harness (see `tunesmith bench --help`)", add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        return cmd_bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -147,8 +147,8 @@ def test_long_documents_keep_attention_outputs_for_the_recompute(monkeypatch):
 
 
 def test_attention_keep_pays_only_for_long_documents():
-    from engine.bench.batches import doc_lengths
-    from engine.bench.workloads import get_workload, make_config
+    from bench.batches import doc_lengths
+    from bench.workloads import get_workload, make_config
     from engine.offload import attention_keep_bytes
 
     w6 = get_workload("W6")

@@ -1,6 +1,6 @@
 """QLoRA fast path: the fused LoRA Functions over bitsandbytes 4-bit (NF4) bases, on a CPU.
 
-A tiny Qwen3 (engine.bench.workloads.CPU_TINY) quantized with `quantize_nf4` and wrapped by
+A tiny Qwen3 (bench.workloads.CPU_TINY) quantized with `quantize_nf4` and wrapped by
 PEFT, which picks its bnb Linear4bit LoRA layer. The fast-path report says the LoRA paths are
 on; one step's loss and LoRA gradients match PEFT's stock bitsandbytes path in fp32; every base
 weight is dequantized once in forward and at most once in backward, and no dense copy outlives
@@ -19,7 +19,7 @@ from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from engine.bench.workloads import CPU_TINY, build_model, quantize_nf4  # noqa: E402
+from bench.workloads import CPU_TINY, build_model, quantize_nf4  # noqa: E402
 from engine.config import FastPathConfig, LoraConfig  # noqa: E402
 from engine.lora_autograd import lora_linears, lora_parts, lora_unsupported_reason, runtime_ok  # noqa: E402
 from engine.models import quant  # noqa: E402

@@ -76,7 +76,7 @@ def test_window_softcap_head_dim_256(dtype, kw):
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 300}], ids=["causal", "window"])
 def test_torch_flash_backend_matches_the_reference(kw):
     # torch's own flash varlen kernel, the backend the attention micro-benchmark compares ours
-    # with (engine.bench.attention_micro); GQA 32/8 as in W2.
+    # with (bench.attention_micro); GQA 32/8 as in W2.
     from engine.attention import backend_available
 
     if not backend_available("torch_flash", torch.empty(1, 1, 64, device="cuda", dtype=torch.bfloat16)):

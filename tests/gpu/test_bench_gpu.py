@@ -11,8 +11,8 @@ import importlib.util
 import pytest
 import torch
 
-from engine.bench.__main__ import main
-from engine.bench.report import read_records
+from bench.__main__ import main
+from bench.report import read_records
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -46,7 +46,7 @@ def test_parity_fp32_and_bf16(tmp_path):
 def test_short_speed_run(tmp_path):
     results = tmp_path / "r.jsonl"
     # Two steps of a 4-layer W1 shape is enough to exercise the GPU path of every piece.
-    from engine.bench import workloads
+    from bench import workloads
 
     w1 = workloads.WORKLOADS["W1"]
     small = workloads.shrink(w1, 4).with_changes(id="W1")
@@ -70,9 +70,9 @@ def test_short_speed_run(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 def test_memcap_search_small(tmp_path):
-    from engine.bench.memcap import run_memcap
-    from engine.bench.runner import Budget
-    from engine.bench.workloads import WORKLOADS, shrink
+    from bench.memcap import run_memcap
+    from bench.runner import Budget
+    from bench.workloads import WORKLOADS, shrink
 
     wl = shrink(WORKLOADS["W7"], 2)
     out = run_memcap(wl, "ours", torch.device("cuda"), Budget(240), cap_gib=4.0, hi_units=16)

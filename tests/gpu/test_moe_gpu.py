@@ -4,7 +4,7 @@ intermediate 2880), bf16: output and input gradient against transformers' own bl
 router, so the same routing) within 1e-2 norm-relative; zero device-to-host syncs on the
 grouped_mm path (torch.cuda.set_sync_debug_mode("error")) and exactly the one documented sync
 of the loop path (fp32). Speed against HF's experts implementations is the bench's
-(`python -m engine.bench --workloads W5,W5b --impls ours,hf`).
+(`python -m bench --workloads W5,W5b --impls ours,hf`).
 
 Run on the GPU host:  python -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -s
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import moe
-from engine.bench.workloads import WORKLOADS, build_moe_block
+from bench.workloads import WORKLOADS, build_moe_block
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,7 +121,7 @@ def test_bf16_block_matches_hf_without_host_syncs(wid):
 
 @pytest.mark.parametrize("wid", ["W5", "W5b"])
 def test_fp32_loop_path_matches_hf_with_one_sync(wid):
-    from engine.bench.peers.moe import count_cuda_syncs
+    from bench.peers.moe import count_cuda_syncs
 
     ref = _blocks(wid, torch.float32)
     ours = moe.group_block(copy.deepcopy(ref))

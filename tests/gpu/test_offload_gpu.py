@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.bench.batches import make_batches
-from engine.bench.ours import prepare_ours
-from engine.bench.workloads import WORKLOADS, build_model, shrink
+from bench.batches import make_batches
+from bench.ours import prepare_ours
+from bench.workloads import WORKLOADS, build_model, shrink
 from engine.data.collate import PackedBatch
 from engine.train.step import forward_loss, offloader_of
 

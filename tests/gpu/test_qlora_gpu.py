@@ -2,7 +2,7 @@
 
 A Llama of TinyLlama's layer shape (hidden 2048, intermediate 5632, 32 heads, 4 KV heads) with
 two decoder layers and a small vocabulary, bf16, every decoder Linear quantized to NF4 (double
-quant) by engine.bench.workloads.quantize_nf4, LoRA r=16 on all projections (fp32 adapters, as
+quant) by bench.workloads.quantize_nf4, LoRA r=16 on all projections (fp32 adapters, as
 PEFT makes them), one packed row of 4096 tokens. Fused vs PEFT's stock bitsandbytes path on the
 same quantized model: loss and every LoRA gradient within 5e-2 (norm-wise relative), the fused
 error against an fp32-compute reference (same NF4 weights) no worse than twice the stock one,
@@ -40,7 +40,7 @@ LIMIT = 5e-2
 
 def build(layers=2, seed=0):
     """The quantized bf16 model with LoRA attached (PEFT's bnb Linear4bit layers), B nonzero."""
-    from engine.bench.workloads import quantize_nf4
+    from bench.workloads import quantize_nf4
     from engine.models.lora import attach_lora
 
     cfg = AutoConfig.for_model(

@@ -1,17 +1,17 @@
-"""`python -m engine.bench` (and `tunesmith bench`): the reference-workload benchmark.
+"""`python -m bench` (and `tunesmith bench`): the reference-workload benchmark.
 
-    python -m engine.bench --workloads W1,W2,W3 --max-seconds 540     # speed, all peers
-    python -m engine.bench --workloads W1 --impls ours --ours-variants all-on,no-kernels,no-fused-ce
-    python -m engine.bench --parity                                   # learning check (30 steps) + one-step grads
-    python -m engine.bench --memcap                                   # W7, longest sequence at 16 GiB
-    python -m engine.bench --cpu-smoke --results /tmp/r.jsonl         # tiny end-to-end run on a CPU
-    python -m engine.bench --summarize [--merge more.jsonl]           # RESULTS.md from results.jsonl
-    python -m engine.bench --dry-run                                  # the plan, nothing built
+    python -m bench --workloads W1,W2,W3 --max-seconds 540     # speed, all peers
+    python -m bench --workloads W1 --impls ours --ours-variants all-on,no-kernels,no-fused-ce
+    python -m bench --parity                                   # learning check (30 steps) + one-step grads
+    python -m bench --memcap                                   # W7, longest sequence at 16 GiB
+    python -m bench --cpu-smoke --results /tmp/r.jsonl         # tiny end-to-end run on a CPU
+    python -m bench --summarize [--merge more.jsonl]           # RESULTS.md from results.jsonl
+    python -m bench --dry-run                                  # the plan, nothing built
 
-Every run trains on learnable batches (engine.bench.batches) with one AdamW definition
+Every run trains on learnable batches (bench.batches) with one AdamW definition
 (lr 1e-3 unless --lr says otherwise) and records each implementation's per-step loss curve.
 A speed of ours counts only when the learning check against a stock HF + PEFT (or Liger) curve
-of the same run passes (engine.bench.report.learning_check; WORKLOADS.md): so a speed run
+of the same run passes (bench.report.learning_check; WORKLOADS.md): so a speed run
 that should count includes hf_sdpa, hf_flex, liger_sdpa or liger_flex.
 
 Exit status: 0 when everything asked for ran (peers may be "not supported"), 1 when one of
@@ -28,15 +28,15 @@ import os
 import sys
 import time
 
-from engine.bench.report import DEFAULT_MD, DEFAULT_RESULTS, progress
-from engine.bench.runner import setup_for  # noqa: F401  (the setup of an impl name; kept importable here)
+from bench.report import DEFAULT_MD, DEFAULT_RESULTS, progress
+from bench.runner import setup_for  # noqa: F401  (the setup of an impl name; kept importable here)
 
 DEFAULT_IMPLS = "ours,liger_flex,unsloth,hf_flex,hf_sdpa,liger_sdpa"
 KNOWN_IMPLS = ("ours", "hf", "hf_sdpa", "hf_flex", "hf_eager", "liger_sdpa", "liger_flex", "unsloth")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=None,
                    help="comma list of W1..W7 (W5b: GPT-OSS MoE block); default W1,W2,W3 (parity: W1,W2)")
@@ -126,7 +126,7 @@ def plan_impls(wl, impls: list[str], variants: list[str]) -> list[tuple[str, dic
         if impl == "ours":
             entries = [("ours", {"variant": v}) for v in variants]
         elif wl.kind == "moe_block":
-            from engine.bench.peers.moe import available_experts_impls
+            from bench.peers.moe import available_experts_impls
 
             entries = [(f"hf_moe_{name}", {}) for name in ("eager", "grouped_mm", "batched_mm")
                        if name == "eager" or name in available_experts_impls()]
@@ -137,17 +137,17 @@ def plan_impls(wl, impls: list[str], variants: list[str]) -> list[tuple[str, dic
 
 
 def base_record(args, env: dict, mode: str = "bench") -> dict:
-    from engine.bench.report import now_iso
+    from bench.report import now_iso
 
     return {"date": now_iso(), "run_id": args.run_id, "mode": mode, **env}
 
 
 def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dict]:
-    from engine.bench.batches import describe, make_batches
-    from engine.bench.peers.unsloth import run_child
-    from engine.bench.report import append_record
-    from engine.bench.runner import Context, run_impl
-    from engine.bench.workloads import ceiling_tokens_per_s, matmul_params
+    from bench.batches import describe, make_batches
+    from bench.peers.unsloth import run_child
+    from bench.report import append_record
+    from bench.runner import Context, run_impl
+    from bench.workloads import ceiling_tokens_per_s, matmul_params
 
     records = []
     memcaps = [wl for wl in workloads if wl.kind == "memcap"]
@@ -201,9 +201,9 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
 
 
 def run_memcaps(args, workloads, device, budget, env) -> list[dict]:
-    from engine.bench.memcap import UNIT, run_memcap
-    from engine.bench.report import append_record
-    from engine.bench.runner import NotSupported, free_memory
+    from bench.memcap import UNIT, run_memcap
+    from bench.report import append_record
+    from bench.runner import NotSupported, free_memory
 
     records = []
     for wl in workloads:
@@ -232,16 +232,16 @@ def run_memcaps(args, workloads, device, budget, env) -> list[dict]:
 def lr_for(wl, args) -> float:
     """The learning rate of a workload's runs: --lr, else the workload's own (CPU-tiny's 64-wide
     model needs 1e-2 to fall 0.3 nats in 30 steps), else the recipe's 1e-3."""
-    from engine.bench.runner import DEFAULT_LR
+    from bench.runner import DEFAULT_LR
 
     return float(args.lr if args.lr is not None else wl.extra.get("lr", DEFAULT_LR))
 
 
 def run_learnings(args, workloads, device, budget, env) -> tuple[list[dict], bool]:
     """--parity's learning check, one record per workload; ok is False when any failed."""
-    from engine.bench.parity import run_learning
-    from engine.bench.report import append_record
-    from engine.bench.workloads import shrink
+    from bench.parity import run_learning
+    from bench.report import append_record
+    from bench.workloads import shrink
 
     rows, ok = [], True
     for wl in workloads:
@@ -262,9 +262,9 @@ def run_learnings(args, workloads, device, budget, env) -> tuple[list[dict], boo
 
 
 def run_parities(args, workloads, device, env, dtypes) -> tuple[list[dict], bool]:
-    from engine.bench.parity import run_parity
-    from engine.bench.report import append_record
-    from engine.bench.workloads import shrink
+    from bench.parity import run_parity
+    from bench.report import append_record
+    from bench.workloads import shrink
 
     rows, ok = [], True
     for wl in workloads:
@@ -284,9 +284,9 @@ def run_parities(args, workloads, device, env, dtypes) -> tuple[list[dict], bool
 def dry_run(args, workloads, impls, variants) -> int:
     import importlib.util
 
-    from engine.bench.batches import describe, make_batches
-    from engine.bench.peers.unsloth import find_site
-    from engine.bench.workloads import ceiling_tokens_per_s, matmul_params
+    from bench.batches import describe, make_batches
+    from bench.peers.unsloth import find_site
+    from bench.workloads import ceiling_tokens_per_s, matmul_params
 
     print(f"steps {args.steps} timed after {args.warmup} warm-up; results -> {args.results}; "
           f"budget {args.max_seconds or 'none'} s", flush=True)
@@ -309,7 +309,7 @@ def dry_run(args, workloads, impls, variants) -> int:
 
 
 def merge(src: str, dst: str) -> int:
-    from engine.bench.report import append_record, read_records
+    from bench.report import append_record, read_records
 
     have = {json.dumps(r, sort_keys=True) for r in read_records(dst)}
     n = 0
@@ -338,11 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--learning-steps must be >= 4 (a first step and three to average); WORKLOADS.md asks >= 30")
 
     if args.child_impl == "unsloth":  # must import unsloth before anything imports transformers
-        from engine.bench.peers.unsloth import child_main
+        from bench.peers.unsloth import child_main
 
         return child_main(args)
 
-    from engine.bench.report import summarize
+    from bench.report import summarize
 
     if args.summarize:
         if args.merge:
@@ -351,14 +351,14 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"wrote {args.md}")
         return 0
 
-    from engine.bench.workloads import CPU_TINY, get_workload
+    from bench.workloads import CPU_TINY, get_workload
 
     impls = _list(args.impls)
     for i in impls:
         if i not in KNOWN_IMPLS:
             raise SystemExit(f"unknown impl {i!r}; known: {', '.join(KNOWN_IMPLS)}")
     variants = _list(args.ours_variants) or ["all-on"]
-    from engine.bench.ours import variant_fields
+    from bench.ours import variant_fields
 
     for v in variants:
         variant_fields(v)  # a typo fails now, not after an hour of other runs
@@ -377,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine.bench.report import environment
-    from engine.bench.runner import Budget
+    from bench.report import environment
+    from bench.runner import Budget
 
     device = _device(args)
     if device.type != "cuda" and not args.cpu_smoke and args.device != "cpu":
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, workloads, impls, variants, device, budget, env, start) -> int:
-    from engine.bench.report import format_table, learning_verdict, summarize
+    from bench.report import format_table, learning_verdict, summarize
 
     records: list[dict] = []
     learning: list[dict] = []
@@ -429,7 +429,7 @@ def _run(args, workloads, impls, variants, device, budget, env, start) -> int:
         print(f"LEARNING CHECK {r['workload']} ours[{r.get('variant')}] vs {r.get('ref_impl')}, {r.get('steps')} "
               f"steps: {r['status']}", flush=True)
     for r in unlearned:
-        from engine.bench.report import impl_label
+        from bench.report import impl_label
 
         print(f"LEARNING CHECK FAILED {r['workload']} {impl_label(r)}: "
               f"{learning_verdict(r, records)['reason']}", flush=True)

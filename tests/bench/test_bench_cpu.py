@@ -1,5 +1,5 @@
 """The benchmark harness on a CPU: the --cpu-smoke run end to end (ours + HF + PEFT, fp32
-parity, the 30-step learning check) through `engine.bench.__main__.main`, plus the pieces the
+parity, the 30-step learning check) through `bench.__main__.main`, plus the pieces the
 GPU run relies on (learnable batches, the learning check and the summary's rules, the 6N
 ceiling, the memcap search, the patch guard), all writing only to tmp files."""
 
@@ -12,12 +12,12 @@ import sys
 import pytest
 import torch
 
-from engine.bench.__main__ import main
-from engine.bench.batches import MAX_LEN, MIN_LEN, chain, make_batches, make_step
-from engine.bench.memcap import search_longest
-from engine.bench.report import (DEFAULT_RESULTS, best_peer_same_run, learning_check, learning_verdict,
+from bench.__main__ import main
+from bench.batches import MAX_LEN, MIN_LEN, chain, make_batches, make_step
+from bench.memcap import search_longest
+from bench.report import (DEFAULT_RESULTS, best_peer_same_run, learning_check, learning_verdict,
                                  read_records)
-from engine.bench.workloads import WORKLOADS, ceiling_tokens_per_s, count_matmul_params, make_config, matmul_params
+from bench.workloads import WORKLOADS, ceiling_tokens_per_s, count_matmul_params, make_config, matmul_params
 
 
 def _results_state():
@@ -223,7 +223,7 @@ def test_batches_are_learnable():
 
 def test_batches_are_rebuilt_identically_in_another_process():
     # The Unsloth child rebuilds the batches from the same numbers in its own process.
-    code = ("import hashlib; from engine.bench.batches import make_batches; "
+    code = ("import hashlib; from bench.batches import make_batches; "
             "bs = make_batches(3, 4096, 151936); "
             "print(hashlib.sha256(b''.join(b.ids.numpy().tobytes() + bytes(str(b.lengths), 'ascii') "
             "for b in bs)).hexdigest())")
@@ -265,7 +265,7 @@ def test_memcap_binary_search():
 def test_patch_guard_restores_transformers():
     from transformers.models.qwen3 import modeling_qwen3
 
-    from engine.bench.runner import PatchGuard
+    from bench.runner import PatchGuard
 
     rope, forward = modeling_qwen3.apply_rotary_pos_emb, modeling_qwen3.Qwen3MLP.forward
     with PatchGuard("qwen3"):
@@ -276,8 +276,8 @@ def test_patch_guard_restores_transformers():
 
 
 def test_variants_and_unsupported_switches():
-    from engine.bench.ours import fast_path_config, split_fields, variant_fields
-    from engine.bench.runner import NotYetSupported
+    from bench.ours import fast_path_config, split_fields, variant_fields
+    from bench.runner import NotYetSupported
 
     # every variant is a change from all-on, which offloads with a double buffer
     assert variant_fields("all-on") == {"offload": "double"}

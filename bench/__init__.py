@@ -1,11 +1,11 @@
-"""Reference-workload benchmark harness (``python -m engine.bench``).
+"""Reference-workload benchmark harness (``python -m bench``).
 
 Runs the workloads of WORKLOADS.md (W1-W7) for the Tunesmith engine ("ours") and its peers
 (HF + PEFT with sdpa / flex_attention, + Liger, Unsloth) in one process on the same batches,
-appends one JSON object per run to ``engine/bench/results.jsonl`` and renders RESULTS.md.
-The batches are learnable (engine.bench.batches) and every record keeps its loss curve: a
+appends one JSON object per run to ``bench/results/results.jsonl`` and renders RESULTS.md.
+The batches are learnable (bench.batches) and every record keeps its loss curve: a
 speed of ours counts only when it learns like stock HF + PEFT in the same run (the learning
-check, engine.bench.report). Also: the 30-step learning check plus one step's gradients
+check, bench.report). Also: the 30-step learning check plus one step's gradients
 against HF + PEFT (``--parity``), the 16 GiB longest-sequence search (``--memcap``) and a CPU
 smoke run (``--cpu-smoke``).
 

@@ -2,13 +2,13 @@
 
 The baseline is transformers' own block with each experts implementation it registers
 ("eager" loops over experts; "grouped_mm" / "batched_mm" where this transformers has them).
-Tokens/s here is block tokens per second, not a training step. Ours (engine.bench.moe_block)
+Tokens/s here is block tokens per second, not a training step. Ours (bench.moe_block)
 uses the same block, weights, inputs and step through `block_inputs` and `block_step`.
 """
 
 from __future__ import annotations
 
-from engine.bench.runner import Context, NotSupported, Prepared
+from bench.runner import Context, NotSupported, Prepared
 
 
 def available_experts_impls() -> list[str]:
@@ -83,7 +83,7 @@ def count_cuda_syncs(fn) -> int | None:
 
 def setup_moe_block(experts_impl: str):
     def setup(ctx: Context) -> Prepared:
-        from engine.bench.workloads import build_moe_block
+        from bench.workloads import build_moe_block
 
         wl = ctx.workload
         if experts_impl not in available_experts_impls():

@@ -1,5 +1,5 @@
 """W5 / W5b for ours: the same MoE block, weights, inputs and step as the HF baseline
-(engine.bench.peers.moe), with engine.moe's grouped forward installed on it.
+(bench.peers.moe), with engine.moe's grouped forward installed on it.
 
 Variants: "all-on" (grouped forward, Triton activations on CUDA), "no-kernels" (grouped
 forward, torch activations), "no-moe-grouping" (the stock forward with HF's eager experts).
@@ -10,14 +10,14 @@ device-to-host syncs one whole forward + backward made (torch's sync debug mode)
 
 from __future__ import annotations
 
-from engine.bench.runner import Context, Prepared
+from bench.runner import Context, Prepared
 
 
 def setup_ours_moe_block(variant: str, fields: dict):
     def setup(ctx: Context) -> Prepared:
         from engine import moe
-        from engine.bench.peers.moe import block_dtype, block_inputs, block_step, count_cuda_syncs
-        from engine.bench.workloads import build_moe_block
+        from bench.peers.moe import block_dtype, block_inputs, block_step, count_cuda_syncs
+        from bench.workloads import build_moe_block
 
         wl = ctx.workload
         dtype = block_dtype(ctx)

@@ -2,12 +2,12 @@
 
 Unsloth must be imported before transformers, and it patches transformers' classes for the
 whole process, so it cannot share the bench's process. The parent runs
-``python -m engine.bench --child-impl unsloth --workloads W1 --json-out F`` with the unpacked
+``python -m bench --child-impl unsloth --workloads W1 --json-out F`` with the unpacked
 bundle (.peer/unsloth-site.tgz, see fetch-peer-unsloth.sh) first on PYTHONPATH, in a scratch
 folder (Unsloth writes a compile cache into its working folder), and merges the record.
 The child saves the random-weight model and a word-level tokenizer to a folder, loads it with
 FastLanguageModel, and times the same batches (packed lengths as an int32 `packed_seq_lengths`),
-rebuilt from the same numbers (engine.bench.batches), with the same optimizer definition and
+rebuilt from the same numbers (bench.batches), with the same optimizer definition and
 learning rate (--lr); its record carries the parent's run id and its loss curve.
 """
 
@@ -22,10 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-from engine.bench.report import progress
-from engine.bench.runner import DEFAULT_LR, Budget, Context, NotSupported, Prepared, make_peer_optimizer
+from bench.report import progress
+from bench.runner import DEFAULT_LR, Budget, Context, NotSupported, Prepared, make_peer_optimizer
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_SECONDS = 60  # import, model save and reload alone take about this long on the 8B workload
 
 
@@ -58,7 +58,7 @@ def run_child(workload_id: str, args, budget: Budget, base: dict, lr: float) -> 
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tunesmith-unsloth-") as tmp:
         out_json = Path(tmp) / "record.json"
-        cmd = [sys.executable, "-m", "engine.bench", "--child-impl", "unsloth", "--workloads", workload_id,
+        cmd = [sys.executable, "-m", "bench", "--child-impl", "unsloth", "--workloads", workload_id,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--json-out", str(out_json),
                "--lr", repr(float(lr))]
         if args.run_id:  # the child's record belongs to this run: its loss curve is compared within it
@@ -135,7 +135,7 @@ def save_model_folder(workload, folder: Path) -> None:
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    from engine.bench.workloads import build_model
+    from bench.workloads import build_model
 
     base = workload.with_changes(quant=None)  # Unsloth quantizes on load itself
     model = build_model(base, dtype=torch.bfloat16, device=torch.device("cuda"), attn_implementation="sdpa")
@@ -202,10 +202,10 @@ def child_main(args) -> int:
         version, why = None, f"not supported: unsloth does not import ({type(exc).__name__}: {str(exc)[:300]})"
     import torch
 
-    from engine.bench.batches import describe, make_batches
-    from engine.bench.report import environment, now_iso
-    from engine.bench.runner import Context, run_impl
-    from engine.bench.workloads import get_workload
+    from bench.batches import describe, make_batches
+    from bench.report import environment, now_iso
+    from bench.runner import Context, run_impl
+    from bench.workloads import get_workload
 
     env = environment()
     env["versions"]["unsloth"] = version
@@ -221,7 +221,7 @@ def child_main(args) -> int:
         ctx = Context(wl, batches, device, args.warmup, args.steps, Budget(args.max_seconds), args, lr=lr)
         with tempfile.TemporaryDirectory(prefix="tunesmith-unsloth-model-") as folder:
             rec = run_impl(setup_unsloth(Path(folder)), ctx, "unsloth", base)
-        from engine.bench.workloads import ceiling_tokens_per_s
+        from bench.workloads import ceiling_tokens_per_s
 
         if rec.get("tokens_per_s"):
             rec["ceiling_fraction"] = rec["tokens_per_s"] / ceiling_tokens_per_s(wl)

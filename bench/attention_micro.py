@@ -1,4 +1,4 @@
-"""Attention alone, per backend: `python -m engine.bench.attention_micro` (GPU).
+"""Attention alone, per backend: `python -m bench.attention_micro` (GPU).
 
 Times one layer's packed attention forward and forward + backward at the workloads' shapes
 (the same document lengths as the bench's first batch) for each backend that can run here:
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from engine.bench.batches import make_step
-from engine.bench.workloads import get_workload
+from bench.batches import make_step
+from bench.workloads import get_workload
 
 HERE = Path(__file__).resolve().parent
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default="W1,W2,W3,W6")
     p.add_argument("--backends", default="triton,torch_flash")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--results", type=Path, default=HERE / "attention_results.jsonl")
+    p.add_argument("--results", type=Path, default=HERE / "results" / "attention_results.jsonl")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("attention_micro needs a CUDA device")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import zlib
 
-from engine.bench.report import progress
+from bench.report import progress
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}  # WORKLOADS.md, Parity
 
@@ -80,7 +80,7 @@ def compare(loss, grads: dict, ref_loss, ref_grads: dict) -> dict:
 
 def parity_batch(total: int, vocab: int, min_docs: int = 3):
     """A packed batch with at least `min_docs` documents (deterministic)."""
-    from engine.bench.batches import BASE_SEED, make_step
+    from bench.batches import BASE_SEED, make_step
 
     seed = BASE_SEED + 10_000
     while True:
@@ -118,9 +118,9 @@ def run_parity(workload, device, dtypes=("float32", "bfloat16"), seed: int = 0,
     import torch.nn.functional as F
     from peft import get_peft_model
 
-    from engine.bench.ours import loss_fn, prepare_ours
-    from engine.bench.peers.hf import peft_config
-    from engine.bench.workloads import build_model
+    from bench.ours import loss_fn, prepare_ours
+    from bench.peers.hf import peft_config
+    from bench.workloads import build_model
     from engine.data.collate import PackedBatch
 
     wl = workload
@@ -218,14 +218,14 @@ def run_learning(workload, device, *, steps: int = LEARNING_STEPS, lr: float, bu
     """Train ours (`variant`, by default all-on: offload included, what a GPU run gets) and a
     stock HF + PEFT implementation for `steps` optimizer steps each, on the same learnable
     batches, from the same weights, with the same AdamW; compare the loss curves with the
-    learning check (engine.bench.report.learning_check). Returns a "learning" record.
+    learning check (bench.report.learning_check). Returns a "learning" record.
 
     Both go through the speed harness (runner.run_impl with no warm-up), so this checks exactly
     the code the timed runs time: bf16 on CUDA, fp32 on the CPU.
     """
-    from engine.bench.batches import describe, make_batches
-    from engine.bench.report import learning_check
-    from engine.bench.runner import Context, run_impl, setup_for
+    from bench.batches import describe, make_batches
+    from bench.report import learning_check
+    from bench.runner import Context, run_impl, setup_for
 
     wl = workload
     batches = make_batches(steps, wl.tokens, wl.config["vocab_size"], wl.packing)

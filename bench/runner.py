@@ -8,7 +8,7 @@ and frees everything before the next implementation starts. Class-level monkey p
 (Liger's, or any the engine makes) are undone between implementations by `PatchGuard`.
 
 Every record keeps its per-step `loss_curve` (warm-up steps included): the learning check
-(engine.bench.report.learning_check) compares it with a stock HF + PEFT curve of the same run.
+(bench.report.learning_check) compares it with a stock HF + PEFT curve of the same run.
 Every implementation trains with one optimizer definition (`ADAMW`, `DEFAULT_LR`): the curves
 can only be compared when the updates are meant to be the same.
 """
@@ -23,7 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from engine.bench.report import progress
+from bench.report import progress
 
 GIB = 1024 ** 3
 
@@ -269,7 +269,7 @@ def run_impl(setup: Callable[[Context], Prepared], ctx: Context, impl: str, base
             rec.update(measure(prep, ctx, label))
             rec.update(prep.extra)  # again: steps may fill in fields (ours: the offload note)
             if ctx.args is not None and getattr(ctx.args, "profile", False):
-                from engine.bench.profile import profile_steps
+                from bench.profile import profile_steps
 
                 rec.update(profile_steps(prep, ctx, label))
     except BudgetExceeded as exc:
@@ -313,9 +313,9 @@ class NotYetSupported(Exception):
 
 def setup_for(impl: str, options: dict):
     """The setup function of an implementation name (ours takes options["variant"])."""
-    from engine.bench.ours import setup_ours
-    from engine.bench.peers.hf import setup_hf
-    from engine.bench.peers.moe import setup_moe_block
+    from bench.ours import setup_ours
+    from bench.peers.hf import setup_hf
+    from bench.peers.moe import setup_moe_block
 
     if impl == "ours":
         return setup_ours(options.get("variant", "all-on"))

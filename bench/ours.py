@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from engine.bench.runner import Context, NotSupported, NotYetSupported, Prepared, make_ours_optimizer
+from bench.runner import Context, NotSupported, NotYetSupported, Prepared, make_ours_optimizer
 
 # "all-on" is the engine as a run on a GPU gets it under the WORKLOADS recipe (checkpointing
 # on, so the hardware policy picks double-buffered offload); every variant is a change from it.
@@ -119,7 +119,7 @@ def setup_ours(variant: str):
     def setup(ctx: Context) -> Prepared:
         import torch
 
-        from engine.bench.workloads import build_model
+        from bench.workloads import build_model
         from engine.data.collate import PackedBatch
         from engine.train.step import offloader_of
 
@@ -127,7 +127,7 @@ def setup_ours(variant: str):
         fields = variant_fields(variant)
         fast_path_config(fields)  # fail before building a big model
         if wl.kind == "moe_block":  # W5: one MoE block, not a training step
-            from engine.bench.moe_block import setup_ours_moe_block
+            from bench.moe_block import setup_ours_moe_block
 
             return setup_ours_moe_block(variant, fields)(ctx)
         if wl.quant == "nf4":

@@ -9,7 +9,7 @@ set up as transformers' Trainer does by default (runner.make_peer_optimizer).
 
 from __future__ import annotations
 
-from engine.bench.runner import Context, NotSupported, Prepared, make_peer_optimizer
+from bench.runner import Context, NotSupported, Prepared, make_peer_optimizer
 
 LIGER_FUNCS = {"qwen3": "apply_liger_kernel_to_qwen3", "llama": "apply_liger_kernel_to_llama",
                "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
@@ -41,13 +41,13 @@ def setup_hf(attn: str, liger: bool = False):
         import torch
         from peft import get_peft_model
 
-        from engine.bench.workloads import build_model
+        from bench.workloads import build_model
 
         wl = ctx.workload
         if liger and ctx.device.type != "cuda":
             raise NotSupported("Liger's Triton kernels need a CUDA GPU")
         if wl.quant == "nf4":
-            from engine.bench.ours import _need_bnb
+            from bench.ours import _need_bnb
 
             _need_bnb(ctx.device)
         if liger:  # fail on a missing package before building a big model

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from engine.bench.report import progress
+from bench.report import progress
 
 
 def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:

@@ -10,8 +10,8 @@ import time
 import traceback
 from typing import Callable
 
-from engine.bench.report import progress
-from engine.bench.runner import (DEFAULT_LR, GIB, Budget, BudgetExceeded, NotSupported, is_oom,
+from bench.report import progress
+from bench.runner import (DEFAULT_LR, GIB, Budget, BudgetExceeded, NotSupported, is_oom,
                                  make_ours_optimizer, make_peer_optimizer)
 
 UNIT = 1024
@@ -50,10 +50,10 @@ def _make_step(impl: str, workload, device):
     """
     import torch
 
-    from engine.bench.workloads import build_model
+    from bench.workloads import build_model
 
     if impl == "ours" or impl.startswith("ours:"):
-        from engine.bench.ours import loss_fn, prepare_ours, variant_fields
+        from bench.ours import loss_fn, prepare_ours, variant_fields
         from engine.data.collate import PackedBatch
 
         fields = variant_fields(impl.split(":", 1)[1]) if ":" in impl else {}
@@ -67,7 +67,7 @@ def _make_step(impl: str, workload, device):
     elif impl in ("hf_sdpa", "hf_flex", "liger_sdpa", "liger_flex"):
         from peft import get_peft_model
 
-        from engine.bench.peers.hf import apply_liger, peft_config
+        from bench.peers.hf import apply_liger, peft_config
 
         attn = "sdpa" if impl.endswith("sdpa") else "flex_attention"
         model = build_model(workload, dtype=torch.bfloat16, device=device, attn_implementation=attn)
@@ -100,7 +100,7 @@ def run_memcap(workload, impl: str, device, budget: Budget, cap_gib: float = 16.
     """Fields of the memcap record (status, longest_tokens, trials ...)."""
     import torch
 
-    from engine.bench.ours import _need_bnb
+    from bench.ours import _need_bnb
 
     if device.type != "cuda":
         raise NotSupported("the memory-capped search needs a CUDA GPU")
