@@ -250,7 +250,7 @@ def test_model_with_lora_on_attention_matches_stock(arch):
     layers = ours.config.num_hidden_layers
     # Checkpointing runs each layer's forward twice; one host read per block call at most.
     assert counts["moe_calls"] == 2 * layers and counts["host_syncs"] <= counts["moe_calls"]
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
+    _close(loss, loss_ref, rel=1e-5)  # grouped expert matmuls sum in another order
     assert grads.keys() == grads_ref.keys() and len(grads) == 8 * layers
     for n in grads:
         _close(grads[n], grads_ref[n], rel=1e-4)

@@ -28,6 +28,11 @@ def tiny_config(tmp_path, steps=4, **training):
     return cfg
 
 
+def _rel(a, b):
+    """||a - b|| / ||b||, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
 def run(cfg, **kw):
     events = []
     result = TrainingSession(cfg, events.append, **kw).run()
@@ -80,7 +85,11 @@ def test_exported_adapter_reloads_with_plain_peft(demo_run, tmp_path):
         expected = model(input_ids=ids).logits
         base = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
         reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-        torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        got = reloaded(input_ids=ids).logits
+    # Same weights through other modules (the session's may be patched): equal up to fp32
+    # summation order, compared relative to the logits' norm rather than per element.
+    assert got.shape == expected.shape
+    assert _rel(got, expected) <= 1e-5, _rel(got, expected)
 
     merged_files = export_merged(session.run_dir, tmp_path / "merged")
     assert "model.safetensors" in merged_files
@@ -237,8 +246,13 @@ def test_accumulation_normalizes_by_trained_tokens(tmp_path):
     assert r1.summary["final_loss"] == pytest.approx(r2.summary["final_loss"], rel=1e-5)
     a = load_file(tmp_path / "one" / "run" / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "two" / "run" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and a
+    # Two steps of AdamW after gradients summed in another order: elements near zero can
+    # differ by rounding that depends on the CPU's BLAS, so each tensor is compared
+    # relative to its norm (a wrong token normalization is off by O(1)).
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+        assert a[k].shape == b[k].shape, k
+        assert _rel(a[k], b[k]) <= 1e-4, (k, _rel(a[k], b[k]))
 
 
 def test_local_qwen3_folder_trains_same_with_fast_paths_on_and_off(tmp_path):
