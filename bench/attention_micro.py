@@ -3,9 +3,9 @@
 Times one layer's packed attention forward and forward + backward at the workloads' shapes
 (the same document lengths as the bench's first batch) for each backend that can run here:
 ours ("triton") and torch's flash varlen kernel ("torch_flash", torch.nn.attention.varlen),
-or any other engine.attention backend named in --backends. It also reports each backend's
+or any other engine.fastpath.attention backend named in --backends. It also reports each backend's
 largest difference from ours in the output and in dq/dk/dv, so a fast backend that is wrong
-shows up here. It is the evidence behind engine.attention's backend choice; one JSON line per
+shows up here. It is the evidence behind engine.fastpath.attention's backend choice; one JSON line per
 (workload, backend) goes to --results.
 """
 
@@ -41,7 +41,7 @@ def _time(fn, reps: int) -> float:
 
 
 def run(workloads: list[str], backends: list[str], reps: int, results: Path | None) -> list[dict]:
-    from engine import attention, packed
+    from engine.fastpath import attention, packed
 
     dev = torch.device("cuda")
     rows = []

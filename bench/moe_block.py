@@ -1,10 +1,10 @@
 """W5 / W5b for ours: the same MoE block, weights, inputs and step as the HF baseline
-(bench.peers.moe), with engine.moe's grouped forward installed on it.
+(bench.peers.moe), with engine.fastpath.moe's grouped forward installed on it.
 
 Variants: "all-on" (grouped forward, Triton activations on CUDA), "no-kernels" (grouped
 forward, torch activations), "no-moe-grouping" (the stock forward with HF's eager experts).
 The record's options say which expert-matmul path ran (grouped_mm or loop), how many host
-syncs the routing made per block call (engine.moe.COUNTERS) and, on CUDA, how many
+syncs the routing made per block call (engine.fastpath.moe.COUNTERS) and, on CUDA, how many
 device-to-host syncs one whole forward + backward made (torch's sync debug mode).
 """
 
@@ -15,7 +15,7 @@ from bench.runner import Context, Prepared
 
 def setup_ours_moe_block(variant: str, fields: dict):
     def setup(ctx: Context) -> Prepared:
-        from engine import moe
+        from engine.fastpath import moe
         from bench.peers.moe import block_dtype, block_inputs, block_step, count_cuda_syncs
         from bench.workloads import build_moe_block
 

@@ -99,12 +99,13 @@ def cmd_export(args) -> int:
 
 
 def cmd_hw(args) -> int:
-    from engine import hardware
+    from engine.hardware.policy import format_profile
+    from engine.hardware.profile import detect
     from engine.config import RunConfig
     from engine.resources import DEMO_PRESET
 
-    profile = hardware.detect()
-    print(hardware.format_profile(profile, RunConfig.load(DEMO_PRESET)))
+    profile = detect()
+    print(format_profile(profile, RunConfig.load(DEMO_PRESET)))
     return 0
 
 

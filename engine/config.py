@@ -2,7 +2,7 @@
 
 A `RunConfig` is everything a run needs (model, LoRA, data, training, fast paths, output).
 Fields whose value is ``"auto"`` are filled by the hardware defaults policy
-(`engine.hardware.apply_defaults`) and listed in `RunConfig.auto_fields`, so the CLI and the
+(`engine.hardware.policy.apply_defaults`) and listed in `RunConfig.auto_fields`, so the CLI and the
 window can say which values the engine chose.
 
 Errors are `ConfigError`s whose message names the field path (``training.lr``) and, for
@@ -109,7 +109,7 @@ class FastPathConfig:
     cached_metadata: bool = True  # packing metadata built once per batch (False: per layer)
     moe_grouping: Union[bool, Literal["auto"]] = "auto"
     # With offload: keep attention outputs for the recompute when documents are long enough
-    # for it to pay and there is room (engine.offload.attention_keep_bytes).
+    # for it to pay and there is room (engine.fastpath.offload.attention_keep_bytes).
     keep_attention: bool = True
     ce_chunk_tokens: Union[int, Literal["auto"]] = "auto"
 

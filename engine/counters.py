@@ -1,7 +1,7 @@
 """Per-step counters: what the engine's bookkeeping cost and which fast paths actually ran.
 
-Counted where things happen (engine.packed, engine.attention, engine.moe, engine.kernels.*,
-engine.lora_autograd, engine.models.patches); the training loop reads and resets them once per
+Counted where things happen (engine.fastpath.packed, engine.fastpath.attention, engine.fastpath.moe, engine.kernels.*,
+engine.fastpath.lora, engine.models.patches); the training loop reads and resets them once per
 optimizer step, so each StepMetrics event can show "metadata built once, 0 syncs" and which
 fast paths ran, not only which were patched. Plain ints in one dict: counting must cost
 nothing on the hot path (a dict increment, never a device sync).

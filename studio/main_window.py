@@ -44,7 +44,7 @@ STEPS = [
 
 
 def _detect_hardware():
-    from engine.hardware import detect
+    from engine.hardware.profile import detect
 
     return detect()
 

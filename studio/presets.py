@@ -45,7 +45,7 @@ def describe(path: Path) -> str:
 
 
 # The fused LoRA Functions have no dropout: any lora.dropout > 0 keeps q/k/v, o and the MLP on
-# PEFT's path (engine.lora_autograd.lora_unsupported_reason). The window says so wherever the
+# PEFT's path (engine.fastpath.lora.lora_unsupported_reason). The window says so wherever the
 # value is chosen or the fast paths are listed.
 FUSED_LORA_OFF = "fused LoRA: off with dropout > 0"
 FUSED_LORA_KEYS = ("fused LoRA QKV", "fused LoRA O", "fused LoRA MLP", "lora_qkv", "lora_o", "lora_mlp")

@@ -28,7 +28,7 @@ def deep_merge(base: dict, update: dict) -> dict:
 
 class StudioState(QObject):
     changed = Signal(str)  # dotted path, or "" when everything changed
-    profile_changed = Signal(object)  # engine.hardware.HardwareProfile
+    profile_changed = Signal(object)  # engine.hardware.profile.HardwareProfile
     run_dir_changed = Signal(str)  # a run started or finished in this folder
 
     def __init__(self, runs_dir: str, parent: Optional[QObject] = None):
@@ -88,7 +88,7 @@ class StudioState(QObject):
         """The config with hardware defaults applied (what a run would use)."""
         cfg = self.config()
         if self.profile is not None:
-            from engine.hardware import apply_defaults
+            from engine.hardware.policy import apply_defaults
 
             result = apply_defaults(cfg, self.profile)
             cfg = result if isinstance(result, RunConfig) else cfg

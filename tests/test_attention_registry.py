@@ -11,11 +11,11 @@ import pytest
 import torch
 import transformers
 
-from engine import packed
-from engine.attention import (ATTN_NAME, disable_packed_attention, enable_packed_attention,
+from engine.fastpath import packed
+from engine.fastpath.attention import (ATTN_NAME, disable_packed_attention, enable_packed_attention,
                               varlen_attention)
 from engine.kernels.varlen_attention import varlen_attention_reference
-from engine.packed import PackedSeqInfo
+from engine.fastpath.packed import PackedSeqInfo
 
 LENGTHS = [5, 1, 12, 9]
 
@@ -196,7 +196,7 @@ def test_varlen_attention_dispatch_cpu_is_reference():
 
 
 def test_torch_flash_backend_is_cuda_only():
-    from engine.attention import backend_available, varlen_attention
+    from engine.fastpath.attention import backend_available, varlen_attention
 
     q = torch.randn(8, 2, 16)
     assert not backend_available("torch_flash", q) and not backend_available("triton", q)

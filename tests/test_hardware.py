@@ -9,9 +9,9 @@ import pytest
 from transformers import Qwen3Config
 
 from engine.config import AUTO, RunConfig
-from engine.hardware import (
-    GiB, MiB, KINDS, GpuProperties, HardwareProfile, apply_defaults, classify, detect, explain_defaults,
-    format_profile, profile_from_properties, resolve_defaults,
+from engine.hardware.policy import apply_defaults, explain_defaults, format_profile, resolve_defaults
+from engine.hardware.profile import (
+    KINDS, GiB, GpuProperties, HardwareProfile, MiB, classify, detect, profile_from_properties,
 )
 from engine.models.estimate import model_info
 
@@ -344,7 +344,7 @@ def test_import_does_not_load_torch():
 
 def test_reasons_travel_with_the_config_through_yaml(tmp_path):
     from engine.config import RunConfig
-    from engine.hardware import explain_defaults
+    from engine.hardware.policy import explain_defaults
 
     cfg = apply_defaults(config_for(), profile_from_properties(None))
     assert set(cfg.auto_reasons) == set(cfg.auto_fields)

@@ -1,4 +1,4 @@
-"""Fused LoRA Functions (engine.lora_autograd) against PEFT's own autograd.
+"""Fused LoRA Functions (engine.fastpath.lora) against PEFT's own autograd.
 
 Each case builds a small block of projections, wraps it with PEFT (B initialised randomly so
 every gradient is non-trivial), and compares outputs and gradients of x, A and B between
@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from engine.lora_autograd import (
+from engine.fastpath.lora import (
     GatedAct,
     lora_linears,
     lora_mlp,
@@ -262,7 +262,7 @@ def test_mlp_in_row_slices_matches_whole(monkeypatch, impl, targets):
     """Above MLP_SLICE_BYTES the down projection and the activation run a slice of rows at a
     time (h and dh never whole): same outputs and gradients as the whole-tensor path, with and
     without LoRA on down, on the torch and the (interpreted) Triton activation."""
-    import engine.lora_autograd as la
+    import engine.fastpath.lora as la
 
     if impl == "triton" and not torch.cuda.is_available():
         import os
@@ -322,7 +322,7 @@ def test_runtime_check_follows_adapter_state():
 
 def _fused_block_step(b, groups, x):
     """One forward/backward through fused QKV, O and MLP (planned groups)."""
-    from engine.lora_autograd import LoRAGroup  # noqa: F401  (groups are LoRAGroup objects)
+    from engine.fastpath.lora import LoRAGroup  # noqa: F401  (groups are LoRAGroup objects)
 
     qkv, o, gate_up, down = groups
     q, k, v = lora_linears(x, qkv)
@@ -332,7 +332,7 @@ def _fused_block_step(b, groups, x):
 
 
 def _plan_groups(b):
-    from engine.lora_autograd import LoRAGroup
+    from engine.fastpath.lora import LoRAGroup
 
     return (
         LoRAGroup([lora_parts(b.q_proj), lora_parts(b.k_proj), lora_parts(b.v_proj)]),

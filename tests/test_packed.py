@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from engine import packed
+from engine.fastpath import packed
 from engine.kernels import varlen_attention
 from engine.kernels.varlen_attention import device_block_table, host_block_table
-from engine.packed import PackedSeqInfo
+from engine.fastpath.packed import PackedSeqInfo
 
 
 def _naive(lengths):

@@ -156,8 +156,8 @@ def test_attention_kwargs_pass_through(model_type):
 
 
 def test_packed_varlen_attention_from_engine():
-    """With engine.attention's packed varlen function active, patched == stock."""
-    from engine import attention, packed
+    """With engine.fastpath.attention's packed varlen function active, patched == stock."""
+    from engine.fastpath import attention, packed
     model = tiny("qwen3")
     assert attention.enable_packed_attention(model) == "on"
     ids, _ = packed_batch()

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from engine.packed import PackedSeqInfo
+from engine.fastpath.packed import PackedSeqInfo
 
 IGNORE_INDEX = -100
 

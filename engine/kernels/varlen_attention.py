@@ -8,7 +8,7 @@ window_size=(W - 1, 0)), Gemma-2 logit softcapping (s = cap * tanh(scale * q.k /
 
 Work is scheduled from *block tables*: int32 [n_blocks, 2] rows of (document, first token) that
 cover every document with blocks of one size and nothing else, so no program is spent on padding
-and the grid size is a host integer (no device-to-host sync). `engine.packed.PackedSeqInfo` builds
+and the grid size is a host integer (no device-to-host sync). `engine.fastpath.packed.PackedSeqInfo` builds
 them on the host from the lengths it already knows (heaviest blocks first, for load balance);
 `device_block_table` builds a sync-free superset on the device when only `cu_seqlens` is at hand.
 
@@ -488,7 +488,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, CU, TBL_A, TBL_B,
 # --------------------------------------------------------------------------------------------
 
 # Block sizes the GPU configs use; tables for both are passed so autotuning may pick either.
-# (engine.packed precomputes tables for exactly these sizes when a batch moves to the GPU.)
+# (engine.fastpath.packed precomputes tables for exactly these sizes when a batch moves to the GPU.)
 TABLE_BLOCKS = (64, 128)
 
 
@@ -669,7 +669,7 @@ def _backward(do, q, k, v, o, lse, L: _Launch):
 
 
 class _Kept:
-    """Attention outputs kept across a checkpointed layer's recompute (engine.offload).
+    """Attention outputs kept across a checkpointed layer's recompute (engine.fastpath.offload).
 
     While a layer's first forward runs inside `keep_outputs(store)`, each attention call
     appends its (o, lse) to `store`; the recompute, inside `reuse_outputs(store)`, takes them

@@ -10,7 +10,7 @@ def all_linear_names(model) -> list[str]:
 
     PEFT's own "all-linear" also puts adapters on MoE experts' 3-D weights and routers
     (target_parameters); here experts stay frozen, so MoE layers keep the grouped expert path
-    (engine.moe) and LoRA trains attention and any dense MLPs. 4-bit layers are Linear too.
+    (engine.fastpath.moe) and LoRA trains attention and any dense MLPs. 4-bit layers are Linear too.
     """
     from torch import nn
 

@@ -5,11 +5,11 @@ the forwards of three kinds of module (never the decoder layers, so HF's gradien
 checkpointing, masks and kwargs plumbing stay as they are):
 
 - RMSNorm modules -> `engine.kernels.rmsnorm.rms_norm` (Gemma's ``1 + w`` via offset=1).
-- the gated MLP -> `engine.lora_autograd.lora_mlp` (fused LoRA gate/up/down with the gated
+- the gated MLP -> `engine.fastpath.lora.lora_mlp` (fused LoRA gate/up/down with the gated
   activation in between), or stock projections + the activation kernel when LoRA cannot fuse.
 - attention -> fused LoRA QKV, Qwen3's q/k RMSNorm, RoPE kernel in place on [B, T, H, D],
   then whatever attention function `config._attn_implementation` names in transformers'
-  registry (so the packed varlen function of engine.attention, sdpa or eager all work, and the
+  registry (so the packed varlen function of engine.fastpath.attention, sdpa or eager all work, and the
   packing kwargs cu_seq_lens_q/k, max_length_q/k, position_ids pass through untouched), then
   fused LoRA O.
 
@@ -25,7 +25,7 @@ The report maps each fast path (rmsnorm, rope, activations, lora_qkv, lora_o, lo
 "off: <reason>".
 
 Quantized models: projections over 4-bit bitsandbytes bases (QLoRA, NF4) run the same fused
-LoRA Functions, which dequantize each base weight right before its matmul (engine.models.quant);
+LoRA Functions, which dequantize each base weight right before its matmul (engine.fastpath.quant);
 other quantized layers (8-bit, ...) keep PEFT's path and the report says why.
 
 Device policy: "auto" applies the patches on CUDA *and* CPU. On a CPU the kernels dispatch to
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from engine.counters import count_fallback
-from engine.lora_autograd import (
+from engine.fastpath.lora import (
     GatedAct,
     LoRAGroup,
     base_dtype,
@@ -56,6 +56,7 @@ from engine.lora_autograd import (
     lora_parts,
     lora_unsupported_reason,
 )
+from engine.peft_model import hf_model
 
 FAST_PATHS = ("rmsnorm", "rope", "activations", "lora_qkv", "lora_o", "lora_mlp")
 _MARK = "_tunesmith_stock_forward"
@@ -106,7 +107,7 @@ REGISTRY: dict[str, ArchPatch] = {
     "mistral": ArchPatch("Mistral", attn_kwargs=_mistral_kwargs),
     "qwen2": ArchPatch("Qwen2", attn_kwargs=_window_kwargs),
     "qwen3": ArchPatch("Qwen3", qk_norm=True, attn_kwargs=_window_kwargs),
-    # Qwen3-MoE: the attention and norms are Qwen3's; its sparse blocks are engine.moe's, and
+    # Qwen3-MoE: the attention and norms are Qwen3's; its sparse blocks are engine.fastpath.moe's, and
     # only dense layers (mlp_only_layers) are Qwen3MoeMLP modules.
     "qwen3_moe": ArchPatch("Qwen3Moe", qk_norm=True, attn_kwargs=_window_kwargs),
     "gemma": ArchPatch("Gemma", norm_offset=1.0),
@@ -131,12 +132,12 @@ def describe_fast_paths(model_type: str) -> dict[str, str]:
         report = {name: f"off: model_type '{model_type}' has no patch (patched: {known})" for name in FAST_PATHS}
     report["packed_attention"] = "on"
     report["fused_ce"] = "on"
-    from engine.moe import MOE_MODEL_TYPES
+    from engine.fastpath.moe import MOE_MODEL_TYPES
 
     if model_type in MOE_MODEL_TYPES:
         # Experts stay frozen (LoRA trains attention); their blocks take the grouped path.
         for name in ("activations", "lora_mlp"):
-            report[name] = "off: the MoE experts stay frozen; engine.moe groups them instead"
+            report[name] = "off: the MoE experts stay frozen; engine.fastpath.moe groups them instead"
         report["moe_grouping"] = "on"
     return report
 
@@ -441,11 +442,6 @@ def remove_fast_paths(model: nn.Module) -> int:
     return n
 
 
-def _hf_model(model: nn.Module) -> nn.Module:
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto") -> dict[str, str]:
     """Patch `model` (a PEFT model over a transformers causal LM) in place; see module docs.
 
@@ -458,7 +454,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
         raise ValueError(f"kernel_impl must be 'auto' or 'triton', got {kernel_impl!r}")
     device = torch.device(device)
     remove_fast_paths(model)
-    hf = _hf_model(model)
+    hf = hf_model(model)
     model_type = getattr(getattr(hf, "config", None), "model_type", None)
     arch = REGISTRY.get(model_type)
     if arch is None:
@@ -518,7 +514,9 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                 modeling = sys.modules.get(type(module).__module__)
                 eager = getattr(modeling, "eager_attention_forward", None)
                 if eager is None:
-                    from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+                    from transformers.models.llama.modeling_llama import (
+                        eager_attention_forward as eager,
+                    )
                 plan = _AttnPlan(
                     stock=stock,
                     consumed=_stock_signature_names(stock),

@@ -3,7 +3,7 @@
 On CUDA, AdamW's fused kernel updates every adapter tensor in one launch; the step loop is
 host-bound on small models, so hundreds of per-tensor launches per step are worth saving.
 The fused kernel does not bump the parameters' `_version`: nothing in the engine may key a
-cache on it (engine.lora_autograd keys its adapter cache on a generation that every optimizer
+cache on it (engine.fastpath.lora keys its adapter cache on a generation that every optimizer
 step advances).
 """
 

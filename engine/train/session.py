@@ -165,7 +165,8 @@ class TrainingSession:
     def _run(self) -> Event:
         import torch
 
-        from engine import hardware
+        from engine.hardware import policy
+        from engine.hardware.profile import detect
         from engine.data.collate import PackedBatch
         from engine.data.dataset import prepare_dataset
         from engine.models.loading import load_model, load_tokenizer
@@ -176,11 +177,11 @@ class TrainingSession:
         from engine.train.step import forward_loss, offloader_of, prepare_model
 
         started = time.time()
-        profile = hardware.detect()
+        profile = detect()
         # Model shape from a config.json already on disk (never a download): the memory-based
         # defaults need it; without it the policy keeps to what it can decide safely.
-        info = hardware.model_info_for(self.config)
-        config = hardware.apply_defaults(self.config, profile, info)
+        info = policy.model_info_for(self.config)
+        config = policy.apply_defaults(self.config, profile, info)
         self.config = config
         run_dir = self._plan_run_dir(config)
         t = config.training

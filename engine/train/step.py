@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.config import AUTO, FastPathConfig
 from engine.data.collate import IGNORE_INDEX, PackedBatch
+from engine.peft_model import hf_model
 
 
 def _wanted(value) -> bool:
@@ -25,7 +26,7 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
     """Apply the fast paths to a PEFT-wrapped causal LM; return {fast path: "on" | why off}.
 
     `offload` ("off", "single", "double"; "auto" is resolved by the hardware policy before
-    this) parks each checkpointed layer's input in host memory (engine.offload).
+    this) parks each checkpointed layer's input in host memory (engine.fastpath.offload).
     """
     device = torch.device(device)
     report: dict[str, str] = {}
@@ -33,7 +34,7 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
     # Packed attention is also what keeps documents apart, so it is on wherever it applies;
     # turning it off (an ablation) leaves transformers to build its own masks from positions.
     if _wanted(fast_paths.packed_attention):
-        from engine.attention import enable_packed_attention
+        from engine.fastpath.attention import enable_packed_attention
 
         report["packed_attention"] = enable_packed_attention(model, cached_metadata=fast_paths.cached_metadata)
     else:
@@ -49,7 +50,7 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
     elif mg == AUTO and device.type not in ("cuda", "cpu"):
         report["moe_grouping"] = f"off: auto keeps the stock path on {device.type}"
     else:
-        from engine.moe import apply_moe_grouping
+        from engine.fastpath.moe import apply_moe_grouping
 
         report["moe_grouping"] = apply_moe_grouping(
             model, kernels="torch" if fast_paths.kernels is False else "auto")
@@ -57,7 +58,7 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
     report["fused_ce"] = "on" if _wanted(fast_paths.fused_ce) else "off: disabled in config"
     report["cached_metadata"] = "on" if fast_paths.cached_metadata else "off: rebuilt in every layer"
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = hf_model(model)
     base.config.use_cache = False
     if gradient_checkpointing:
         # Non-reentrant checkpointing needs no input grads and works with frozen embeddings.
@@ -69,7 +70,7 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
 
 
 def _install_offload(base, mode: str, device: torch.device, gradient_checkpointing: bool) -> str:
-    from engine.offload import ActivationOffloader, decoder_layers
+    from engine.fastpath.offload import ActivationOffloader, decoder_layers
 
     base._tunesmith_offloader = None
     if mode in ("off", AUTO, None, False):
@@ -88,12 +89,12 @@ def _install_offload(base, mode: str, device: torch.device, gradient_checkpointi
 
 def offloader_of(model):
     """The model's ActivationOffloader, or None."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = hf_model(model)
     return getattr(base, "_tunesmith_offloader", None)
 
 
 def _decoder_and_head(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = hf_model(model)
     return base, base.get_decoder(), base.get_output_embeddings()
 
 
@@ -111,7 +112,7 @@ def forward_loss(
     if offloader is not None and base.training and torch.is_grad_enabled():
         # Double buffering needs room for one more layer input, keeping attention outputs
         # room for them: both decided per micro-batch.
-        from engine.offload import attention_keep_bytes
+        from engine.fastpath.offload import attention_keep_bytes
 
         keep = 0
         if offloader.keep_attention_allowed:

@@ -65,7 +65,7 @@ class HardwarePanel(QWidget):
             + f", Triton {'yes' if p.triton_available else 'no'}")
         self.fields["note"].setText(p.note or "—")
         try:
-            from engine.hardware import format_profile
+            from engine.hardware.policy import format_profile
 
             cfg = self.state.config()
             text = format_profile(p, cfg)

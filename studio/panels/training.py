@@ -177,7 +177,7 @@ class TrainingPanel(QWidget):
             self.auto_text.setPlainText("Detecting hardware…")
             return
         try:
-            from engine.hardware import explain_defaults
+            from engine.hardware.policy import explain_defaults
 
             resolved = self.state.resolved()
             lines = explain_defaults(resolved)

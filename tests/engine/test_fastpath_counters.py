@@ -139,7 +139,7 @@ def test_gradient_checkpointing_counts_the_recompute():
 def test_triton_kernels_through_the_interpreter_read_nothing_on_the_host(host_reads):
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
-    from engine.attention import enable_packed_attention
+    from engine.fastpath.attention import enable_packed_attention
     from engine.models.patches import apply_fast_paths
 
     model = tiny("qwen3", num_hidden_layers=1)
@@ -271,7 +271,7 @@ def test_session_puts_what_ran_into_step_metrics(tmp_path):
 
 
 def test_session_logs_a_fallback_once(tmp_path, monkeypatch):
-    from engine import lora_autograd
+    from engine.fastpath import lora as lora_autograd
 
     # Every fused projection refuses at run time (as a disabled adapter would).
     monkeypatch.setattr(lora_autograd, "runtime_ok", lambda parts, x: False)

@@ -103,7 +103,7 @@ def test_any_optimizer_step_advances_the_adapter_generation():
     """What the adapter cache is keyed on: a fused step (which leaves `_version` alone) advances it."""
     import torch
 
-    from engine.lora_autograd import adapter_generation
+    from engine.fastpath.lora import adapter_generation
 
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([p], lr=0.1, fused=True)

@@ -1,4 +1,4 @@
-"""engine.moe on a CPU: the grouped forward of Qwen3-MoE and GPT-OSS blocks against the stock
+"""engine.fastpath.moe on a CPU: the grouped forward of Qwen3-MoE and GPT-OSS blocks against the stock
 transformers blocks (fp32, output and input gradient, experts that get no tokens, a trainable
 router), the Triton kernels through the interpreter, host syncs of the routing, the model-level
 patch with LoRA on attention, and the W5 bench plumbing on a tiny block."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import moe
-from engine.moe import apply_moe_grouping, block_unsupported_reason, group_block, remove_moe_grouping
+from engine.fastpath import moe
+from engine.fastpath.moe import apply_moe_grouping, block_unsupported_reason, group_block, remove_moe_grouping
 
 HIDDEN, INTER, EXPERTS, TOP_K = 32, 16, 8, 2
 IMPLS = [("loop", "torch"), ("grouped_mm", "torch"), ("loop", "triton")]
@@ -277,10 +277,10 @@ def test_reports_partial_and_off():
 
 
 def test_bench_runs_ours_and_every_hf_experts_impl():
-    from engine.bench.__main__ import plan_impls, setup_for
-    from engine.bench.batches import make_batches
-    from engine.bench.runner import Budget, Context, run_impl
-    from engine.bench.workloads import WORKLOADS
+    from bench.__main__ import plan_impls, setup_for
+    from bench.batches import make_batches
+    from bench.runner import Budget, Context, run_impl
+    from bench.workloads import WORKLOADS
 
     w5 = WORKLOADS["W5"]
     tiny = w5.with_changes(id="W5-tiny", tokens=64, config=dict(
@@ -302,8 +302,8 @@ def test_bench_runs_ours_and_every_hf_experts_impl():
 
 
 def test_plan_impls_keeps_train_workloads_unchanged():
-    from engine.bench.__main__ import plan_impls
-    from engine.bench.workloads import WORKLOADS
+    from bench.__main__ import plan_impls
+    from bench.workloads import WORKLOADS
 
     plan = plan_impls(WORKLOADS["W1"], ["ours", "hf", "hf_flex"], ["all-on"])
     assert plan == [("ours", {"variant": "all-on"}), ("hf_sdpa", {}), ("hf_flex", {})]

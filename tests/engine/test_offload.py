@@ -1,4 +1,4 @@
-"""Offloaded checkpointing (engine.offload) on the CPU: same loss and LoRA gradients as plain
+"""Offloaded checkpointing (engine.fastpath.offload) on the CPU: same loss and LoRA gradients as plain
 checkpointing and as no checkpointing, on the fused path and on PEFT's (with dropout, where the
 recompute must draw the same masks), plus the report and per-step stats. The streams and the
 double-buffer overlap run on the GPU (tests/gpu/test_offload_gpu.py)."""
@@ -104,8 +104,8 @@ LONG = (150, 20)  # attention is ~0.28 of the tiny model's projection matmuls: a
 
 
 def long_step(keep: bool, monkeypatch):
-    from engine import offload
-    from engine.attention import enable_packed_attention
+    from engine.fastpath import offload
+    from engine.fastpath.attention import enable_packed_attention
     from engine.kernels import varlen_attention as va
 
     calls = []
@@ -149,7 +149,7 @@ def test_long_documents_keep_attention_outputs_for_the_recompute(monkeypatch):
 def test_attention_keep_pays_only_for_long_documents():
     from bench.batches import doc_lengths
     from bench.workloads import get_workload, make_config
-    from engine.offload import attention_keep_bytes
+    from engine.fastpath.offload import attention_keep_bytes
 
     w6 = get_workload("W6")
     cfg = make_config(w6)
@@ -165,7 +165,7 @@ def test_out_of_memory_with_kept_attention_reruns_the_step_without_keeping(tmp_p
     # them (and without the failed attempt's partial gradients): the run ends as one that
     # never kept anything. The OOM is injected once, in the second micro-batch's forward, after
     # the first micro-batch's backward has added its LoRA gradients.
-    from engine import offload
+    from engine.fastpath import offload
     from engine.events import StepMetrics
     from engine.train import step as step_mod
     from tests.engine.test_session import run, tiny_config

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from engine import packed
-from engine.attention import enable_packed_attention, varlen_attention
+from engine.fastpath import packed
+from engine.fastpath.attention import enable_packed_attention, varlen_attention
 from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
-from engine.packed import PackedSeqInfo
+from engine.fastpath.packed import PackedSeqInfo
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -77,7 +77,7 @@ def test_window_softcap_head_dim_256(dtype, kw):
 def test_torch_flash_backend_matches_the_reference(kw):
     # torch's own flash varlen kernel, the backend the attention micro-benchmark compares ours
     # with (bench.attention_micro); GQA 32/8 as in W2.
-    from engine.attention import backend_available
+    from engine.fastpath.attention import backend_available
 
     if not backend_available("torch_flash", torch.empty(1, 1, 64, device="cuda", dtype=torch.bfloat16)):
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen")

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine.config import RunConfig
-from engine.hardware import GiB, apply_defaults, detect, format_profile
+from engine.hardware.policy import apply_defaults, format_profile
+from engine.hardware.profile import GiB, detect
 
 pytestmark = [
     pytest.mark.gpu,

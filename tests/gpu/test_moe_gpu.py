@@ -1,4 +1,4 @@
-"""engine.moe on a CUDA GPU at the W5 / W5b block shapes (16,384 tokens; Qwen3-30B-A3B: hidden 2048,
+"""engine.fastpath.moe on a CUDA GPU at the W5 / W5b block shapes (16,384 tokens; Qwen3-30B-A3B: hidden 2048,
 128 experts, top-8, moe intermediate 768; GPT-OSS-20B: hidden 2880, 32 experts, top-4,
 intermediate 2880), bf16: output and input gradient against transformers' own block (same
 router, so the same routing) within 1e-2 norm-relative; zero device-to-host syncs on the
@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from engine import moe
+from engine.fastpath import moe
 from bench.workloads import WORKLOADS, build_moe_block
 
 pytestmark = [

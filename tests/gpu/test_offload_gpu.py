@@ -98,7 +98,7 @@ def test_double_falls_back_to_single_when_the_second_buffer_does_not_fit():
 
 def run_long(keep: bool, monkeypatch):
     """W6's shape (one 32k document), 2 layers, double-buffered offload; keep or not."""
-    from engine import offload
+    from engine.fastpath import offload
 
     monkeypatch.setattr(offload, "ATTENTION_KEEP_MIN_SHARE", 0.25 if keep else float("inf"))
     wl = shrink(WORKLOADS["W6"], 2, vocab=32_000)

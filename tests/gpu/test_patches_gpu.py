@@ -121,7 +121,7 @@ def test_bf16_parity_cuda(model_type):
 def test_packed_attention_and_checkpointing_qwen3():
     """The training configuration: varlen attention with collator metadata, non-reentrant
     checkpointing, bf16. Compared with stock HF + PEFT (sdpa, positions only)."""
-    from engine import attention, packed
+    from engine.fastpath import attention, packed
     model16 = build("qwen3", torch.bfloat16, layers=4)
     model32 = copy.deepcopy(model16).float()
     ids, pos, lengths = packed_row()
@@ -162,7 +162,7 @@ def test_fused_paths_use_less_memory_qwen3():
 def test_no_host_sync_in_patched_decoder():
     """With collator metadata and the varlen attention, the patched decoder (forward and
     backward) never synchronizes with the host."""
-    from engine import attention, packed
+    from engine.fastpath import attention, packed
     model = build("qwen3", torch.bfloat16)
     attention.enable_packed_attention(model)
     apply_fast_paths(model, FastPathConfig(), CUDA)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
-from engine.packed import PackedSeqInfo
+from engine.fastpath.packed import PackedSeqInfo
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3)}
 

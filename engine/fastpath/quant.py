@@ -1,6 +1,6 @@
 """4-bit bitsandbytes base layers (QLoRA) for the fused LoRA path: recognise, check, dequantize.
 
-The fused LoRA Functions (engine.lora_autograd) read every frozen base weight through
+The fused LoRA Functions (engine.fastpath.lora) read every frozen base weight through
 `base_weight`; for a bitsandbytes `Linear4bit` (NF4 or FP4) that calls `dequantize` here, which
 returns a fresh dense [out, in] copy in the compute dtype. The caller uses it for one matmul
 and drops it, in forward and again in backward (dx = dy W), as bitsandbytes' own matmul does:

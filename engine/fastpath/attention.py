@@ -8,7 +8,7 @@ elsewhere (the CPU path).
 `enable_packed_attention(model)` registers "tunesmith_varlen" in transformers' AttentionInterface
 and switches a (PEFT-wrapped or plain) model to it. Each layer then reads the packing metadata the
 collator built once per batch (`cu_seq_lens_q`, `max_length_q` in the model kwargs, see
-engine.packed.PackedSeqInfo.model_kwargs) and never asks the device for lengths.
+engine.fastpath.packed.PackedSeqInfo.model_kwargs) and never asks the device for lengths.
 
 No mask function is registered on purpose: transformers' mask builders return None at once for an
 implementation missing from AttentionMaskInterface (4.5x through 5.24), whereas a registered one
@@ -30,9 +30,10 @@ from typing import Optional
 
 import torch
 
-from engine import packed
 from engine.counters import count_fallback
+from engine.fastpath import packed
 from engine.kernels.varlen_attention import varlen_attention_reference
+from engine.peft_model import hf_model
 
 ATTN_NAME = "tunesmith_varlen"
 _OPTIONS_ATTR = "_tunesmith_attn_options"
@@ -278,11 +279,6 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, tunesmith_varlen_attention_forward)
 
 
-def _unwrap(model):
-    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
-    return get_base() if callable(get_base) else model
-
-
 def enable_packed_attention(model, *, cached_metadata: bool = True, use_flash_attn: bool = False,
                             backend: str = "auto") -> str:
     """Switch `model` (plain or PEFT-wrapped transformers model) to packed varlen attention.
@@ -292,7 +288,7 @@ def enable_packed_attention(model, *, cached_metadata: bool = True, use_flash_at
         from transformers import PreTrainedModel
     except Exception as exc:  # pragma: no cover - transformers is a dependency
         return f"off: transformers unavailable ({exc})"
-    base = _unwrap(model)
+    base = hf_model(model)
     if not isinstance(base, PreTrainedModel):
         return f"off: {type(base).__name__} is not a transformers PreTrainedModel"
     for name, mod in base.named_modules():
@@ -342,7 +338,7 @@ def _set_config_impl(base, name) -> None:
 
 def disable_packed_attention(model) -> str:
     """Restore the attention implementation the model had before enable_packed_attention."""
-    base = _unwrap(model)
+    base = hf_model(model)
     previous = getattr(base, _PREVIOUS_ATTR, None)
     if previous is None:
         return "off: packed attention was not enabled"

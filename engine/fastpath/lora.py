@@ -12,7 +12,7 @@ every intermediate. Here one `torch.autograd.Function` covers a group of project
 
 Products are bracketed so ``A B`` ([out, in]) is never formed. Gradients flow to x, A and B
 only; the base weight is read through `base_weight(layer, dtype)`, the single place where a
-4-bit (QLoRA) base is dequantized (engine.models.quant): once in forward and once more in
+4-bit (QLoRA) base is dequantized (engine.fastpath.quant): once in forward and once more in
 backward for dx, each copy dropped right after its matmul, never saved for backward.
 
 Gradients (``dy`` = upstream gradient, ``xa = x A^T``):
@@ -36,7 +36,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from engine.counters import COUNTERS
-from engine.models import quant
+from engine.fastpath import quant
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,0 +1,1 @@
+"""Hardware: what the machine is (profile.py) and the defaults it implies (policy.py)."""
