@@ -1,0 +1,61 @@
+"""The layer contracts in pyproject.toml ([tool.importlinter]) hold on the tree, and catch a
+violation: a copy of the packages with one forbidden import added fails `lint-imports`.
+
+scripts/run-tests.sh runs `lint-imports` on the real tree before pytest; these tests prove the
+check is not vacuous (a contract that names a module that does not exist, or a tool that finds
+no imports, would pass everything).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _lint(tree: Path) -> subprocess.CompletedProcess:
+    """lint-imports on the packages under `tree` (importable from there, first on the path)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    exe = shutil.which("lint-imports") or "lint-imports"
+    return subprocess.run([exe, "--no-cache", str(tree / "pyproject.toml")], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture()
+def tree(tmp_path):
+    """A copy of the three packages and the contracts, without resources or tests."""
+    for name in ("engine", "studio", "bench"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def _add_import(path: Path, line: str) -> None:
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text + f"\n{line}  # added by the contract test\n", encoding="utf-8")
+
+
+def test_the_tree_keeps_every_contract(tree):
+    out = _lint(tree)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "broken" not in out.stdout.lower().replace("0 broken", "")
+
+
+@pytest.mark.parametrize("module,line,contract", [
+    ("engine/config.py", "import PySide6.QtCore", "The engine never imports Qt"),
+    ("engine/fastpath/packed.py", "import engine.train.session", "Layers"),
+    ("studio/app.py", "import engine.train.session", "only through engine.api"),
+    ("engine/train/optim.py", "import bench.report", "Nothing shipped imports the benchmark"),
+])
+def test_a_forbidden_import_breaks_its_contract(tree, module, line, contract):
+    _add_import(tree / module, line)
+    out = _lint(tree)
+    assert out.returncode != 0, out.stdout[-3000:]
+    broken = out.stdout[out.stdout.find("Broken contracts"):]
+    assert contract in broken, out.stdout[-3000:]
