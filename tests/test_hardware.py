@@ -9,6 +9,7 @@ import pytest
 from transformers import Qwen3Config
 
 from engine.config import AUTO, RunConfig
+from engine.hardware import policy
 from engine.hardware.policy import apply_defaults, explain_defaults, format_profile, resolve_defaults
 from engine.hardware.profile import (
     KINDS, GiB, GpuProperties, HardwareProfile, MiB, classify, detect, profile_from_properties,
@@ -298,8 +299,9 @@ def test_apply_is_idempotent():
 
 
 def test_explain_defaults():
-    cfg = apply_defaults(config_for("Qwen/Qwen3-8B"), laptop_4060(), qwen3_8b())
-    lines = explain_defaults(cfg)
+    d = resolve_defaults(config_for("Qwen/Qwen3-8B"), laptop_4060(), qwen3_8b())
+    cfg = d.config
+    lines = d.explain()
     for path in HARDWARE_FIELDS + ["data.num_workers"]:
         assert any(line.startswith(path + " = ") for line in lines), path
     assert any("load_in_4bit = true" in line for line in lines)
@@ -307,6 +309,39 @@ def test_explain_defaults():
     assert "tunesmith_defaults" not in cfg.to_yaml()
     reloaded = RunConfig.from_dict(cfg.to_dict())
     assert explain_defaults(reloaded)[0].startswith(cfg.auto_fields[0] + " = ")
+
+
+def test_decisions_are_returned_not_attached():
+    # apply_defaults gives back a plain RunConfig (no hidden attribute); explain_defaults reads
+    # the choices from the config itself and matches the field lines of Defaults.explain().
+    d = resolve_defaults(config_for("Qwen/Qwen3-8B"), laptop_4060(), qwen3_8b())
+    cfg = apply_defaults(config_for("Qwen/Qwen3-8B"), laptop_4060(), qwen3_8b())
+    assert set(vars(cfg)) == set(vars(RunConfig()))
+    assert cfg.to_dict() == d.config.to_dict()
+    assert explain_defaults(cfg) == d.explain()[:len(d.choices)]
+    assert cfg.auto_reasons == {path: reason for path, (_, reason) in d.choices.items()}
+
+
+def test_each_decision_returns_its_value_and_reason():
+    gpu = policy.budget_for("cuda", h200())
+    cpu = policy.budget_for("cpu", h200())  # an explicit CPU run on a GPU machine
+    assert gpu.on_gpu and gpu.where == "VRAM" and not cpu.on_gpu and cpu.where == "RAM"
+    assert policy.budget_for("cuda", gb10()).where == "unified memory"
+    assert policy.device_default(h200()) == ("cuda", "NVIDIA H200 (datacenter)")
+    assert policy.device_default(no_gpu())[0] == "cpu"
+    assert policy.dtype_default(h200(), gpu)[0] == "bfloat16" and policy.dtype_default(h200(), cpu)[0] == "float32"
+    assert policy.kernels_default(h200(), gpu)[0] is True and policy.kernels_default(h200(), cpu)[0] is False
+    assert policy.packed_attention_default(False) == (
+        True, "per-document SDPA reference; documents never attend to each other")
+    value, reason = policy.moe_grouping_default()
+    assert value is True and "searchsorted" in reason and "stable sort" in reason and "bincount" not in reason
+    assert policy.offload_default(gb10(), policy.budget_for("cuda", gb10()),
+                                  policy.Sizer(None, 1024, 16, 1024), "lora16", 8192, True, False)[0] == "off"
+    assert policy.num_workers_default(laptop_4060(), policy.budget_for("cuda", laptop_4060()))[0] == 0
+    assert policy.machine_warnings("cuda", no_gpu(), policy.budget_for("cuda", no_gpu()))
+    assert policy.training_mode(True, "float32") == "qlora4"
+    assert policy.training_mode(False, "float32") == "lora32"
+    assert policy.training_mode(False, "bfloat16") == "lora16"
 
 
 def test_format_profile_text():
