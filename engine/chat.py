@@ -8,8 +8,14 @@ from engine.config import ModelConfig
 
 
 def load_chat_model(model_cfg: ModelConfig, adapter: str | Path | None = None, device: str = "cpu"):
-    """(model, tokenizer) ready for generation; `adapter` is a run, checkpoint or adapter folder."""
+    """(model, tokenizer) ready for generation; `adapter` is a run, checkpoint or adapter folder.
+    `device` "auto" is the CUDA GPU when there is one, else the CPU."""
     from engine.models.loading import load_model, load_tokenizer
+
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
 
     dtype = "float32" if device == "cpu" else "bfloat16"
     cfg = ModelConfig(**{**model_cfg.__dict__, "load_in_4bit": False})
