@@ -1,7 +1,8 @@
 """The headless command line: `tunesmith train | export | hw | demo` (also `python -m engine`).
 
 The window (`tunesmith` with no subcommand) lives in studio.cli, which hands every
-subcommand to `main` here, so the CLI and the GUI drive the same engine API.
+subcommand to `main` here, so the CLI and the GUI drive the same engine API: this module uses
+engine.api's names only, as the window does.
 """
 
 from __future__ import annotations
@@ -11,10 +12,25 @@ import signal
 import sys
 from pathlib import Path
 
+from engine.api import (
+    DEMO_PRESET,
+    EXPORTERS,
+    CheckpointSaved,
+    ConfigError,
+    ExportError,
+    Failed,
+    Finished,
+    LogLine,
+    RunConfig,
+    RunStarted,
+    StepMetrics,
+    detect,
+    format_profile,
+    run_exports,
+)
+
 
 def _print_event(event) -> None:
-    from engine.events import CheckpointSaved, Failed, Finished, LogLine, RunStarted, StepMetrics
-
     if isinstance(event, StepMetrics):
         mem = event.mem_peak / 2**30
         print(
@@ -30,14 +46,14 @@ def _print_event(event) -> None:
     elif isinstance(event, CheckpointSaved):
         print(f"checkpoint: {event.path}", flush=True)
     elif isinstance(event, Finished):
-        print(("stopped: " if event.stopped else "finished: ") + ", ".join(f"{k}={v}" for k, v in event.summary.items()), flush=True)
+        summary = ", ".join(f"{k}={v}" for k, v in event.summary.items())
+        print(("stopped: " if event.stopped else "finished: ") + summary, flush=True)
     elif isinstance(event, Failed):
         print(f"FAILED: {event.message}", file=sys.stderr, flush=True)
 
 
 def _train(config, output, resume) -> int:
-    from engine.events import Failed
-    from engine.train.session import TrainingSession
+    from engine.api import TrainingSession
 
     session = TrainingSession(config, _print_event, run_dir=output, resume_from=resume)
 
@@ -54,8 +70,6 @@ def _train(config, output, resume) -> int:
 
 
 def cmd_train(args) -> int:
-    from engine.config import ConfigError, RunConfig
-
     try:
         config = RunConfig.load(args.config)
         if args.max_steps is not None:
@@ -67,10 +81,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The built-in demo fine-tune, headless, then export its adapter."""
-    from engine.config import RunConfig
-    from engine.resources import DEMO_PRESET
-
+    """The built-in demo fine-tune, headless."""
     config = RunConfig.load(DEMO_PRESET)
     output = Path(args.output) if args.output else None
     if output is None:
@@ -80,18 +91,14 @@ def cmd_demo(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from engine.export import ExportError, export_adapter, export_merged
-
-    if not args.adapter and not args.merged:
-        print("error: say what to export: --adapter DIR and/or --merged DIR", file=sys.stderr)
+    """Every kind in the export registry is an option (--adapter DIR, --merged DIR, ...)."""
+    requests = {name: getattr(args, name) for name in EXPORTERS if getattr(args, name, None)}
+    if not requests:
+        options = " and/or ".join(f"--{name} DIR" for name in EXPORTERS)
+        print(f"error: say what to export: {options}", file=sys.stderr)
         return 2
     try:
-        if args.adapter:
-            files = export_adapter(args.run, args.adapter, overwrite=args.overwrite, progress=print)
-            print(f"adapter written to {args.adapter}: {', '.join(files)}")
-        if args.merged:
-            files = export_merged(args.run, args.merged, overwrite=args.overwrite, progress=print)
-            print(f"merged model written to {args.merged}: {', '.join(files)}")
+        run_exports(args.run, requests, overwrite=args.overwrite, progress=print)
     except (ExportError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -99,11 +106,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_hw(args) -> int:
-    from engine.hardware.policy import format_profile
-    from engine.hardware.profile import detect
-    from engine.config import RunConfig
-    from engine.resources import DEMO_PRESET
-
     profile = detect()
     print(format_profile(profile, RunConfig.load(DEMO_PRESET)))
     return 0
@@ -121,10 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the built-in demo fine-tune headless")
     d.add_argument("--output", help="run folder")
     d.set_defaults(func=cmd_demo)
-    e = sub.add_parser("export", help="export a run's adapter and/or a merged 16-bit model")
+    e = sub.add_parser("export", help="export a run's " + " and/or ".join(k.title for k in EXPORTERS.values()))
     e.add_argument("run", help="run folder or checkpoint folder")
-    e.add_argument("--adapter", help="folder for the PEFT adapter")
-    e.add_argument("--merged", help="folder for the merged 16-bit safetensors model")
+    for kind in EXPORTERS.values():
+        e.add_argument(f"--{kind.name}", dest=kind.name, metavar="DIR", help=kind.help)
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     e.set_defaults(func=cmd_export)
     h = sub.add_parser("hw", help="show the detected hardware and the defaults chosen for it")

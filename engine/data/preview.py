@@ -2,8 +2,10 @@
 example with its trained-token mask, and the packing layout.
 
 Every function runs the same code the training run uses (sources, formats, render, packing),
-so what the window shows is what will be trained. The raw data set is memoized per source
-file version, because the window asks for rows, an example and the layout one after another.
+so what the window shows is what will be trained. The tokenizer is the caller's (engine.api's
+`load_tokenizer`): data preparation receives one and never loads a model. The raw data set is
+memoized per source file version, because the window asks for rows, an example and the layout
+one after another.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.config import DataConfig, ModelConfig
+from engine.config import DataConfig
 from engine.data.formats import FormatSpec, detect_format, row_to_messages
 from engine.data.render import ensure_chat_template, tokenize_example
 from engine.data.sources import DataError, load_raw, resolve_source
@@ -64,12 +66,6 @@ class PackingLayout:
     truncated: int
     dropped: int
     skipped: list[tuple[int, str]]
-
-
-def load_tokenizer(model_cfg: ModelConfig):
-    from engine.models.loading import load_tokenizer as load
-
-    return load(model_cfg)
 
 
 def load_preview(cfg: DataConfig) -> DataPreview:

@@ -1,0 +1,180 @@
+"""The engine's public names: the only ones studio/ and the CLI import (a contract, enforced by
+import-linter in pyproject.toml). docs/ENGINE_API.md, first section, describes each of them.
+
+Importing this module does not import torch, transformers, datasets or peft, so the window opens
+fast: the modules imported at the top are torch-free (they import heavy libraries inside the
+functions that need them), and the few names whose modules import torch at the top are lazy
+(`describe_fast_paths` and `cli_main` are small wrappers; `TrainingSession` is resolved on first
+use through the module's `__getattr__`). `warm_up()` imports what a run needs ahead of time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import TYPE_CHECKING, Any
+
+# -- chat --------------------------------------------------------------------------------------
+from engine.chat import generate_reply, load_chat_model
+
+# -- config ------------------------------------------------------------------------------------
+from engine.config import (
+    AUTO,
+    ConfigError,
+    DataConfig,
+    FastPathConfig,
+    LoraConfig,
+    ModelConfig,
+    OutputConfig,
+    RunConfig,
+    TrainingConfig,
+)
+
+# -- fast paths: what ran --------------------------------------------------------------------
+from engine.counters import requested_but_not_run
+from engine.data.preview import (
+    DataPreview,
+    PackingLayout,
+    RenderedExample,
+    load_preview,
+    packing_layout,
+    render_example,
+)
+from engine.data.sources import DataError
+
+# -- events ------------------------------------------------------------------------------------
+from engine.events import (
+    CheckpointSaved,
+    Event,
+    Failed,
+    Finished,
+    LogLine,
+    Paused,
+    Resumed,
+    RunStarted,
+    StepMetrics,
+    event_from_dict,
+)
+
+# -- export ------------------------------------------------------------------------------------
+from engine.export import (
+    EXPORTERS,
+    ExportError,
+    ExportKind,
+    destinations,
+    export_adapter,
+    export_merged,
+    find_adapter,
+    run_config_for,
+    run_exports,
+)
+from engine.hardware.policy import apply_defaults, explain_defaults, format_profile, resolve_defaults
+
+# -- hardware profile and defaults -------------------------------------------------------------
+from engine.hardware.profile import HardwareProfile, detect
+
+# -- estimates (from a model's config.json alone) ----------------------------------------------
+from engine.models.estimate import ModelInfo, estimate_vram, fit_verdict, model_info
+
+# -- models and data preview -------------------------------------------------------------------
+from engine.models.loading import ModelLoadError, load_tokenizer, resolve_model_source
+
+# -- bundled resources -------------------------------------------------------------------------
+from engine.resources import DEMO_DATA_FILE, DEMO_HELDOUT_FILE, DEMO_MODEL_DIR, DEMO_PRESET, PRESETS_DIR, RESOURCES
+
+# -- run folders -------------------------------------------------------------------------------
+from engine.runs import RunFolder, RunFolderError, RunInfo, list_runs, read_run, run_folder_of
+
+if TYPE_CHECKING:
+    from engine.train.session import TrainingSession
+
+# Names resolved on first use, because their modules import torch at the top.
+_LAZY = {"TrainingSession": "engine.train.session"}
+
+# What warm_up() imports: everything a training run, an export and a chat load.
+_HEAVY = (
+    "torch", "transformers", "peft", "datasets", "safetensors.torch",
+    "engine.train.session", "engine.train.step", "engine.train.checkpoint", "engine.data.dataset",
+    "engine.models.loading", "engine.models.lora", "engine.models.patches", "engine.export.merged",
+)
+
+
+def describe_fast_paths(model_type: str) -> dict[str, str]:
+    """{fast path: "on" | why it is off} for an architecture, from its model_type alone (what a
+    run gets on a CUDA GPU with every switch on "auto"). Imports torch."""
+    from engine.models.patches import describe_fast_paths as describe
+
+    return describe(model_type)
+
+
+def warm_up() -> float:
+    """Import what a training run, an export and a chat need (torch, transformers, peft, datasets
+    and the engine's modules over them); returns the seconds it took. Meant for a pool thread
+    while the person is still choosing, so no run pays for the imports. A piece that does not
+    import is skipped: it shows up, readable, when it is used."""
+    t0 = time.perf_counter()
+    for name in _HEAVY:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    try:
+        import transformers
+
+        # transformers imports its model classes on first use; touch them now.
+        transformers.AutoModelForCausalLM, transformers.AutoTokenizer  # noqa: B018
+    except ImportError:
+        pass
+    return time.perf_counter() - t0
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """The headless command line (`tunesmith train | export | hw | demo`)."""
+    from engine.cli import main
+
+    return main(argv)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine.api' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    # config
+    "AUTO", "ConfigError", "RunConfig", "ModelConfig", "LoraConfig", "DataConfig", "TrainingConfig",
+    "FastPathConfig", "OutputConfig",
+    # session
+    "TrainingSession",
+    # events
+    "Event", "RunStarted", "StepMetrics", "LogLine", "CheckpointSaved", "Paused", "Resumed", "Finished",
+    "Failed", "event_from_dict",
+    # run folders
+    "RunFolder", "RunFolderError", "RunInfo", "list_runs", "read_run", "run_folder_of",
+    # hardware
+    "HardwareProfile", "detect", "apply_defaults", "resolve_defaults", "explain_defaults", "format_profile",
+    # estimates
+    "ModelInfo", "model_info", "estimate_vram", "fit_verdict",
+    # fast paths
+    "describe_fast_paths", "requested_but_not_run",
+    # models and data preview
+    "ModelLoadError", "resolve_model_source", "load_tokenizer", "DataError", "DataPreview", "RenderedExample",
+    "PackingLayout", "load_preview", "render_example", "packing_layout",
+    # export
+    "EXPORTERS", "ExportKind", "ExportError", "run_exports", "destinations", "export_adapter", "export_merged",
+    "find_adapter", "run_config_for",
+    # chat
+    "load_chat_model", "generate_reply",
+    # resources
+    "RESOURCES", "DEMO_MODEL_DIR", "DEMO_DATA_FILE", "DEMO_HELDOUT_FILE", "DEMO_PRESET", "PRESETS_DIR",
+    # startup and the command line
+    "warm_up", "cli_main",
+]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
