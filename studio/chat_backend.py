@@ -1,6 +1,6 @@
-"""Chat with a run's result: its base model plus the run's LoRA adapter, through
-engine.chat, comparing the fine-tuned reply with the base model's (the adapter switched off
-for the same weights, so the two differ only by the adapter).
+"""Chat with a run's result: its base model plus the run's LoRA adapter, through engine.api's
+load_chat_model / generate_reply, comparing the fine-tuned reply with the base model's (the
+adapter switched off for the same weights, so the two differ only by the adapter).
 
 Everything here runs on a pool thread; one `ChatModel` serves one generation at a time.
 """
@@ -13,23 +13,22 @@ from typing import Optional
 
 class ChatModel:
     def __init__(self, source: str):
-        """`source`: a run folder or a checkpoint folder (anything engine.export accepts)."""
-        import torch
-
-        from engine.chat import load_chat_model
-        from engine.export import find_adapter, run_config_for
+        """`source`: a run folder or a checkpoint folder (anything the engine's export accepts)."""
+        from engine.api import find_adapter, load_chat_model, run_config_for
 
         self.adapter_dir = find_adapter(source)
         cfg = run_config_for(self.adapter_dir)
         if cfg is None:
-            raise RuntimeError(f"cannot find the run's config.yaml above {self.adapter_dir}, so the base model is unknown")
+            raise RuntimeError(
+                f"cannot find the run's config.yaml above {self.adapter_dir}, so the base model is unknown"
+            )
         self.base_name = cfg.model.name_or_path
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model, self.tokenizer = load_chat_model(cfg.model, self.adapter_dir, self.device)
+        self.model, self.tokenizer = load_chat_model(cfg.model, self.adapter_dir, device="auto")
+        self.device = str(self.model.device)
         self._lock = threading.Lock()
 
     def generate(self, prompt: str, max_new_tokens: int = 48, use_adapter: bool = True) -> str:
-        from engine.chat import generate_reply
+        from engine.api import generate_reply
 
         with self._lock:
             if use_adapter:

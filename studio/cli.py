@@ -15,9 +15,9 @@ def main(argv: list[str] | None = None) -> int:
         from studio.app import main as app_main
 
         return app_main(argv[1:] if argv and argv[0] in ("studio", "gui") else argv)
-    from engine.cli import main as engine_main
+    from engine.api import cli_main
 
-    return engine_main(argv)
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

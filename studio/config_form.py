@@ -1,4 +1,4 @@
-"""A form generated from engine.config's dataclasses: one editor per field, the engine's own
+"""A form generated from the engine's config dataclasses: one editor per field, the engine's own
 validation message under the field it names, and an "auto" badge on values the hardware
 policy chose.
 
@@ -12,12 +12,19 @@ import dataclasses
 import typing
 from typing import Any, Callable, Literal, Union
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
-    QCheckBox, QComboBox, QGridLayout, QGroupBox, QLabel, QLineEdit, QVBoxLayout, QWidget,
+    QCheckBox,
+    QComboBox,
+    QGridLayout,
+    QGroupBox,
+    QLabel,
+    QLineEdit,
+    QVBoxLayout,
+    QWidget,
 )
 
-from engine import config as C
+from engine.api import AUTO, RunConfig
 from studio.field_help import HELP, SECTION_TITLES
 
 # Fields edited on other pages (Model, Data) or not meant for a form.
@@ -51,7 +58,7 @@ def _parse(text: str, tp) -> Any:
     text = text.strip()
     args = typing.get_args(tp)
     numeric = [a for a in (args or (tp,)) if a in (int, float)]
-    if text == C.AUTO and typing.get_origin(tp) is Union:
+    if text == AUTO and typing.get_origin(tp) is Union:
         return text
     for a in numeric:
         try:
@@ -83,7 +90,7 @@ class ConfigForm(QWidget):
         self._loading = False
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
-        hints = typing.get_type_hints(C.RunConfig)
+        hints = typing.get_type_hints(RunConfig)
         for section in SECTIONS:
             group = QGroupBox(SECTION_TITLES.get(section, section))
             grid = QGridLayout(group)
@@ -120,7 +127,7 @@ class ConfigForm(QWidget):
             w.toggled.connect(lambda _=None: self._commit(path))
         elif kind in ("choice", "auto_bool"):
             w = QComboBox()
-            options = list(typing.get_args(tp)) if kind == "choice" else [C.AUTO, True, False]
+            options = list(typing.get_args(tp)) if kind == "choice" else [AUTO, True, False]
             for opt in options:
                 w.addItem(str(opt).lower() if isinstance(opt, bool) else str(opt), opt)
             field = _Field(path, tp, w, w.currentData, lambda v: w.setCurrentIndex(max(0, w.findData(v))))

@@ -11,14 +11,19 @@ from __future__ import annotations
 import gc
 from typing import Callable, Optional
 
-from PySide6.QtCore import QTimer, Qt, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
-    QHBoxLayout, QLabel, QMainWindow, QMessageBox, QStackedWidget, QWidget,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QStackedWidget,
+    QWidget,
 )
 
-from engine import events as ev
-from engine.config import ConfigError
+from engine import api
+from engine.api import ConfigError
 from studio.panels.chat import ChatPanel
 from studio.panels.dataset import DataPanel
 from studio.panels.export import ExportPanel
@@ -44,7 +49,7 @@ STEPS = [
 
 
 def _detect_hardware():
-    from engine.hardware.profile import detect
+    from engine.api import detect
 
     return detect()
 
@@ -56,22 +61,9 @@ def _warm_engine() -> float:
     milliseconds; done here, it never happens on the worker thread during a run, where it
     would freeze the window (the event loop stays under 50 ms during a run because of this).
     """
-    import importlib
-    import time
+    from engine.api import warm_up
 
-    t0 = time.perf_counter()
-    for name in ("torch", "transformers", "peft", "datasets", "safetensors.torch",
-                 "engine.train.session", "engine.data.dataset", "engine.models.loading", "engine.models.lora",
-                 "engine.train.step", "engine.train.checkpoint", "engine.export", "engine.chat"):
-        try:
-            importlib.import_module(name)
-        except ImportError:  # an optional piece missing shows up, readable, when it is used
-            pass
-    import transformers
-
-    # The model classes are imported lazily by transformers on first use; touch them now.
-    transformers.AutoModelForCausalLM, transformers.AutoTokenizer  # noqa: B018
-    return time.perf_counter() - t0
+    return warm_up()
 
 
 class MainWindow(QMainWindow):
@@ -256,23 +248,23 @@ class MainWindow(QMainWindow):
 
     def _on_event(self, event) -> None:
         m = self.monitor_panel
-        if isinstance(event, ev.StepMetrics):
+        if isinstance(event, api.StepMetrics):
             m.step(event)
-        elif isinstance(event, ev.LogLine):
+        elif isinstance(event, api.LogLine):
             m.append_log(event.message, event.level)
-        elif isinstance(event, ev.RunStarted):
+        elif isinstance(event, api.RunStarted):
             self.state.last_run_dir = event.run_dir
             m.run_started(event)
             self.state.run_dir_changed.emit(event.run_dir)
-        elif isinstance(event, ev.CheckpointSaved):
+        elif isinstance(event, api.CheckpointSaved):
             m.append_log(f"Checkpoint saved at step {event.step}: {event.path}")
-        elif isinstance(event, ev.Paused):
+        elif isinstance(event, api.Paused):
             m.paused(event.step)
             self.statusBar().showMessage(f"Paused at step {event.step}")
-        elif isinstance(event, ev.Resumed):
+        elif isinstance(event, api.Resumed):
             m.resumed(event.step)
             self.statusBar().showMessage("Training…")
-        elif isinstance(event, ev.Finished):
+        elif isinstance(event, api.Finished):
             self.finished_event = event
             self.state.last_run_dir = event.run_dir
             m.finished(event)
@@ -280,7 +272,7 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage(("Stopped" if event.stopped else "Finished") + f": {event.run_dir}", 10000)
             self.export_panel.refresh(select=event.run_dir if not event.stopped else None)
             self.chat_panel.refresh()
-        elif isinstance(event, ev.Failed):
+        elif isinstance(event, api.Failed):
             self.finished_event = event
             m.failed(event)
             if event.detail:

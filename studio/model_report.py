@@ -34,7 +34,7 @@ class ModelReportError(RuntimeError):
 
 def read_model_config(name_or_path: str) -> tuple[dict[str, Any], str]:
     """(config.json as a dict, where it came from). Never loads weights or remote code."""
-    from engine.models.loading import ModelLoadError, resolve_model_source
+    from engine.api import ModelLoadError, resolve_model_source
 
     try:
         source, local = resolve_model_source(name_or_path)
@@ -72,7 +72,7 @@ def read_model_config(name_or_path: str) -> tuple[dict[str, Any], str]:
 
 
 def device_memory(profile) -> tuple[int, str]:
-    """(bytes a run can plan around, what that memory is) from an engine.hardware profile."""
+    """(bytes a run can plan around, what that memory is) from the engine's HardwareProfile."""
     if profile is None:
         return 0, "unknown device"
     d = profile_dict(profile)
@@ -105,26 +105,28 @@ FAST_PATH_LABELS = {
 def fast_paths_for(model_type: str) -> Optional[dict[str, str]]:
     """{fast path: "on" | why not} for an architecture, as the engine reports it; None when
     the engine cannot say. Imports torch: call it on a pool thread."""
+    from engine.api import describe_fast_paths
+
     try:
-        from engine.models.patches import describe_fast_paths
+        report = describe_fast_paths(model_type)
     except Exception:
         return None
-    return {FAST_PATH_LABELS.get(k, k): v for k, v in describe_fast_paths(model_type).items()}
+    return {FAST_PATH_LABELS.get(k, k): v for k, v in report.items()}
 
 
 def model_report(name_or_path: str, seq_len: int, lora_r: int, profile) -> dict[str, Any]:
-    from engine.models import estimate
+    from engine.api import estimate_vram, fit_verdict, model_info
 
     config, origin = read_model_config(name_or_path)
     try:
-        info = estimate.model_info(config)
+        info = model_info(config)
     except Exception as exc:
         raise ModelReportError(f"cannot read the model's shapes from {origin}: {exc}") from None
     total, device = device_memory(profile)
     rows = []
     for mode, label in (("lora16", "16-bit LoRA"), ("qlora4", "4-bit QLoRA")):
-        need = estimate.estimate_vram(info, seq_len, lora_r=lora_r, mode=mode)
-        verdict = estimate.fit_verdict(need, total) if total else "—"
+        need = estimate_vram(info, seq_len, lora_r=lora_r, mode=mode)
+        verdict = fit_verdict(need, total) if total else "—"
         rows.append({"mode": mode, "label": label, "bytes": need, "verdict": verdict})
     return {
         "name": name_or_path,

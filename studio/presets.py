@@ -16,7 +16,7 @@ KEEP = {("model", "name_or_path"), ("data", "source"), ("data", "format"), ("dat
 def preset_dirs() -> list[Path]:
     dirs = []
     try:
-        from engine.resources import PRESETS_DIR
+        from engine.api import PRESETS_DIR
 
         dirs.append(Path(PRESETS_DIR))
     except Exception:  # an engine without bundled resources still has the studio's presets

@@ -13,10 +13,12 @@ from typing import Any, Optional
 
 from PySide6.QtCore import QObject, Signal
 
-from engine.config import ConfigError, RunConfig
+from engine.api import ConfigError, RunConfig
 
 
 def deep_merge(base: dict, update: dict) -> dict:
+    """`base` updated by `update`, section by section, as a new dict. `columns` (a column
+    mapping) is taken whole, never merged: a new mapping replaces the old one."""
     out = copy.deepcopy(base)
     for key, value in (update or {}).items():
         if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "columns":
@@ -28,7 +30,7 @@ def deep_merge(base: dict, update: dict) -> dict:
 
 class StudioState(QObject):
     changed = Signal(str)  # dotted path, or "" when everything changed
-    profile_changed = Signal(object)  # engine.hardware.profile.HardwareProfile
+    profile_changed = Signal(object)  # engine.api.HardwareProfile
     run_dir_changed = Signal(str)  # a run started or finished in this folder
 
     def __init__(self, runs_dir: str, parent: Optional[QObject] = None):
@@ -88,7 +90,7 @@ class StudioState(QObject):
         """The config with hardware defaults applied (what a run would use)."""
         cfg = self.config()
         if self.profile is not None:
-            from engine.hardware.policy import apply_defaults
+            from engine.api import apply_defaults
 
             result = apply_defaults(cfg, self.profile)
             cfg = result if isinstance(result, RunConfig) else cfg

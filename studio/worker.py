@@ -1,4 +1,4 @@
-"""Runs one `engine.train.session.TrainingSession` on a QThread and turns its events into
+"""Runs one `engine.api.TrainingSession` on a QThread and turns its events into
 queued Qt signals.
 
 The session's `run()` blocks its thread until the run finishes, fails or stops, so pause,
@@ -39,10 +39,11 @@ class TrainingWorker(QObject):
     @Slot()
     def run(self) -> None:  # worker thread
         try:
-            from engine.train.session import TrainingSession
+            from engine.api import TrainingSession
 
             # Emitting from this thread queues delivery to the GUI thread's receivers.
-            session = TrainingSession(self._config, self.event.emit, run_dir=self._run_dir, resume_from=self._resume_from)
+            session = TrainingSession(self._config, self.event.emit, run_dir=self._run_dir,
+                                      resume_from=self._resume_from)
             with self._lock:
                 self._session = session
                 pending, self._pending = self._pending, []
@@ -50,7 +51,7 @@ class TrainingWorker(QObject):
                 getattr(session, request)()
             session.run()
         except BaseException as exc:  # run() reports bad input itself; this is a last resort
-            from engine.events import Failed
+            from engine.api import Failed
 
             self.event.emit(Failed(message=f"The training session could not run: {exc}", detail=traceback.format_exc()))
         finally:

@@ -1,6 +1,7 @@
 """Export page: pick a run (its final adapter) or one of its checkpoints, and write the LoRA
-adapter and/or a merged 16-bit model to a folder. Runs engine.export off the GUI thread and
-lists the files it wrote."""
+adapter and/or a merged 16-bit model to a folder. One checkbox per kind in the engine's export
+registry (engine.api.EXPORTERS); the engine's `run_exports` runs them off the GUI thread (the
+same flow as `tunesmith export`), and the page lists the files it wrote."""
 
 from __future__ import annotations
 
@@ -8,30 +9,35 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QCheckBox, QFileDialog, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QProgressBar,
-    QPushButton, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget,
+    QCheckBox,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QTreeWidget,
+    QTreeWidgetItem,
+    QVBoxLayout,
+    QWidget,
 )
 
+from engine.api import EXPORTERS, destinations, list_runs, run_exports, run_folder_of
 from studio.panels.common import Banner, caption, card, title
-from studio.runs import list_runs
 from studio.tasks import run_task
 
 
-def do_export(src: str, dst: str, adapter: bool, merged: bool, progress=None) -> dict[str, list[str]]:
-    """Pool-thread body: one or both exports; each into dst, or dst/adapter + dst/merged."""
-    from engine import export
+def do_export(src: str, dst: str, kinds: list[str], progress=None) -> dict[str, list[str]]:
+    """Pool-thread body: the chosen kinds, into dst for one kind, dst/<kind> for each of several."""
+    return run_exports(src, destinations(dst, kinds), progress=progress)
 
-    both = adapter and merged
-    written: dict[str, list[str]] = {}
-    if adapter:
-        target = Path(dst) / "adapter" if both else Path(dst)
-        progress and progress("Writing the LoRA adapter…")
-        written[str(target)] = export.export_adapter(src, target, progress=progress)
-    if merged:
-        target = Path(dst) / "merged" if both else Path(dst)
-        progress and progress("Merging the adapter into the base model…")
-        written[str(target)] = export.export_merged(src, target, progress=progress)
-    return written
+
+def tick_message() -> str:
+    titles = [k.title for k in EXPORTERS.values()]
+    if len(titles) == 2:
+        return f"Tick the {titles[0]}, the {titles[1]}, or both."
+    return "Tick at least one of: " + ", ".join(f"the {t}" for t in titles) + "."
 
 
 class ExportPanel(QWidget):
@@ -54,9 +60,11 @@ class ExportPanel(QWidget):
         self.dest.setPlaceholderText("Folder to write into")
         browse = QPushButton("Browse…")
         browse.clicked.connect(self._browse)
-        self.want_adapter = QCheckBox("LoRA adapter (PEFT: adapter_config.json + adapter_model.safetensors)")
-        self.want_adapter.setChecked(True)
-        self.want_merged = QCheckBox("Merged 16-bit model (safetensors, loads with transformers alone)")
+        self.wants = {name: QCheckBox(kind.label) for name, kind in EXPORTERS.items()}
+        self.want_adapter = self.wants.get("adapter")
+        self.want_merged = self.wants.get("merged")
+        if self.want_adapter is not None:
+            self.want_adapter.setChecked(True)
         self.export_button = QPushButton("Export")
         self.export_button.setObjectName("primary")
         self.export_button.clicked.connect(self.start_export)
@@ -84,8 +92,8 @@ class ExportPanel(QWidget):
         row.addWidget(self.dest, 1)
         row.addWidget(browse)
         out_lay.addLayout(row)
-        out_lay.addWidget(self.want_adapter)
-        out_lay.addWidget(self.want_merged)
+        for box in self.wants.values():
+            out_lay.addWidget(box)
         row = QHBoxLayout()
         row.addWidget(self.progress, 1)
         row.addWidget(self.export_button)
@@ -149,7 +157,7 @@ class ExportPanel(QWidget):
         self.export_button.setEnabled(bool(src))
         if src:
             p = Path(src)
-            run = p if p.parent.name != "checkpoints" else p.parent.parent
+            run = run_folder_of(p)
             suffix = "" if p == run else f"-{p.name}"
             self.dest.setText(str(run.parent.parent / "exports" / f"{run.name}{suffix}"))
 
@@ -168,16 +176,20 @@ class ExportPanel(QWidget):
         if not dst:
             self.banner.show_message("Choose a folder to export into.", "warning")
             return
-        if not (self.want_adapter.isChecked() or self.want_merged.isChecked()):
-            self.banner.show_message("Tick the adapter, the merged model, or both.", "warning")
+        kinds = self.chosen_kinds()
+        if not kinds:
+            self.banner.show_message(tick_message(), "warning")
             return
         self.banner.clear()
         self.result.clear()
         self.export_button.setEnabled(False)
         self.progress.setRange(0, 0)
         self.stage.setText("Starting…")
-        run_task(do_export, src, dst, self.want_adapter.isChecked(), self.want_merged.isChecked(),
-                 owner=self, on_done=self._done, on_error=self._failed, on_progress=lambda msg: self.stage.setText(str(msg)))
+        run_task(do_export, src, dst, kinds, owner=self, on_done=self._done, on_error=self._failed,
+                 on_progress=lambda msg: self.stage.setText(str(msg)))
+
+    def chosen_kinds(self) -> list[str]:
+        return [name for name, box in self.wants.items() if box.isChecked()]
 
     def _finish(self) -> None:
         self.export_button.setEnabled(True)

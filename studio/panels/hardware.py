@@ -1,4 +1,4 @@
-"""Hardware page: what engine.hardware detected on this machine and the defaults its policy
+"""Hardware page: what the engine's hardware detection found on this machine and the defaults its policy
 chooses for the current config, with the reason for each."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class HardwarePanel(QWidget):
             + f", Triton {'yes' if p.triton_available else 'no'}")
         self.fields["note"].setText(p.note or "—")
         try:
-            from engine.hardware.policy import format_profile
+            from engine.api import format_profile
 
             cfg = self.state.config()
             text = format_profile(p, cfg)

@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import QTimer, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QTextCursor
 from PySide6.QtWidgets import (
-    QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar, QPushButton, QSplitter,
-    QVBoxLayout, QWidget,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
 )
-from PySide6.QtCore import Qt
 
 from studio.panels.common import Banner, caption, fmt_bytes, fmt_seconds, title
 from studio.widgets.live_chart import LiveChart
@@ -199,7 +205,7 @@ class MonitorPanel(QWidget):
         fallbacks = getattr(m, "fallbacks", None) or {}
         if not self.fast_paths or not (calls or fallbacks):
             return  # nothing counted: a run from before the counters existed
-        from engine.counters import requested_but_not_run
+        from engine.api import requested_but_not_run
 
         missing = requested_but_not_run(self.fast_paths, calls, fallbacks, str(m.device))
         if not missing:

@@ -6,17 +6,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QComboBox, QFileDialog, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea,
-    QSplitter, QVBoxLayout, QWidget,
+    QComboBox,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
 )
-from PySide6.QtCore import Qt
 
-from engine.config import AUTO, ConfigError, RunConfig
+from engine.api import AUTO, ConfigError, RunConfig
 from studio import presets
 from studio.config_form import ConfigForm
 from studio.panels.common import Banner, caption, card, title
+from studio.state import deep_merge
 
 
 class TrainingPanel(QWidget):
@@ -99,10 +107,9 @@ class TrainingPanel(QWidget):
         except Exception as exc:
             self.banner.show_message(f"Cannot read preset {path}: {exc}", "error")
             return
-        merged = {k: dict(v) if isinstance(v, dict) else v for k, v in self.state.data.items()}
-        for section, values in data.items():
-            if isinstance(values, dict) and isinstance(merged.get(section), dict):
-                merged[section].update(values)
+        # Only the config's sections (a preset's stray top-level keys are ignored).
+        sections = {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(self.state.data.get(k), dict)}
+        merged = deep_merge(self.state.data, sections)
         self.state.replace(merged)
         self.preset.setCurrentText(name)
         note = presets.dropout_note(presets.lora_dropout(merged))
@@ -177,10 +184,11 @@ class TrainingPanel(QWidget):
             self.auto_text.setPlainText("Detecting hardware…")
             return
         try:
-            from engine.hardware.policy import explain_defaults
+            from engine.api import resolve_defaults
 
-            resolved = self.state.resolved()
-            lines = explain_defaults(resolved)
+            # The whole resolution, not only the filled config: its notes and warnings show too.
+            defaults = resolve_defaults(self.state.config(), self.state.profile)
+            resolved, lines = defaults.config, defaults.explain()
         except Exception as exc:  # the policy must never take the form down
             self.auto_text.setPlainText(f"Cannot work out the defaults: {exc}")
             return
