@@ -24,7 +24,8 @@ products [T*k, 2I]; the activation is recomputed in the backward, whose one-pass
 writes d(gate/up) over the saved products and the per-row <d act, act> the scores need, so
 neither the activation output nor the down projection output is kept. On CUDA the
 activations (SiLU-GLU; GPT-OSS's clamped, interleaved, biased GLU) and the gather-combine
-are Triton kernels; elsewhere plain torch in fp32.
+are Triton kernels (engine.kernels.moe, beside their torch references); elsewhere plain torch
+in fp32.
 
 Public: `apply_moe_grouping(model)` (-> "on" / "partial k/n: why" / "off: why"),
 `remove_moe_grouping(model)`, `group_block(block)`, `ungroup_block(block)`,
@@ -40,16 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # Triton is optional: without it every path is plain torch
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - triton ships with torch on Linux
-    triton = None
-
 # Block calls through the grouped path and host syncs the routing made (the loop path reads the
 # expert offsets once per call; the grouped_mm path never does) go to engine.counters, where
 # the training loop reads them with the packing counts.
-from engine.counters import COUNTERS, count_fallback, reset_counters  # noqa: E402,F401
+from engine.counters import COUNTERS, count_fallback, reset_counters  # noqa: F401
+from engine.kernels import moe as moe_kernels
 
 _MARK = "_tunesmith_moe_stock_forward"
 # transformers model types whose sparse blocks this module groups.
@@ -280,7 +276,7 @@ def _use_grouped_mm(impl: str, dtype, device: torch.device, n_experts: int, inte
 
 
 def _use_triton(kernels: str, x: torch.Tensor) -> bool:
-    if triton is None or kernels == "torch":
+    if not moe_kernels.TRITON_AVAILABLE or kernels == "torch":
         return False
     return kernels == "triton" or x.is_cuda
 
@@ -391,231 +387,32 @@ class _GroupedExperts(torch.autograd.Function):
         return g_x, g_w, None, None, None, None, None, None
 
 
-# -- activation and combine: torch (CPU, reference) and Triton (CUDA) -----------------------------
-
-
-def _halves(t: torch.Tensor, layout: str, inter: int):
-    if layout == "concat":
-        return t[:, :inter], t[:, inter:]
-    return t[:, 0::2], t[:, 1::2]
-
-
-def _biased(gu: torch.Tensor, eid, bias) -> torch.Tensor:
-    gu32 = gu.float()
-    if bias is not None:
-        gu32 = gu32 + bias.float().index_select(0, eid)
-    return gu32
+# -- activation and combine: engine.kernels.moe (Triton on CUDA, its torch reference elsewhere) ----
 
 
 def _act_forward(gu, eid, bias, plan: _Plan, use_triton: bool) -> torch.Tensor:
     """The gated activation of gate/up products [rows, 2I] -> [rows, I] (bias added first)."""
-    inter = gu.shape[1] // 2
     if plan.act == "generic":  # any activation, in the model dtype as the stock experts do
-        g, u = _halves(gu, plan.layout, inter)
+        g, u = moe_kernels.split_gate_up(gu, plan.layout)
         return plan.act_fn(g) * u
-    if use_triton:
-        return _act_forward_triton(gu, eid, bias, plan)
-    g, u = _halves(_biased(gu, eid, bias), plan.layout, inter)
-    if plan.act == "silu":
-        h = F.silu(g) * u
-    else:  # GPT-OSS, as GptOssExperts._apply_gate
-        g = g.clamp(max=plan.limit)
-        u = u.clamp(min=-plan.limit, max=plan.limit)
-        h = (u + 1) * (g * torch.sigmoid(g * plan.alpha))
-    return h.to(gu.dtype)
+    return moe_kernels.glu_forward(gu, eid, bias, layout=plan.layout, act=plan.act, alpha=plan.alpha,
+                                   limit=plan.limit, use_triton=use_triton)
 
 
 def _act_backward(gd, w_s, gu, eid, bias, plan: _Plan, use_triton: bool, need_dot: bool):
     """(d gate_up for the output gradient gd * w_s, per-row <gd, h> in fp32 or None).
 
     The Triton path writes d gate_up over `gu` (saved products, not needed afterwards)."""
-    inter = gu.shape[1] // 2
     if plan.act == "generic":
         with torch.enable_grad():
-            g, u = (t.detach().requires_grad_(True) for t in _halves(gu, plan.layout, inter))
+            g, u = (t.detach().requires_grad_(True) for t in moe_kernels.split_gate_up(gu, plan.layout))
             h = plan.act_fn(g) * u
             dg, du = torch.autograd.grad(h, (g, u), gd * w_s[:, None].to(gd.dtype))
         dot = (gd.float() * h.detach().float()).sum(-1) if need_dot else None
         return torch.cat([dg, du], 1), dot
-    if use_triton:
-        return _act_backward_triton(gd, w_s, gu, eid, bias, plan, need_dot)
-    g, u = _halves(_biased(gu, eid, bias), plan.layout, inter)
-    gd32 = gd.float()
-    dh = gd32 * w_s.float()[:, None]
-    if plan.act == "silu":
-        sig = torch.sigmoid(g)
-        a = g * sig
-        dg = dh * u * sig * (1 + g * (1 - sig))
-        du = dh * a
-        h = a * u
-    else:
-        gc = g.clamp(max=plan.limit)
-        uc = u.clamp(min=-plan.limit, max=plan.limit)
-        sig = torch.sigmoid(gc * plan.alpha)
-        glu = gc * sig
-        # clamp passes the gradient where its input lies in the closed interval (as torch's).
-        dg = torch.where(g <= plan.limit, dh * (uc + 1) * (sig + plan.alpha * gc * sig * (1 - sig)), 0.0)
-        du = torch.where((u >= -plan.limit) & (u <= plan.limit), dh * glu, 0.0)
-        h = (uc + 1) * glu
-    g_gu = torch.stack([dg, du], -1).flatten(1) if plan.layout == "interleaved" else torch.cat([dg, du], 1)
-    return g_gu.to(gu.dtype), ((gd32 * h).sum(-1) if need_dot else None)
+    return moe_kernels.glu_backward(gd, w_s, gu, eid, bias, layout=plan.layout, act=plan.act,
+                                    alpha=plan.alpha, limit=plan.limit, need_dot=need_dot,
+                                    use_triton=use_triton)
 
 
-def _combine(src, inv, w, base, n_tok: int, k: int, out_dtype, use_triton: bool) -> torch.Tensor:
-    """out[t] = base[t] + sum_j w[t, j] * src[inv[t*k + j]] (w None: a plain sum); fp32 sums."""
-    if use_triton:
-        return _combine_triton(src, inv, w, base, n_tok, k, out_dtype)
-    rows = src.index_select(0, inv).view(n_tok, k, -1)
-    if w is None:
-        return rows.sum(1, dtype=torch.float32).to(out_dtype)
-    out = torch.bmm(w.to(rows.dtype).view(n_tok, 1, k), rows).view(n_tok, -1)
-    if base is not None:
-        out = out.float() + base
-    return out.to(out_dtype)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _act_load(GU, B, EID, row, cols, mask, n_inter, stride_gu, stride_b,
-                  LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr):
-        if LAYOUT == 0:
-            g_off = cols
-            u_off = cols + n_inter
-        else:
-            g_off = 2 * cols
-            u_off = 2 * cols + 1
-        g = tl.load(GU + row * stride_gu + g_off, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(GU + row * stride_gu + u_off, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            e = tl.load(EID + row).to(tl.int64)
-            g += tl.load(B + e * stride_b + g_off, mask=mask, other=0.0).to(tl.float32)
-            u += tl.load(B + e * stride_b + u_off, mask=mask, other=0.0).to(tl.float32)
-        return g, u, g_off, u_off
-
-    @triton.jit
-    def _moe_act_fwd_kernel(GU, B, EID, H, n_inter, stride_gu, stride_b, stride_h, alpha, limit,
-                            LAYOUT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_inter
-        g, u, g_off, u_off = _act_load(GU, B, EID, row, cols, mask, n_inter, stride_gu, stride_b,
-                                       LAYOUT, HAS_BIAS)
-        if ACT == 0:  # silu(g) * u
-            h = g / (1.0 + tl.exp(-g)) * u
-        else:  # GPT-OSS: (clamp(u) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)
-            gc = tl.minimum(g, limit)
-            uc = tl.minimum(tl.maximum(u, -limit), limit)
-            h = (uc + 1.0) * gc / (1.0 + tl.exp(-alpha * gc))
-        tl.store(H + row * stride_h + cols, h.to(H.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _moe_act_bwd_kernel(GD, WS, GU, B, EID, DOT, n_inter, stride_gd, stride_gu, stride_b,
-                            alpha, limit, LAYOUT: tl.constexpr, ACT: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, NEED_DOT: tl.constexpr, BLOCK: tl.constexpr):
-        # One row per program: reads gd, the row's routing weight and gate/up once, writes
-        # d gate/up over gate/up (the program owns the row, so in place is race-free) and,
-        # for the scores' gradient, the row dot <gd, h> without ever storing h.
-        row = tl.program_id(0).to(tl.int64)
-        ws = tl.load(WS + row).to(tl.float32)
-        dot = tl.zeros([BLOCK], dtype=tl.float32)
-        for c0 in range(0, n_inter, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            mask = cols < n_inter
-            g, u, g_off, u_off = _act_load(GU, B, EID, row, cols, mask, n_inter, stride_gu, stride_b,
-                                           LAYOUT, HAS_BIAS)
-            gd = tl.load(GD + row * stride_gd + cols, mask=mask, other=0.0).to(tl.float32)
-            dh = gd * ws
-            if ACT == 0:
-                sig = 1.0 / (1.0 + tl.exp(-g))
-                a = g * sig
-                dg = dh * u * sig * (1.0 + g * (1.0 - sig))
-                du = dh * a
-                h = a * u
-            else:
-                gc = tl.minimum(g, limit)
-                uc = tl.minimum(tl.maximum(u, -limit), limit)
-                sig = 1.0 / (1.0 + tl.exp(-alpha * gc))
-                glu = gc * sig
-                dg = tl.where(g <= limit, dh * (uc + 1.0) * (sig + alpha * gc * sig * (1.0 - sig)), 0.0)
-                du = tl.where((u >= -limit) & (u <= limit), dh * glu, 0.0)
-                h = (uc + 1.0) * glu
-            tl.store(GU + row * stride_gu + g_off, dg.to(GU.dtype.element_ty), mask=mask)
-            tl.store(GU + row * stride_gu + u_off, du.to(GU.dtype.element_ty), mask=mask)
-            if NEED_DOT:
-                dot += tl.where(mask, gd * h, 0.0)
-        if NEED_DOT:
-            tl.store(DOT + row, tl.sum(dot, axis=0))
-
-    @triton.jit
-    def _combine_kernel(SRC, INV, W, BASE, OUT, n_cols, stride_src, stride_base, stride_out,
-                        K: tl.constexpr, HAS_W: tl.constexpr, HAS_BASE: tl.constexpr, BLOCK: tl.constexpr):
-        # One token's k rows gathered and reduced in registers: the [T*k, H] unsorted copy
-        # a torch gather would write (and the reduction read back) never exists.
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        if HAS_BASE:
-            acc = tl.load(BASE + t * stride_base + cols, mask=mask, other=0.0).to(tl.float32)
-        else:
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(K):
-            pos = tl.load(INV + t * K + j).to(tl.int64)
-            v = tl.load(SRC + pos * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_W:
-                v = v * tl.load(W + t * K + j).to(tl.float32)
-            acc += v
-        tl.store(OUT + t * stride_out + cols, acc.to(OUT.dtype.element_ty), mask=mask)
-
-
-def _blocks(n_cols: int) -> tuple[int, int]:
-    block = min(1024, triton.next_power_of_2(max(n_cols, 16)))
-    return block, (4 if block >= 512 else 2)
-
-
-def _act_forward_triton(gu, eid, bias, plan: _Plan) -> torch.Tensor:
-    rows, inter = gu.shape[0], gu.shape[1] // 2
-    h = torch.empty(rows, inter, device=gu.device, dtype=gu.dtype)
-    if rows:
-        block, warps = _blocks(inter)
-        _moe_act_fwd_kernel[(rows, triton.cdiv(inter, block))](
-            gu, bias if bias is not None else gu, eid if eid is not None else gu, h, inter,
-            gu.stride(0), bias.stride(0) if bias is not None else 0, h.stride(0), plan.alpha, plan.limit,
-            LAYOUT=0 if plan.layout == "concat" else 1, ACT=0 if plan.act == "silu" else 1,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=warps)
-    return h
-
-
-def _act_backward_triton(gd, w_s, gu, eid, bias, plan: _Plan, need_dot: bool):
-    rows, inter = gu.shape[0], gu.shape[1] // 2
-    dot = torch.empty(rows, device=gu.device, dtype=torch.float32) if need_dot else None
-    if rows:
-        block, warps = _blocks(inter)
-        gd = gd if gd.stride(-1) == 1 else gd.contiguous()
-        _moe_act_bwd_kernel[(rows,)](
-            gd, w_s, gu, bias if bias is not None else gu, eid if eid is not None else gu,
-            dot if dot is not None else gu, inter, gd.stride(0), gu.stride(0),
-            bias.stride(0) if bias is not None else 0, plan.alpha, plan.limit,
-            LAYOUT=0 if plan.layout == "concat" else 1, ACT=0 if plan.act == "silu" else 1,
-            HAS_BIAS=bias is not None, NEED_DOT=need_dot, BLOCK=block, num_warps=warps)
-        # The kernel overwrote a saved tensor behind autograd's back: bump its version so a
-        # second backward over a retained graph fails loudly instead of reading gradients.
-        bump = getattr(torch.autograd.graph, "increment_version", None)
-        if bump is not None:
-            bump(gu)
-    return gu, dot
-
-
-def _combine_triton(src, inv, w, base, n_tok: int, k: int, out_dtype) -> torch.Tensor:
-    n_cols = src.shape[1]
-    out = torch.empty(n_tok, n_cols, device=src.device, dtype=out_dtype)
-    if n_tok:
-        src = src if src.stride(-1) == 1 else src.contiguous()
-        w = w.contiguous() if w is not None else None
-        block, warps = _blocks(n_cols)
-        _combine_kernel[(n_tok, triton.cdiv(n_cols, block))](
-            src, inv, w if w is not None else src, base if base is not None else src, out, n_cols,
-            src.stride(0), base.stride(0) if base is not None else 0, out.stride(0),
-            K=k, HAS_W=w is not None, HAS_BASE=base is not None, BLOCK=block, num_warps=warps)
-    return out
+_combine = moe_kernels.combine
