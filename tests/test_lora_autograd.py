@@ -1,4 +1,4 @@
-"""Fused LoRA Functions (engine.fastpath.lora) against PEFT's own autograd.
+"""Fused LoRA Functions (engine.fastpath.lora, over engine.fastpath.lora_group) against PEFT's own autograd.
 
 Each case builds a small block of projections, wraps it with PEFT (B initialised randomly so
 every gradient is non-trivial), and compares outputs and gradients of x, A and B between
@@ -15,14 +15,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from engine.fastpath.lora import (
-    GatedAct,
-    lora_linears,
-    lora_mlp,
-    lora_parts,
-    lora_unsupported_reason,
-    runtime_ok,
-)
+from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp
+from engine.fastpath.lora_group import lora_parts, lora_unsupported_reason, runtime_ok
 
 HIDDEN, INTER, HEADS_Q, HEADS_KV, HEAD_DIM = 48, 80, 4, 2, 12
 
@@ -322,7 +316,7 @@ def test_runtime_check_follows_adapter_state():
 
 def _fused_block_step(b, groups, x):
     """One forward/backward through fused QKV, O and MLP (planned groups)."""
-    from engine.fastpath.lora import LoRAGroup  # noqa: F401  (groups are LoRAGroup objects)
+    from engine.fastpath.lora_group import LoRAGroup  # noqa: F401  (groups are LoRAGroup objects)
 
     qkv, o, gate_up, down = groups
     q, k, v = lora_linears(x, qkv)
@@ -332,7 +326,7 @@ def _fused_block_step(b, groups, x):
 
 
 def _plan_groups(b):
-    from engine.fastpath.lora import LoRAGroup
+    from engine.fastpath.lora_group import LoRAGroup
 
     return (
         LoRAGroup([lora_parts(b.q_proj), lora_parts(b.k_proj), lora_parts(b.v_proj)]),

@@ -15,6 +15,11 @@ only; the base weight is read through `base_weight(layer, dtype)`, the single pl
 4-bit (QLoRA) base is dequantized (engine.fastpath.quant): once in forward and once more in
 backward for dx, each copy dropped right after its matmul, never saved for backward.
 
+What a projection is made of, whether it can fuse, and the per-step cache of its adapter
+weights (`LoRAParts`, `LoRAGroup`, the adapter generation) live in engine.fastpath.lora_group;
+this module is the math on top: the Functions, the gated activation, and the entry points
+`lora_linears` / `lora_mlp`.
+
 Gradients (``dy`` = upstream gradient, ``xa = x A^T``):
 
     dx = dy W + s (dy B) A        dA = s (dy B)^T x        dB = s dy^T xa
@@ -27,305 +32,13 @@ the difference is bf16 rounding of a rank-r term, and the matmuls stay on the fa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from engine.counters import COUNTERS
-from engine.fastpath import quant
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-# -- base layer access: the one place a quantized base plugs in ---------------------------------
-
-
-def base_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The frozen base weight [out, in] as a dense tensor in `dtype`.
-
-    A 4-bit base is dequantized into a fresh tensor: callers use it for one matmul and drop it
-    (it is never saved for backward), so one layer's dense weight exists at a time.
-    """
-    if quant.is_4bit(layer):
-        return quant.dequantize(layer, dtype)
-    w = layer.weight
-    return w if w.dtype == dtype else w.to(dtype)
-
-
-def base_dtype(layer: nn.Module) -> Optional[torch.dtype]:
-    """The activation dtype the stock base layer computes in (None: not usable right now)."""
-    if quant.is_4bit(layer):
-        return quant.compute_dtype(layer)
-    return layer.weight.dtype
-
-
-def _bias(layer: nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    bias = layer.bias
-    return bias if bias is None or bias.dtype == dtype else bias.to(dtype)
-
-
-def base_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """x @ W^T + b with the frozen base layer (no autograd: called inside Functions)."""
-    return F.linear(x, base_weight(layer, x.dtype), _bias(layer, x.dtype))
-
-
-# Order of the two matmuls of a LoRA projection, y = x W^T + (x A^T)(s B)^T, and of its input
-# gradient, dx = dy W + (dy s B) A: the rank-r product is made first and the base GEMM adds onto
-# it (beta=1). The other order makes the big output, then reads and writes all of it again to
-# add a K=r product, a pass bound by memory (about a tenth of a 14B QLoRA step on the H200);
-# this way the only extra traffic is the GEMM epilogue's read of C, which overlaps its math.
-
-
-def lora_linear_out(x: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """x @ W^T + b + xa @ B^T (B already scaled)."""
-    bias = _bias(layer, x.dtype)
-    y = torch.mm(xa, B.t()) if bias is None else torch.addmm(bias, xa, B.t())
-    return y.addmm_(x, base_weight(layer, x.dtype).t())
-
-
-# -- what a projection is made of --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LoRAParts:
-    """One projection: its frozen base and, when wrapped by PEFT, the active adapter's A/B."""
-
-    layer: nn.Module  # the module the model calls (PEFT wrapper, or the base itself)
-    base: nn.Module  # the frozen nn.Linear or 4-bit bitsandbytes Linear4bit
-    adapter: Optional[str]  # None: no LoRA on this projection
-    scale: float = 0.0
-
-    @property
-    def A(self) -> Optional[torch.Tensor]:
-        return None if self.adapter is None else self.layer.lora_A[self.adapter].weight
-
-    @property
-    def B(self) -> Optional[torch.Tensor]:
-        return None if self.adapter is None else self.layer.lora_B[self.adapter].weight
-
-
-def _is_peft_lora_linear(layer: nn.Module) -> bool:
-    """PEFT's LoRA wrapper of a dense nn.Linear or of a 4-bit bitsandbytes Linear4bit."""
-    try:
-        from peft.tuners.lora import Linear as PeftLoraLinear
-    except Exception:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(layer, PeftLoraLinear) or quant.is_peft_lora_4bit(layer)
-
-
-def _is_bare_base(layer: nn.Module) -> bool:
-    """A projection LoRA does not target: the base layer itself, without a PEFT wrapper."""
-    return type(layer) is nn.Linear or quant.is_4bit(layer)
-
-
-def _base_reason(base: nn.Module) -> Optional[str]:
-    if type(base) is not nn.Linear:
-        return quant.unsupported_reason(base)
-    if base.weight.dtype not in _FLOAT_DTYPES or hasattr(base.weight, "quant_state"):
-        return f"base weight dtype {base.weight.dtype} is not bf16/fp16/fp32"
-    if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
-        return "base weight or bias is trainable (fused path assumes a frozen base)"
-    return None
-
-
-def lora_unsupported_reason(layer: nn.Module) -> Optional[str]:
-    """None when `layer` can run on the fused path, else a short reason it keeps PEFT's path."""
-    if _is_bare_base(layer):
-        return _base_reason(layer)
-    if not _is_peft_lora_linear(layer):
-        # Other PEFT LoRA layers (over 8-bit bases, ...) and bare Linear subclasses (quantized
-        # layers LoRA does not target): the base layer says best why they cannot fuse.
-        get_base = getattr(layer, "get_base_layer", None)
-        base = get_base() if callable(get_base) else layer
-        reason = _base_reason(base) if base is not layer or isinstance(layer, nn.Linear) else None
-        return reason or f"{type(layer).__module__}.{type(layer).__name__} is not a PEFT lora.Linear"
-    if getattr(layer, "fan_in_fan_out", False):
-        return "fan_in_fan_out layers are not supported"
-    active = list(layer.active_adapters)
-    if len(active) != 1:
-        return f"{len(active)} active adapters (the fused path supports one)"
-    name = active[0]
-    if name not in layer.lora_A:
-        return f"adapter '{name}' has no LoRA weights on this layer"
-    if len([k for k in layer.lora_A.keys()]) > 1:
-        return "several adapters are loaded on this layer"
-    if layer.merged:
-        return "adapter is merged into the base weight"
-    if getattr(layer, "lora_variant", {}).get(name) is not None or getattr(layer, "use_dora", {}).get(name):
-        return "DoRA / LoRA variants are not supported"
-    dropout = layer.lora_dropout[name]
-    if not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 0.0) > 0:
-        return f"lora dropout {dropout.p} > 0"
-    lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
-    if type(lora_A) is not nn.Linear or type(lora_B) is not nn.Linear:
-        return "LoRA A/B are not nn.Linear"
-    if lora_A.bias is not None or lora_B.bias is not None or getattr(layer, "lora_bias", {}).get(name):
-        return "LoRA bias is not supported"
-    if lora_A.weight.dtype not in _FLOAT_DTYPES or lora_B.weight.dtype not in _FLOAT_DTYPES:
-        return "LoRA weights are not floating point"
-    scale = layer.scaling[name]
-    if not isinstance(scale, (int, float)):
-        return "per-token or tensor LoRA scaling is not supported"
-    return _base_reason(layer.get_base_layer())
-
-
-def lora_parts(layer: nn.Module) -> LoRAParts:
-    """Split a supported projection (see `lora_unsupported_reason`) into base + adapter."""
-    reason = lora_unsupported_reason(layer)
-    if reason is not None:
-        raise ValueError(f"layer not supported by the fused LoRA path: {reason}")
-    if _is_bare_base(layer):
-        return LoRAParts(layer, layer, None, 0.0)
-    name = layer.active_adapters[0]
-    return LoRAParts(layer, layer.get_base_layer(), name, float(layer.scaling[name]))
-
-
-def runtime_ok(parts: Sequence[LoRAParts], x: torch.Tensor) -> bool:
-    """Per-call check that the state seen when patching still holds (cheap attribute reads).
-
-    Adapters can be disabled (PEFT's `disable_adapter()`), merged or switched after patching,
-    and autocast changes compute dtypes; in those cases the caller takes the stock path. The
-    activations must be in the dtype the stock base computes in (a 4-bit base's compute dtype),
-    so both paths round alike.
-    """
-    if torch.is_autocast_enabled(x.device.type):
-        return False
-    for p in parts:
-        if base_dtype(p.base) != x.dtype:
-            return False
-        if p.adapter is not None:
-            layer = p.layer
-            if layer.disable_adapters or layer.merged or layer.active_adapters != [p.adapter]:
-                return False
-    return True
-
-
-# -- adapter generation: what invalidates the cached adapter weights ----------------------------
-
-# One counter for the whole process. Every optimizer step advances it (a global post-step hook:
-# any optimizer, fused or not, ours or a caller's), and so does every load of adapter weights
-# through the engine (`adapters_changed`). Code that writes adapter weights some other way
-# without bumping `_version` (through `.data`, say) must call `adapters_changed()` itself.
-_GENERATION = [0]
-
-
-def adapters_changed() -> None:
-    """Mark every cached adapter weight stale (the next forward rebuilds it)."""
-    _GENERATION[0] += 1
-
-
-def adapter_generation() -> int:
-    return _GENERATION[0]
-
-
-def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    _GENERATION[0] += 1
-
-
-register_optimizer_step_post_hook(_after_optimizer_step)
-
-
-# -- a planned group of projections and its per-step weight cache ------------------------------
-
-
-class LoRAGroup:
-    """Projections sharing one input, resolved once (at patch time) into plain attributes.
-
-    Besides saving the per-call attribute chains of `LoRAParts`, the group caches what the
-    Functions derive from the adapter weights: the A matrices stacked and cast to the compute
-    dtype, and each B cast and pre-multiplied by its scale. Adapters change only at optimizer
-    steps, while the Functions read them in every forward, recompute and backward, so building
-    these once per step removes most of the small cast/cat kernels (and their launch cost) from
-    the step.
-
-    The cache is keyed by the adapter generation (`adapter_generation`), which every optimizer
-    step and every load of adapter weights advances, and by each weight's identity, `_version`
-    and data pointer (in-place `copy_` and `.data =` swaps). `_version` alone is not enough:
-    a fused optimizer (AdamW(fused=True), the engine's choice on CUDA) updates parameters
-    without bumping it, and a cache keyed on it served the step-0 adapters for a whole run.
-    Entries are rebuilt, never updated in place, so a Function's saved copy stays consistent
-    with its forward.
-    """
-
-    __slots__ = ("parts", "bases", "scales", "ranks", "_lora", "_key", "_value")
-
-    def __init__(self, parts: Sequence[LoRAParts]):
-        self.parts = tuple(parts)
-        self.bases = tuple(p.base for p in self.parts)
-        self.scales = tuple(p.scale for p in self.parts)
-        # (lora_A module, lora_B module) per projection, None where it has no LoRA; `.weight`
-        # is read per call, so a replaced Parameter is picked up.
-        self._lora = tuple(
-            None if p.adapter is None else (p.layer.lora_A[p.adapter], p.layer.lora_B[p.adapter])
-            for p in self.parts
-        )
-        self.ranks = tuple(0 if m is None else m[0].weight.shape[0] for m in self._lora)
-        self._key = None
-        self._value = None
-
-    def ab(self) -> list[Optional[torch.Tensor]]:
-        """[A_1, B_1, A_2, B_2, ...] (the trainable inputs of the Functions), None without LoRA."""
-        out: list[Optional[torch.Tensor]] = []
-        for m in self._lora:
-            if m is None:
-                out += [None, None]
-            else:
-                out += [m[0].weight, m[1].weight]
-        return out
-
-    def runtime_ok(self, x: torch.Tensor) -> bool:
-        return runtime_ok(self.parts, x)
-
-    def weights(self, ab: Sequence[Optional[torch.Tensor]], dtype: torch.dtype):
-        """(A_all [R, in], (s_1 B_1, s_2 B_2, ...)) in `dtype`, built once per weight update.
-
-        A_all is None when no projection has LoRA; B entries are None where one has none.
-        """
-        key = [dtype, _GENERATION[0]]
-        for t in ab:
-            if t is not None:
-                key += (id(t), t._version, t.data_ptr())
-        key = tuple(key)
-        if key != self._key:
-            self._value = _build_weights(ab, self.scales, dtype)
-            # Holding the tensors (in _value's sources) keeps their ids from being reused.
-            self._key = key
-        return self._value
-
-
-def _build_weights(ab, scales, dtype):
-    with torch.no_grad():
-        As = [ab[i].to(dtype) for i in range(0, len(ab), 2) if ab[i] is not None]
-        a_all = None if not As else (As[0] if len(As) == 1 else torch.cat(As, 0))
-        if a_all is not None and a_all is ab[0]:
-            # The parameter itself (same dtype, single A): detach so no cached object aliases
-            # the autograd leaf.
-            a_all = a_all.detach()
-        bs = []
-        for i in range(len(scales)):
-            B = ab[2 * i + 1]
-            if B is None:
-                bs.append(None)
-                continue
-            s = scales[i]
-            # Folding the scale into B here removes a multiply from every backward (dy B) and
-            # keeps the forward's addmm at alpha=1; numerics differ by one rounding of s*B.
-            if B.dtype == dtype:
-                bs.append(B.detach() * s if s != 1 else B.detach())
-            elif s == 1:
-                bs.append(B.to(dtype))
-            else:
-                bs.append(torch.mul(B, s).to(dtype))
-    return a_all, tuple(bs), tuple(t for t in ab if t is not None)
-
-
-def as_group(parts) -> LoRAGroup:
-    return parts if isinstance(parts, LoRAGroup) else LoRAGroup(parts)
-
+from engine.fastpath.lora_group import LoRAGroup, as_group, base_linear, base_weight, lora_linear_out
+from engine.kernels import activations as K
 
 # -- the math shared by the Functions (plain tensors, no autograd) ----------------------------
 
@@ -574,12 +287,8 @@ class GatedAct:
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """Autograd-capable act(gate) * up."""
-        if self.impl == "torch":
-            if self.kind == "silu":
-                return torch_swiglu(gate, up)
-            return torch_geglu(gate, up, "tanh" if self.kind == "gelu_tanh" else "none")
-        from engine.kernels import activations as K
-
+        if self.impl == "torch":  # in the input dtype, as transformers' MLP computes it
+            return K.gated_act_reference(gate, up, self.kind, upcast=False)
         approximate = "tanh" if self.kind == "gelu_tanh" else "none"
         if self.impl == "triton":
             if self.kind == "silu":
@@ -592,19 +301,15 @@ class GatedAct:
     def forward_raw(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up without autograd (inside a Function's forward)."""
         if self._raw_triton(gate):
-            from engine.kernels.activations import gated_act_forward
-
-            return gated_act_forward(gate, up, self.kind)
+            return K.gated_act_forward(gate, up, self.kind)
         with torch.no_grad():
             return self(gate, up)
 
     def backward_raw(self, gate: torch.Tensor, up: torch.Tensor):
         """(h, grad) where grad(dh) -> (d_gate, d_up); grad may overwrite gate and up."""
         if self._raw_triton(gate):
-            from engine.kernels.activations import gated_act_backward, gated_act_forward
-
-            h = gated_act_forward(gate, up, self.kind)
-            return h, lambda dh: gated_act_backward(dh, gate, up, self.kind, inplace=True)
+            h = K.gated_act_forward(gate, up, self.kind)
+            return h, lambda dh: K.gated_act_backward(dh, gate, up, self.kind, inplace=True)
         # Elsewhere let autograd differentiate the same function the forward used.
         with torch.enable_grad():
             g_ = gate.detach().requires_grad_()
@@ -645,14 +350,3 @@ def lora_mlp(x: torch.Tensor, gate, up=None, down=None, act: "GatedAct" = None) 
     x2 = x.reshape(-1, x.shape[-1])
     y = LoRAMLP.apply(x2, gate_up, down_g, act, *gate_up.ab(), *down_g.ab())
     return y.view(*lead, y.shape[-1])
-
-
-# -- torch reference activations (used when the kernels are off) ------------------------------
-
-
-def torch_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def torch_geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    return F.gelu(gate, approximate=approximate) * up

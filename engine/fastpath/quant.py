@@ -1,11 +1,11 @@
 """4-bit bitsandbytes base layers (QLoRA) for the fused LoRA path: recognise, check, dequantize.
 
 The fused LoRA Functions (engine.fastpath.lora) read every frozen base weight through
-`base_weight`; for a bitsandbytes `Linear4bit` (NF4 or FP4) that calls `dequantize` here, which
-returns a fresh dense [out, in] copy in the compute dtype. The caller uses it for one matmul
-and drops it, in forward and again in backward (dx = dy W), as bitsandbytes' own matmul does:
-nothing dequantized is saved for backward or outlives the call, so the 4-bit memory saving
-holds and only one layer's dense weight exists at a time.
+`base_weight` (engine.fastpath.lora_group); for a bitsandbytes `Linear4bit` (NF4 or FP4) that
+calls `dequantize` here, which returns a fresh dense [out, in] copy in the compute dtype. The
+caller uses it for one matmul and drops it, in forward and again in backward (dx = dy W), as
+bitsandbytes' own matmul does: nothing dequantized is saved for backward or outlives the call,
+so the 4-bit memory saving holds and only one layer's dense weight exists at a time.
 
 bitsandbytes and PEFT's bnb LoRA layers are looked up in `sys.modules` instead of imported: a
 model can only hold their layers once they are imported, and dense models stay free of the

@@ -2,13 +2,29 @@
 warp sizing, and small Triton math functions the language lacks (tanh).
 
 Kept free of any op so every kernel file can import it without cycles.
+
+Triton is optional at import time: where it is missing (torch wheels for macOS come without it)
+`triton` and `tl` are None, `jit` leaves functions undecorated, and a kernel file still imports,
+so its torch reference (what the dispatchers run off CUDA, and what the fallback paths of
+engine.fastpath and engine.models use) keeps working. Its kernels are never launched there.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with torch on Linux and Windows
+    triton = tl = None
+
+TRITON_AVAILABLE = triton is not None
+
+
+def jit(fn):
+    """`triton.jit`, or `fn` unchanged where Triton is missing (then nothing launches it)."""
+    return fn if triton is None else triton.jit(fn)
 
 
 def on_cuda(*tensors: torch.Tensor | None) -> bool:
@@ -48,7 +64,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, n)
 
 
-@triton.jit
+@jit
 def tanh_f32(x):
     # tl.math has no tanh in every Triton version we support (3.x); this form never overflows:
     # e = exp(-2|x|) lies in (0, 1], and the sign is restored afterwards. Its absolute error is a

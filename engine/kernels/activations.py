@@ -10,19 +10,18 @@ safe only when nothing else reads gate/up afterwards (true inside a gated MLP, w
 are the projection outputs used only here), so it is an explicit choice of the caller.
 
 Public: `swiglu`, `geglu` (dispatchers), `swiglu_triton`, `geglu_triton`, `swiglu_reference`,
-`geglu_reference`, and the raw launchers `gated_act_forward` / `gated_act_backward` for fused
-LoRA MLP code that manages its own autograd.
+`geglu_reference`, `gated_act_reference` (the torch math behind both references, also in the
+stock MLP's own input-dtype numerics), and the raw launchers `gated_act_forward` /
+`gated_act_backward` for fused LoRA MLP code that manages its own autograd.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from engine.counters import COUNTERS
-from engine.kernels._common import next_pow2, on_cuda, tanh_f32, warps_for
+from engine.kernels._common import jit, next_pow2, on_cuda, tanh_f32, tl, triton, warps_for
 
 _BLOCK = 2048  # values per program along a row; several programs split a long row
 
@@ -30,7 +29,7 @@ _BLOCK = 2048  # values per program along a row; several programs split a long r
 SILU, GELU, GELU_TANH = 0, 1, 2
 _ACTS = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH}
 
-@triton.jit
+@jit
 def _act_and_grad(g, ACT: tl.constexpr, NEED_GRAD: tl.constexpr):
     """Returns (act(g), act'(g)) in fp32; the derivative is zeros when NEED_GRAD is off."""
     # Constants are literals because Triton only captures constexpr globals.
@@ -60,7 +59,7 @@ def _act_and_grad(g, ACT: tl.constexpr, NEED_GRAD: tl.constexpr):
     return a, da
 
 
-@triton.jit
+@jit
 def _gated_fwd_kernel(
     G, U, H, n_cols, stride_g, stride_u, stride_h,
     ACT: tl.constexpr, BLOCK: tl.constexpr,
@@ -74,7 +73,7 @@ def _gated_fwd_kernel(
     tl.store(H + row * stride_h + cols, (a * u).to(H.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _gated_bwd_kernel(
     DH, G, U, DG, DU, n_cols,
     stride_dh, stride_g, stride_u, stride_dg, stride_du,
@@ -180,16 +179,38 @@ def _geglu_act(approximate: str) -> str:
     raise ValueError(f"geglu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
+def gated_act_reference(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", *,
+                        upcast: bool = True) -> torch.Tensor:
+    """act(gate) * up in plain torch (autograd-capable; not counted). act: "silu", "gelu" (erf
+    form) or "gelu_tanh".
+
+    upcast=True: in fp32 and cast once, the kernel's numerics. upcast=False: in the input dtype,
+    op for op as transformers' gated MLP computes ``act_fn(gate) * up``, so a path that must
+    match the stock module bit for bit (engine.fastpath.lora's "torch" GatedAct) uses this.
+    """
+    if act not in _ACTS:
+        raise ValueError(f"unknown gated activation {act!r}; expected one of {tuple(_ACTS)}")
+    if upcast:
+        return (_act_torch(gate.float(), act) * up.float()).to(gate.dtype)
+    return _act_torch(gate, act) * up
+
+
+def _act_torch(g: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(g)
+    return F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Plain torch, in fp32 and cast once (the kernel's numerics)."""
     COUNTERS["activations:torch"] += 1
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    return gated_act_reference(gate, up, "silu")
 
 
 def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    _geglu_act(approximate)
+    act = _geglu_act(approximate)
     COUNTERS["activations:torch"] += 1
-    return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(gate.dtype)
+    return gated_act_reference(gate, up, act)
 
 
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:

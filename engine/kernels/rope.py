@@ -10,23 +10,22 @@ assumes the gradient buffer handed to this op belongs to it alone, which holds w
 straight into attention (the patched decoder layers); expanded or non-contiguous gradients are
 copied first.
 
-Public: `apply_rope` (dispatcher), `apply_rope_triton`, `apply_rope_reference`.
+Public: `apply_rope` (dispatcher), `apply_rope_triton`, `apply_rope_reference`, and the torch math
+`rope_reference` / `rotate_half` (uncounted).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from engine.counters import COUNTERS
-from engine.kernels._common import next_pow2, on_cuda
+from engine.kernels._common import jit, next_pow2, on_cuda, tl
 
 # Values per half-head tile a program rotates at once (heads x D/2).
 _TILE_ELEMS = 2048
 
 
-@triton.jit
+@jit
 def _rotate_heads(X, stride_h, n_heads, base, c1, c2, sa, sb, d_offs, d_mask, half,
                   BLOCK_H: tl.constexpr):
     for h0 in range(0, n_heads, BLOCK_H):
@@ -41,7 +40,7 @@ def _rotate_heads(X, stride_h, n_heads, base, c1, c2, sa, sb, d_offs, d_mask, ha
         tl.store(ptr1 + half, o2.to(X.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _rope_kernel(
     Q, K, COS, SIN,
     seq_len, n_q_heads, n_k_heads, half,
@@ -191,17 +190,24 @@ class RoPESingleFunction(torch.autograd.Function):
         return dx, None, None
 
 
-def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """transformers' apply_rotary_pos_emb for [B, T, H, D] tensors (unsqueeze_dim=2); out of place."""
-    COUNTERS["rope:torch"] += 1
-    cos = _as_btd(cos, "cos").unsqueeze(2)
-    sin = _as_btd(sin, "sin").unsqueeze(2)
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: [x1, x2] -> [-x2, x1] along the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    def rotate_half(x):
-        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-        return torch.cat((-x2, x1), dim=-1)
 
+def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' apply_rotary_pos_emb for [B, T, H, D] tensors (unsqueeze_dim=2), op for op
+    (so bit-identical to the stock attention), out of place; cos/sin [B or 1, T, D]. Not counted:
+    the stock-numerics fallback of engine.models.patches calls it too."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """`rope_reference` behind the dispatcher: cos/sin may also be [T, D]; counted."""
+    COUNTERS["rope:torch"] += 1
+    return rope_reference(q, k, _as_btd(cos, "cos"), _as_btd(sin, "sin"))
 
 
 def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -47,15 +47,9 @@ import torch
 from torch import nn
 
 from engine.counters import count_fallback
-from engine.fastpath.lora import (
-    GatedAct,
-    LoRAGroup,
-    base_dtype,
-    lora_linears,
-    lora_mlp,
-    lora_parts,
-    lora_unsupported_reason,
-)
+from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp
+from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason
+from engine.kernels.rope import rope_reference
 from engine.peft_model import hf_model
 
 FAST_PATHS = ("rmsnorm", "rope", "activations", "lora_qkv", "lora_o", "lora_mlp")
@@ -261,17 +255,6 @@ class _AttnPlan:
     rope_always_inplace: bool  # the forced-Triton path rotates in place even on CPU
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope_torch(q, k, cos, sin):
-    # transformers' apply_rotary_pos_emb for the [B, T, H, D] layout (heads on dim 2).
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
 def _attention_interface(impl: Optional[str], eager: Callable) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -323,8 +306,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         q, k = self.q_norm(q), self.k_norm(k)
 
     cos, sin = position_embeddings
-    if plan.rope is None:
-        q, k = _rope_torch(q, k, cos, sin)
+    if plan.rope is None:  # transformers' own rotation, op for op (uncounted: rope is off)
+        q, k = rope_reference(q, k, cos, sin)
     else:
         if plan.qk_norm and (plan.rope_always_inplace or q.is_cuda):
             # The in-place rotation cannot run on a view made inside another autograd Function

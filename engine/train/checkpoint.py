@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.fastpath.lora import adapters_changed
+from engine.fastpath.lora_group import adapters_changed
 
 STATE_FILE = "trainer_state.json"
 

@@ -271,10 +271,10 @@ def test_session_puts_what_ran_into_step_metrics(tmp_path):
 
 
 def test_session_logs_a_fallback_once(tmp_path, monkeypatch):
-    from engine.fastpath import lora as lora_autograd
+    from engine.fastpath import lora_group
 
     # Every fused projection refuses at run time (as a disabled adapter would).
-    monkeypatch.setattr(lora_autograd, "runtime_ok", lambda parts, x: False)
+    monkeypatch.setattr(lora_group, "runtime_ok", lambda parts, x: False)
     steps, logs = _run(_session_config(tmp_path, steps=3))
     for m in steps:
         assert set(m.fallbacks) == {"lora_qkv: runtime check failed", "lora_o: runtime check failed",

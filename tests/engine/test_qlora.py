@@ -21,8 +21,9 @@ bnb = pytest.importorskip("bitsandbytes")
 
 from bench.workloads import CPU_TINY, build_model, quantize_nf4  # noqa: E402
 from engine.config import FastPathConfig, LoraConfig  # noqa: E402
-from engine.fastpath.lora import lora_linears, lora_parts, lora_unsupported_reason, runtime_ok  # noqa: E402
 from engine.fastpath import quant  # noqa: E402
+from engine.fastpath.lora import lora_linears  # noqa: E402
+from engine.fastpath.lora_group import lora_parts, lora_unsupported_reason, runtime_ok  # noqa: E402
 from engine.models.lora import attach_lora  # noqa: E402
 from engine.models.patches import FAST_PATHS, apply_fast_paths, remove_fast_paths  # noqa: E402
 

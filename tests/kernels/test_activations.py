@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.activations import (
+    gated_act_reference,
     geglu,
     geglu_reference,
     geglu_triton,
@@ -90,6 +91,19 @@ def test_references_are_fp32_then_cast():
                                rtol=0, atol=0)
     torch.testing.assert_close(geglu_reference(gate, up, "tanh"),
                                (F.gelu(gate.float(), approximate="tanh") * up.float()).bfloat16(), rtol=0, atol=0)
+
+
+def test_stock_numerics_are_transformers_mlp_bit_for_bit():
+    # upcast=False is what engine.fastpath.lora's "torch" GatedAct runs: act_fn(gate) * up in the
+    # input dtype, as transformers' gated MLPs compute it, so the fused MLP matches them exactly.
+    from transformers.activations import ACT2FN
+
+    gate, up, _ = _inputs((8, 64), torch.bfloat16, 9)
+    for act, name in (("silu", "silu"), ("gelu", "gelu"), ("gelu_tanh", "gelu_pytorch_tanh")):
+        assert gated_act_reference(gate, up, act, upcast=False).equal(ACT2FN[name](gate) * up), act
+        assert gated_act_reference(gate, up, act).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown gated activation"):
+        gated_act_reference(gate, up, "relu")
 
 
 def test_dispatcher_uses_reference_on_cpu():

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from engine.kernels.rope import apply_rope, apply_rope_reference, apply_rope_triton
+from engine.kernels.rope import apply_rope, apply_rope_reference, apply_rope_triton, rope_reference
 
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -92,6 +92,12 @@ def test_reference_matches_transformers():
     q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
     for a, b in zip(apply_rope_reference(q, k, cos, sin), _hf(q, k, cos, sin)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # The uncounted math (engine.models.patches' rotation when the rope kernel is off) is the
+    # stock rotation bit for bit in bf16 too.
+    cos, sin = cos.bfloat16(), sin.bfloat16()
+    q, k = q.bfloat16(), k.bfloat16()
+    for a, b in zip(rope_reference(q, k, cos, sin), _hf(q, k, cos, sin)):
+        assert a.equal(b)
 
 
 def test_dispatcher_uses_reference_on_cpu():
