@@ -17,12 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 # Metadata builds and host reads are counted in engine.counters (re-exported here).
-from engine.counters import BASE_KEYS, COUNTERS, reset_counters  # noqa: E402,F401
-
-
-# Block sizes the varlen attention kernels tile documents with on the GPU; their block tables are
-# built when a batch moves to the device (engine.kernels.varlen_attention.TABLE_BLOCKS).
-TABLE_BLOCKS = (64, 128)
+from engine.counters import BASE_KEYS, COUNTERS, reset_counters  # noqa: F401
 
 # Device cu_seqlens tensor id -> the PackedSeqInfo that owns it, so the attention function, which
 # only receives `cu_seq_lens_q` through the model kwargs, can find the host-built block tables.
@@ -78,7 +73,11 @@ class PackedSeqInfo:
                 self.total_tokens,
             )
             if device.type == "cuda":
-                # Queue the attention block tables with the batch, so no layer builds them.
+                # Queue the attention block tables with the batch, so no layer builds them: one
+                # per block size the varlen kernels tile documents with. (Imported here, like
+                # host_block_table below: the collator imports this module and stays light.)
+                from engine.kernels.varlen_attention import TABLE_BLOCKS
+
                 for block in TABLE_BLOCKS:
                     for kind in ("q", "k"):
                         dev.block_table(kind, block)
