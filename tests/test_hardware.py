@@ -12,7 +12,14 @@ from engine.config import AUTO, RunConfig
 from engine.hardware import policy
 from engine.hardware.policy import apply_defaults, explain_defaults, format_profile, resolve_defaults
 from engine.hardware.profile import (
-    KINDS, GiB, GpuProperties, HardwareProfile, MiB, classify, detect, profile_from_properties,
+    KINDS,
+    GiB,
+    GpuProperties,
+    HardwareProfile,
+    MiB,
+    classify,
+    detect,
+    profile_from_properties,
 )
 from engine.models.estimate import model_info
 

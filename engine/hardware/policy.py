@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.config import AUTO, RunConfig
+from engine.hardware.profile import MIN_FAST_PATH_CAPABILITY, GiB, HardwareProfile, MiB
 from engine.models import estimate as est
-
-from engine.hardware.profile import GiB, MiB, MIN_FAST_PATH_CAPABILITY, HardwareProfile
 
 # Used to size the cross-entropy chunk when the model is not known yet: a large modern
 # vocabulary (Qwen), so the chunk is never too big for the model that does get loaded.
@@ -81,7 +80,8 @@ class Defaults:
 
     def explain(self) -> list[str]:
         lines = [f"{path} = {_show(value)}: {reason}" for path, (value, reason) in self.choices.items()]
-        lines += [f"{path} = {_show(value)} (no config field): {reason}" for path, (value, reason) in self.notes.items()]
+        lines += [f"{path} = {_show(value)} (no config field): {reason}"
+                  for path, (value, reason) in self.notes.items()]
         lines += [f"warning: {w}" for w in self.warnings]
         return lines
 

@@ -19,7 +19,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-
 GiB = 1024**3
 MiB = 1024**2
 
