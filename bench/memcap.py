@@ -58,8 +58,9 @@ def _make_step(impl: str, workload, device):
 
         fields = variant_fields(impl.split(":", 1)[1]) if ":" in impl else {}
         model = build_model(workload, dtype=torch.bfloat16, device=device, attn_implementation="sdpa")
-        model, fp, report = prepare_ours(model, workload, device, fields)
-        run, _ = loss_fn(model, fp, report)
+        prepared, fp = prepare_ours(model, workload, device, fields)
+        model = prepared.model
+        run, _ = loss_fn(prepared, fp)
 
         def forward(ids: list[int]):
             batch = PackedBatch.from_documents([ids]).to(device)

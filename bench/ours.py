@@ -86,7 +86,8 @@ def lora_config(workload):
 
 
 def prepare_ours(model, workload, device, fields: dict, gradient_checkpointing: bool = True):
-    """Attach LoRA and switch the fast paths on; returns (peft model, fast path config, report).
+    """Attach LoRA and switch the fast paths on; returns (PreparedModel, fast path config): the
+    PreparedModel holds the PEFT model, its offloader (or None) and the fast-path report.
 
     Offload is off unless `fields` asks for it (variant_fields of "all-on" does).
     """
@@ -96,21 +97,22 @@ def prepare_ours(model, workload, device, fields: dict, gradient_checkpointing: 
     fp = fast_path_config(fields)
     offload = split_fields(fields)[1].get("offload", "off")
     model = attach_lora(model, lora_config(workload))
-    report = prepare_model(model, fp, device, gradient_checkpointing=gradient_checkpointing, offload=offload)
+    prepared = prepare_model(model, fp, device, gradient_checkpointing=gradient_checkpointing, offload=offload)
     model.train()
-    return model, fp, dict(report or {})
+    return prepared, fp
 
 
-def loss_fn(model, fp, report: dict):
-    """step(batch) -> scalar loss, with the switches prepare_model settled on."""
+def loss_fn(prepared, fp):
+    """step(batch) -> scalar loss, with the switches prepare_model settled on (and its offloader)."""
     from engine.train.step import forward_loss
 
+    model, offloader, report = prepared.model, prepared.offloader, prepared.report
     fused = report.get("fused_ce", "on" if fp.fused_ce is not False else "off") == "on"
     chunk = None if fp.ce_chunk_tokens == "auto" else fp.ce_chunk_tokens
 
     def run(batch):
         return forward_loss(model, batch, normalizer=batch.num_trained_tokens, fused_ce=fused,
-                            cached_metadata=fp.cached_metadata, ce_chunk_tokens=chunk)
+                            cached_metadata=fp.cached_metadata, ce_chunk_tokens=chunk, offloader=offloader)
 
     return run, fused
 
@@ -121,7 +123,6 @@ def setup_ours(variant: str):
 
         from bench.workloads import build_model
         from engine.data.collate import PackedBatch
-        from engine.train.step import offloader_of
 
         wl = ctx.workload
         fields = variant_fields(variant)
@@ -134,8 +135,9 @@ def setup_ours(variant: str):
             _need_bnb(ctx.device)
         model = build_model(wl, dtype=torch.bfloat16 if ctx.device.type == "cuda" else torch.float32,
                             device=ctx.device, attn_implementation="sdpa")
-        model, fp, report = prepare_ours(model, wl, ctx.device, fields)
-        run, fused = loss_fn(model, fp, report)
+        prepared, fp = prepare_ours(model, wl, ctx.device, fields)
+        model, offloader, report = prepared.model, prepared.offloader, dict(prepared.report)
+        run, fused = loss_fn(prepared, fp)
         opt, opt_options = make_ours_optimizer([p for p in model.parameters() if p.requires_grad], ctx.lr)
 
         # Collation is host work a data loader does ahead of the GPU; it is timed apart and
@@ -144,7 +146,6 @@ def setup_ours(variant: str):
         packed = [PackedBatch.from_documents(b.documents()) for b in ctx.batches]
         collate_ms = 1e3 * (time.perf_counter() - t0) / max(1, len(packed))
 
-        offloader = offloader_of(model)
         extra = {"collate_ms": round(collate_ms, 2)}
 
         def step(i):

@@ -181,9 +181,10 @@ def run_parity(workload, device, dtypes=("float32", "bfloat16"), seed: int = 0,
         except Exception as exc:
             row["hf_same_dtype_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         try:
-            model, fp, report = prepare_ours(fresh(dtype, "sdpa"), wl, device, {})
+            prepared, fp = prepare_ours(fresh(dtype, "sdpa"), wl, device, {})
+            model, report = prepared.model, dict(prepared.report)
             init_lora_by_name(model)
-            run, fused = loss_fn(model, fp, report)
+            run, fused = loss_fn(prepared, fp)
             pb = PackedBatch.from_documents(docs).to(device)
             loss = run(pb)
             loss.backward()

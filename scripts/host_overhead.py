@@ -45,7 +45,7 @@ def build(layers, hidden, inter, heads, kv_heads, head_dim, dtype, seed=0):
         if p.requires_grad:
             p.data = p.data.float()
     model.train()
-    report = prepare_model(model, FastPathConfig(), "cpu", gradient_checkpointing=True)
+    report = prepare_model(model, FastPathConfig(), "cpu", gradient_checkpointing=True).report
     return model, report
 
 

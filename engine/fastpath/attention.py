@@ -32,7 +32,7 @@ import torch
 
 from engine.counters import count_fallback
 from engine.fastpath import packed
-from engine.kernels.varlen_attention import varlen_attention_reference
+from engine.kernels.varlen_attention import KEPT_KWARG, varlen_attention_reference
 from engine.peft_model import hf_model
 
 ATTN_NAME = "tunesmith_varlen"
@@ -65,7 +65,7 @@ def flash_attn_available() -> bool:
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True, sliding_window=None,
                      softcap=None, backend: str = "auto", info: Optional[packed.PackedSeqInfo] = None,
-                     dropout_p: float = 0.0):
+                     dropout_p: float = 0.0, kept=None):
     """Attention over packed documents: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     `cu_seqlens` int32 [n_docs + 1] on q's device; `max_seqlen` a Python int (flash-attn sizes
@@ -75,6 +75,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True
     "reference".
     `info`: the PackedSeqInfo owning `cu_seqlens`, if known (found automatically otherwise);
     it supplies host-built block tables. `dropout_p` > 0 forces the reference (training only).
+    `kept`: the layer's KeptAttention from the offloader (engine.kernels.varlen_attention), used
+    by the Triton kernel only.
     """
     if backend == "auto":
         d = q.shape[-1]
@@ -107,7 +109,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True
     packed.COUNTERS["attention:varlen_triton"] += 1
     return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale=scale, causal=causal,
                                    sliding_window=sliding_window, softcap=softcap, tables=tables,
-                                   covers_all_tokens=covers)
+                                   covers_all_tokens=covers, kept=kept)
 
 
 def _flash_attn_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window, softcap):
@@ -268,7 +270,7 @@ def tunesmith_varlen_attention_forward(module, query, key, value, attention_mask
     drop = dropout if module.training else 0.0
     out = varlen_attention(q, k, v, cu, max_len, scale=scaling, causal=is_causal,
                            sliding_window=sliding_window, softcap=softcap, backend=backend, info=info,
-                           dropout_p=drop)
+                           dropout_p=drop, kept=kwargs.get(KEPT_KWARG))
     return out.view(b, t, hq, d), None
 
 

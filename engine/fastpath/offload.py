@@ -24,7 +24,9 @@ second buffer runs out of memory.
 Long documents: when attention is a large part of a layer's work (`attention_keep_bytes`
 says when, from the batch's lengths) and there is room, each layer's attention output and
 softmax statistics stay on the device from the first forward to the recompute, which then
-skips the attention forward kernel (engine.kernels.varlen_attention.keep_outputs).
+skips the attention forward kernel. Each layer's slot owns a KeptAttention
+(engine.kernels.varlen_attention) that the offloader hands to the layer's attention call
+through the layer's kwargs; nothing is switched globally.
 
 Nothing here asks the device anything per layer: copies and waits are stream events, so
 there are no device-to-host syncs.
@@ -42,7 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.kernels.varlen_attention import keep_outputs, reuse_outputs
+from engine.kernels.varlen_attention import KEPT_KWARG, KeptAttention
 
 MODES = ("single", "double")
 # Headroom kept free beside the second buffer when choosing double buffering.
@@ -86,13 +88,14 @@ class _Slot:
     device_copy: Optional[torch.Tensor] = None  # filled by a prefetch
     ready: Optional[torch.cuda.Event] = None  # recorded on the copy stream after the reload
     saved: bool = False
-    attention: list = field(default_factory=list)  # kept (o, lse) of the layer's attention
+    # The layer's attention outputs kept from its forward for its recompute.
+    attention: KeptAttention = field(default_factory=KeptAttention)
 
 
 class ActivationOffloader:
     """Parks decoder-layer inputs in host memory; installs itself as the layers' checkpoint function."""
 
-    def __init__(self, mode: str, device):
+    def __init__(self, mode: str, device, keep_attention_allowed: bool = True):
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {MODES}, not {mode!r}")
         self.mode = mode  # what was asked for
@@ -103,7 +106,7 @@ class ActivationOffloader:
         self.stats = OffloadStats()
         self._step_mode = mode
         self._keep_attention = False
-        self.keep_attention_allowed = True  # FastPathConfig.keep_attention
+        self.keep_attention_allowed = bool(keep_attention_allowed)  # FastPathConfig.keep_attention
         # An input that always requires grad, so every layer's backward runs even when the
         # first layer's input (frozen embeddings) needs no gradient.
         self._grad_anchor = torch.empty(0, device=self.device, requires_grad=True)
@@ -129,7 +132,7 @@ class ActivationOffloader:
         self._keep_attention = False
         for slot in self.slots:  # a step that failed midway (OOM) may have left reloads behind
             slot.device_copy, slot.ready, slot.saved = None, None, False
-            slot.attention.clear()
+            slot.attention.outputs.clear()
         # One query of the device's free memory per step, only when something depends on it.
         free = free_device_bytes(self.device) if self.cuda and (self.mode == "double" or attention_keep_bytes) else 0
         if self.mode == "double" and self.cuda:
@@ -158,7 +161,7 @@ class ActivationOffloader:
         self.keep_attention_allowed = False
         self._keep_attention = False
         for slot in self.slots:
-            slot.attention.clear()
+            slot.attention.outputs.clear()
 
     # -- the checkpoint function the layers call ------------------------------------------------
 
@@ -283,11 +286,10 @@ class OffloadedLayer(torch.autograd.Function):
     def forward(ctx, offloader: ActivationOffloader, index: int, fn: Callable, anchor, hidden):
         ctx.offloader, ctx.index, ctx.fn = offloader, index, fn
         ctx.rng = _RngState.capture(hidden.device)
-        keep = (keep_outputs(offloader.slots[index].attention) if offloader._keep_attention
-                else contextlib.nullcontext())
-        with torch.no_grad(), keep:
-            out = fn(hidden)
-        if offloader.slots[index].attention:
+        kept = offloader.slots[index].attention
+        with torch.no_grad(), _passing(kept, "keep" if offloader._keep_attention else None) as extra:
+            out = fn(hidden, **extra)
+        if kept.outputs:
             offloader.stats.attention_layers += 1
         offloader._park(index, hidden)
         if isinstance(out, tuple):  # older decoder layers return (hidden, ...)
@@ -303,14 +305,31 @@ class OffloadedLayer(torch.autograd.Function):
         off._prefetch_before(ctx.index)
         need_dx = ctx.needs_input_grad[4]
         hidden = hidden.detach().requires_grad_(need_dx)
-        with torch.enable_grad(), ctx.rng.restored(), reuse_outputs(off.slots[ctx.index].attention):
-            out = ctx.fn(hidden)
+        kept = off.slots[ctx.index].attention
+        with torch.enable_grad(), ctx.rng.restored(), _passing(kept, "reuse" if kept.outputs else None) as extra:
+            out = ctx.fn(hidden, **extra)
         if ctx.tuple_out:
             out = out[0]
         if out.requires_grad:
             torch.autograd.backward(out, grad_out)
         dx = hidden.grad if need_dx else None
         return None, None, None, None, dx
+
+
+@contextlib.contextmanager
+def _passing(kept: KeptAttention, mode: Optional[str]):
+    """The layer kwargs that hand `kept` to its attention calls in `mode` ("keep" or "reuse");
+    none when there is nothing to keep or reuse (the layer then runs exactly as without it)."""
+    if mode is None:
+        yield {}
+        return
+    kept.mode = mode
+    try:
+        yield {KEPT_KWARG: kept}
+    finally:
+        kept.mode = None
+        if mode == "reuse":
+            kept.outputs.clear()  # whatever the recompute did not take is not needed any more
 
 
 @dataclass

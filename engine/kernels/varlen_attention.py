@@ -19,9 +19,9 @@ gradients accumulate in registers with no atomics), then dQ per query block.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -668,59 +668,44 @@ def _backward(do, q, k, v, o, lse, L: _Launch):
     return dq, dk, dv
 
 
-class _Kept:
-    """Attention outputs kept across a checkpointed layer's recompute (engine.fastpath.offload).
+@dataclass
+class KeptAttention:
+    """Attention outputs kept across a checkpointed layer's recompute, owned by the offloader
+    (engine.fastpath.offload: one per decoder layer) and handed down to the attention call
+    with the layer's kwargs (KEPT_KWARG).
 
-    While a layer's first forward runs inside `keep_outputs(store)`, each attention call
-    appends its (o, lse) to `store`; the recompute, inside `reuse_outputs(store)`, takes them
-    back in call order instead of running the forward kernel again. The recompute's q/k/v are
-    bitwise those of the first forward (same inputs, same kernels), so the backward is the one
-    it would have been. Costs the kept outputs' memory; pays when attention is long.
+    mode "keep" (the layer's first forward): each attention call appends its (o, lse) to
+    `outputs`; mode "reuse" (the recompute): the calls take them back in call order instead of
+    running the forward kernel again. The recompute's q/k/v are bitwise those of the first
+    forward (same inputs, same kernels), so the backward is the one it would have been. Costs
+    the kept outputs' memory; pays when attention is long.
     """
 
     mode: Optional[str] = None  # None, "keep" or "reuse"
-    store: Optional[list] = None
+    outputs: list = field(default_factory=list)
 
 
-@contextlib.contextmanager
-def _kept(mode: str, store: list):
-    prev = (_Kept.mode, _Kept.store)
-    _Kept.mode, _Kept.store = mode, store
-    try:
-        yield store
-    finally:
-        _Kept.mode, _Kept.store = prev
-        if mode == "reuse":
-            store.clear()  # whatever the recompute did not take is not needed any more
+# The kwarg that carries a layer's KeptAttention from the offloader to the attention function.
+KEPT_KWARG = "tunesmith_kept_attention"
 
 
-def keep_outputs(store: list):
-    """Context: attention calls append their (o, lse) to `store` (a layer's first forward)."""
-    return _kept("keep", store)
-
-
-def reuse_outputs(store: list):
-    """Context: attention calls take their outputs from `store` in order (the recompute)."""
-    return _kept("reuse", store)
-
-
-def _forward_or_kept(q, k, v, launch: _Launch):
-    store = _Kept.store
-    if _Kept.mode == "reuse" and store:
-        o, lse = store.pop(0)
+def _forward_or_kept(q, k, v, launch: _Launch, kept: Optional[KeptAttention] = None):
+    mode = kept.mode if kept is not None else None
+    if mode == "reuse" and kept.outputs:
+        o, lse = kept.outputs.pop(0)
         if o.shape == q.shape and o.dtype == q.dtype and o.device == q.device:
             return o, lse
-        store.clear()  # not this call's output: the layer changed; compute as usual
+        kept.outputs.clear()  # not this call's output: the layer changed; compute as usual
     o, lse = _forward(q, k, v, launch)
-    if _Kept.mode == "keep":
-        store.append((o, lse))
+    if mode == "keep":
+        kept.outputs.append((o, lse))
     return o, lse
 
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, launch: _Launch):
-        o, lse = _forward_or_kept(q, k, v, launch)
+    def forward(ctx, q, k, v, launch: _Launch, kept: Optional[KeptAttention] = None):
+        o, lse = _forward_or_kept(q, k, v, launch, kept)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.launch = launch
         return o
@@ -731,7 +716,7 @@ class _VarlenAttention(torch.autograd.Function):
         if do.stride(-1) != 1:
             do = do.contiguous()
         dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.launch)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 def _check(q, k, v, cu_seqlens):
@@ -751,13 +736,15 @@ def _check(q, k, v, cu_seqlens):
 
 def varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, causal=True,
                             sliding_window=None, softcap=None, tables: Optional[TableFn] = None,
-                            blocks: Optional[tuple[int, int]] = None, covers_all_tokens: bool = False):
+                            blocks: Optional[tuple[int, int]] = None, covers_all_tokens: bool = False,
+                            kept: Optional[KeptAttention] = None):
     """Triton varlen attention (differentiable). `tables` supplies block tables (see module
     doc); without it they are built on the device from `cu_seqlens` (sync-free, a few tiny
     launches per call). `blocks` pins (table block, step block) for every kernel (tests).
     `covers_all_tokens`: the caller knows cu_seqlens[-1] == T (skips zeroing dK/dV); otherwise
     outputs of tokens outside every document are unspecified and their dK/dV are zero.
-    `max_seqlen` is accepted for API symmetry; the block tables make it unnecessary."""
+    `max_seqlen` is accepted for API symmetry; the block tables make it unnecessary.
+    `kept`: a layer's KeptAttention while the offloader keeps attention outputs (else None)."""
     _check(q, k, v, cu_seqlens)
     if tables is None:
         t = q.shape[0]
@@ -769,4 +756,4 @@ def varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None,
             return cache[block]
     launch = _Launch(q, k, cu_seqlens, tables, scale, causal, sliding_window, softcap, blocks,
                      covers_all_tokens)
-    return _VarlenAttention.apply(q, k, v, launch)
+    return _VarlenAttention.apply(q, k, v, launch, kept)

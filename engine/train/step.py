@@ -1,6 +1,7 @@
 """One micro-batch's forward and loss, shared by the TrainingSession and the benchmark harness.
 
-`prepare_model` switches on the fast paths once; `forward_loss` runs the decoder over a
+`prepare_model` switches on the fast paths once and returns a PreparedModel: the model, the
+ActivationOffloader it installed (or None) and the report of what is on. `forward_loss` runs the decoder over a
 PackedBatch and computes the loss straight from the last hidden states, so the full
 [tokens x vocab] logits never exist when the fused cross-entropy is on. The loss is a sum over
 trained tokens divided by `normalizer`, the trained-token count of the whole accumulated
@@ -8,6 +9,9 @@ optimizer step, so gradient accumulation gives exactly the large-batch gradient.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +25,21 @@ def _wanted(value) -> bool:
     return value is True or value == AUTO
 
 
+@dataclass
+class PreparedModel:
+    """What prepare_model did: the model it switched fast paths on for, the offloader it
+    installed into the model's decoder layers (None without offload), and the report
+    {fast path: "on" | why off}. forward_loss takes the offloader from here."""
+
+    model: Any
+    offloader: Optional[Any] = None  # engine.fastpath.offload.ActivationOffloader
+    report: dict[str, str] = field(default_factory=dict)
+
+
 def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpointing: bool,
-                  offload: str = "off") -> dict[str, str]:
-    """Apply the fast paths to a PEFT-wrapped causal LM; return {fast path: "on" | why off}.
+                  offload: str = "off") -> PreparedModel:
+    """Apply the fast paths to a PEFT-wrapped causal LM; return a PreparedModel whose report
+    says {fast path: "on" | why off}.
 
     `offload` ("off", "single", "double"; "auto" is resolved by the hardware policy before
     this) parks each checkpointed layer's input in host memory (engine.fastpath.offload).
@@ -63,34 +79,27 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
     if gradient_checkpointing:
         # Non-reentrant checkpointing needs no input grads and works with frozen embeddings.
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    report["offload"] = _install_offload(base, offload, device, gradient_checkpointing)
-    if base._tunesmith_offloader is not None:
-        base._tunesmith_offloader.keep_attention_allowed = bool(fast_paths.keep_attention)
-    return report
+    offloader, report["offload"] = _install_offload(base, offload, device, gradient_checkpointing,
+                                                    bool(fast_paths.keep_attention))
+    return PreparedModel(model, offloader, report)
 
 
-def _install_offload(base, mode: str, device: torch.device, gradient_checkpointing: bool) -> str:
+def _install_offload(base, mode: str, device: torch.device, gradient_checkpointing: bool,
+                     keep_attention: bool):
+    """(the installed ActivationOffloader or None, its report line)."""
     from engine.fastpath.offload import ActivationOffloader, decoder_layers
 
-    base._tunesmith_offloader = None
     if mode in ("off", AUTO, None, False):
-        return "off: disabled in config" if mode in ("off", False) else "off: not chosen"
+        return None, "off: disabled in config" if mode in ("off", False) else "off: not chosen"
     if not gradient_checkpointing:
-        return "off: offload moves checkpointed layer inputs, and checkpointing is off"
+        return None, "off: offload moves checkpointed layer inputs, and checkpointing is off"
     layers = decoder_layers(base)
     if not layers:
-        return f"off: {type(base).__name__} has no checkpointed decoder layers"
-    offloader = ActivationOffloader(mode, device)
+        return None, f"off: {type(base).__name__} has no checkpointed decoder layers"
+    offloader = ActivationOffloader(mode, device, keep_attention_allowed=keep_attention)
     offloader.install(layers)
-    base._tunesmith_offloader = offloader
     where = "" if device.type == "cuda" else " (CPU: the copies stay in host memory and save nothing)"
-    return f"on: {mode} buffer, {len(layers)} layers{where}"
-
-
-def offloader_of(model):
-    """The model's ActivationOffloader, or None."""
-    base = hf_model(model)
-    return getattr(base, "_tunesmith_offloader", None)
+    return offloader, f"on: {mode} buffer, {len(layers)} layers{where}"
 
 
 def _decoder_and_head(model):
@@ -105,10 +114,17 @@ def forward_loss(
     fused_ce: bool = True,
     cached_metadata: bool = True,
     ce_chunk_tokens: int | None = None,
+    offloader=None,
 ) -> torch.Tensor:
-    """sum(token losses over trained targets) / normalizer for one micro-batch."""
+    """sum(token losses over trained targets) / normalizer for one micro-batch.
+
+    `model`: the model, or the PreparedModel prepare_model returned (whose offloader is then
+    used). `offloader`: the ActivationOffloader installed in the model, if any; it chooses
+    each micro-batch's buffering and whether attention outputs are kept."""
+    if isinstance(model, PreparedModel):
+        offloader = offloader if offloader is not None else model.offloader
+        model = model.model
     base, decoder, head = _decoder_and_head(model)
-    offloader = getattr(base, "_tunesmith_offloader", None)
     if offloader is not None and base.training and torch.is_grad_enabled():
         # Double buffering needs room for one more layer input, keeping attention outputs
         # room for them: both decided per micro-batch.

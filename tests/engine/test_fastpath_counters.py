@@ -102,7 +102,7 @@ def test_requested_but_not_run():
 
 def test_cpu_step_runs_fused_lora_and_kernel_references_without_fallbacks(host_reads):
     model = tiny()
-    report = prepare_model(model, ON, CPU, gradient_checkpointing=False)
+    report = prepare_model(model, ON, CPU, gradient_checkpointing=False).report
     assert all(report[k] == "on" for k in ("lora_qkv", "lora_o", "lora_mlp", "rmsnorm", "rope",
                                            "activations", "packed_attention", "fused_ce"))
     model.train()
@@ -166,7 +166,7 @@ def test_triton_kernels_through_the_interpreter_read_nothing_on_the_host(host_re
 
 def test_autocast_falls_back_with_its_reason():
     model = tiny()
-    report = prepare_model(model, ON, CPU, gradient_checkpointing=False)
+    report = prepare_model(model, ON, CPU, gradient_checkpointing=False).report
     model.train()
     b = batch()
     reset_counters()
@@ -182,7 +182,7 @@ def test_autocast_falls_back_with_its_reason():
 
 def test_disabled_adapter_falls_back_per_projection():
     model = tiny()
-    report = prepare_model(model, ON, CPU, gradient_checkpointing=False)
+    report = prepare_model(model, ON, CPU, gradient_checkpointing=False).report
     model.eval()
     b = batch()
     reset_counters()
@@ -211,7 +211,7 @@ def test_kv_cache_generation_counts_the_stock_attention():
 
 def test_lora_dropout_is_reported_off_and_never_counted():
     model = tiny(dropout=0.05)
-    report = prepare_model(model, ON, CPU, gradient_checkpointing=False)
+    report = prepare_model(model, ON, CPU, gradient_checkpointing=False).report
     assert report["lora_mlp"] == report["lora_qkv"] == "off: lora dropout 0.05 > 0"
     model.train()
     _, calls, fallbacks = one_step(model)

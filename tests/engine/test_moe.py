@@ -304,6 +304,6 @@ def test_default_lora_on_a_moe_model_leaves_experts_frozen_and_grouped():
     assert all_linear_names(model) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     peft_model = attach_lora(model, LoraConfig())
     assert not any("experts" in n or ".gate." in n for n, p in peft_model.named_parameters() if p.requires_grad)
-    report = prepare_model(peft_model, FastPathConfig(), torch.device("cpu"), gradient_checkpointing=True)
+    report = prepare_model(peft_model, FastPathConfig(), torch.device("cpu"), gradient_checkpointing=True).report
     assert report["moe_grouping"] == "on", report
     assert report["lora_qkv"] == "on" and report["lora_o"] == "on" and report["rmsnorm"] == "on"

@@ -8,7 +8,7 @@ import torch
 
 from engine.config import FastPathConfig
 from engine.data.collate import PackedBatch
-from engine.train.step import forward_loss, offloader_of, prepare_model
+from engine.train.step import forward_loss, prepare_model
 from tests.test_patches import tiny
 
 LENGTHS = (7, 12, 5, 9)
@@ -23,15 +23,15 @@ def batch(seed=3, vocab=128):
 def one_step(ckpt: bool, offload: str, fast: bool = True, lora=None, seed=0):
     model = tiny("qwen3", attn="sdpa", lora=lora, num_hidden_layers=3)
     fp = FastPathConfig() if fast else FastPathConfig(kernels=False, lora_autograd=False, fused_ce=False)
-    report = prepare_model(model, fp, torch.device("cpu"), gradient_checkpointing=ckpt, offload=offload)
+    prepared = prepare_model(model, fp, torch.device("cpu"), gradient_checkpointing=ckpt, offload=offload)
     model.train()
     b = batch()
     torch.manual_seed(seed)
-    loss = forward_loss(model, b, normalizer=b.num_trained_tokens, fused_ce=fast)
+    loss = forward_loss(prepared, b, normalizer=b.num_trained_tokens, fused_ce=fast)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert grads and all(g is not None for g in grads.values())
-    return loss.detach(), grads, report, model
+    return loss.detach(), grads, prepared.report, prepared
 
 
 def assert_equal_steps(a, b, tol=1e-6):
@@ -50,9 +50,9 @@ def test_offload_gives_the_same_gradients(mode):
     off = one_step(ckpt=True, offload=mode)
     assert_equal_steps(off, ckpt)
     assert_equal_steps(off, plain, tol=1e-5)
-    report, model = off[2], off[3]
+    report, prepared = off[2], off[3]
     assert report["offload"].startswith(f"on: {mode} buffer, 3 layers"), report["offload"]
-    stats = offloader_of(model).stats
+    stats = prepared.offloader.stats
     assert stats.layers == 3 and stats.mode == mode
     assert stats.bytes_offloaded == 3 * sum(LENGTHS) * 64 * 4  # 3 layer inputs, hidden 64, fp32
 
@@ -69,20 +69,20 @@ def test_offload_on_peft_path_with_dropout_recomputes_the_same_masks():
 
 
 def test_offload_needs_checkpointing_and_says_so():
-    _, _, report, model = one_step(ckpt=False, offload="double")
+    _, _, report, prepared = one_step(ckpt=False, offload="double")
     assert report["offload"].startswith("off:") and "checkpointing is off" in report["offload"]
-    assert offloader_of(model) is None
+    assert prepared.offloader is None
     _, _, report, _ = one_step(ckpt=True, offload="off")
     assert report["offload"] == "off: disabled in config"
 
 
 def test_no_grad_forward_in_train_mode_skips_the_offload():
-    _, _, _, model = one_step(ckpt=True, offload="single")
-    off = offloader_of(model)
+    _, _, _, prepared = one_step(ckpt=True, offload="single")
+    off = prepared.offloader
     off.stats.layers = 0
     b = batch(seed=9)
     with torch.no_grad():
-        forward_loss(model, b, normalizer=b.num_trained_tokens)
+        forward_loss(prepared, b, normalizer=b.num_trained_tokens)
     assert off.stats.layers == 0
 
 
@@ -118,15 +118,16 @@ def long_step(keep: bool, monkeypatch):
     monkeypatch.setattr(va, "_forward", counting_forward)
     monkeypatch.setattr(offload, "ATTENTION_KEEP_MIN_SHARE", 0.25 if keep else float("inf"))
     model = tiny("qwen3", attn="sdpa", num_hidden_layers=3)
-    prepare_model(model, FastPathConfig(), torch.device("cpu"), gradient_checkpointing=True, offload="single")
+    prepared = prepare_model(model, FastPathConfig(), torch.device("cpu"), gradient_checkpointing=True,
+                             offload="single")
     # The Triton kernel (interpreted here) is the backend that keeps its outputs.
     assert enable_packed_attention(model, backend="triton") == "on"
     model.train()
     g = torch.Generator().manual_seed(4)
     b = PackedBatch.from_documents([torch.randint(0, 128, (n,), generator=g).tolist() for n in LONG])
-    loss = forward_loss(model, b, normalizer=b.num_trained_tokens)
-    off = offloader_of(model)
-    kept_after_forward = [len(s.attention) for s in off.slots]
+    loss = forward_loss(model, b, normalizer=b.num_trained_tokens, offloader=prepared.offloader)
+    off = prepared.offloader
+    kept_after_forward = [len(s.attention.outputs) for s in off.slots]
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return loss.detach(), grads, len(calls), kept_after_forward, off
@@ -139,7 +140,8 @@ def test_long_documents_keep_attention_outputs_for_the_recompute(monkeypatch):
     assert off1.stats.attention_layers == 3 and off1.stats.note() == "single, attention kept in 3 layers"
     assert off0.stats.attention_layers == 0 and off0.stats.note() == "single"
     assert kept1 == [1, 1, 1] and kept0 == [0, 0, 0]
-    assert all(not s.attention for s in off1.slots)  # the recompute took every kept output
+    # the recompute took every kept output
+    assert all(not s.attention.outputs and s.attention.mode is None for s in off1.slots)
     assert calls0 == 6 and calls1 == 3  # forward + recompute, against forward alone
     # The recompute's q/k/v are bitwise the first forward's: the same loss and gradients.
     assert torch.equal(l1, l0)

@@ -14,7 +14,7 @@ from bench.batches import make_batches
 from bench.ours import prepare_ours
 from bench.workloads import WORKLOADS, build_model, shrink
 from engine.data.collate import PackedBatch
-from engine.train.step import forward_loss, offloader_of
+from engine.train.step import forward_loss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -27,7 +27,8 @@ def run(offload: str, sync_check: bool = False):
     wl = shrink(WORKLOADS["W3"], LAYERS, vocab=32_000)
     model = build_model(wl, dtype=torch.bfloat16, device=CUDA, attn_implementation="sdpa")
     fields = {} if offload == "off" else {"offload": offload}
-    model, fp, report = prepare_ours(model, wl, CUDA, fields)
+    prepared, fp = prepare_ours(model, wl, CUDA, fields)
+    model, report = prepared.model, prepared.report
     with torch.no_grad():  # nonzero B so every LoRA gradient is informative
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -43,14 +44,14 @@ def run(offload: str, sync_check: bool = False):
         if sync_check and i == 1:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            loss = forward_loss(model, batch, normalizer=batch.num_trained_tokens)
+            loss = forward_loss(prepared, batch, normalizer=batch.num_trained_tokens)
             loss.backward()
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / GIB
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
-    out = dict(loss=loss.item(), grads=grads, peak=peak, report=report, model=model,
+    out = dict(loss=loss.item(), grads=grads, peak=peak, report=report, model=model, offloader=prepared.offloader,
                layer_bytes=batch.num_tokens * wl.config["hidden_size"] * 2)
     return out
 
@@ -71,7 +72,7 @@ def reference():
 def test_offload_matches_checkpointing_without_syncs(reference, mode):
     out = run(mode, sync_check=True)
     assert out["report"]["offload"].startswith(f"on: {mode} buffer"), out["report"]["offload"]
-    stats = offloader_of(out["model"]).stats
+    stats = out["offloader"].stats
     assert stats.mode == mode and stats.layers == LAYERS, stats
     assert out["loss"] == pytest.approx(reference["loss"], rel=1e-3)
     worst = max(reference["grads"], key=lambda n: rel(out["grads"][n], reference["grads"][n]))
@@ -89,7 +90,7 @@ def test_offload_matches_checkpointing_without_syncs(reference, mode):
 
 def test_double_falls_back_to_single_when_the_second_buffer_does_not_fit():
     out = run("double")
-    off = offloader_of(out["model"])
+    off = out["offloader"]
     # Ask for a step far larger than the card: the second buffer cannot fit.
     assert off.begin_step(tokens=10**10, hidden_size=4096, dtype=torch.bfloat16) == "single"
     assert "free VRAM" in off.stats.fell_back
@@ -103,7 +104,8 @@ def run_long(keep: bool, monkeypatch):
     monkeypatch.setattr(offload, "ATTENTION_KEEP_MIN_SHARE", 0.25 if keep else float("inf"))
     wl = shrink(WORKLOADS["W6"], 2, vocab=32_000)
     model = build_model(wl, dtype=torch.bfloat16, device=CUDA, attn_implementation="sdpa")
-    model, fp, report = prepare_ours(model, wl, CUDA, {"offload": "double"})
+    prepared, fp = prepare_ours(model, wl, CUDA, {"offload": "double"})
+    model = prepared.model
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -115,13 +117,13 @@ def run_long(keep: bool, monkeypatch):
         if i == 1:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            loss = forward_loss(model, batch, normalizer=batch.num_trained_tokens)
+            loss = forward_loss(prepared, batch, normalizer=batch.num_trained_tokens)
             loss.backward()
         finally:
             torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return loss.detach(), grads, offloader_of(model).stats
+    return loss.detach(), grads, prepared.offloader.stats
 
 
 def test_kept_attention_outputs_give_identical_gradients(monkeypatch):
