@@ -1,7 +1,8 @@
 """Checkpoints: adapter, optimizer, scheduler, RNG states and data position, written atomically.
 
 A checkpoint folder `checkpoints/step-N/` appears only once complete: it is written as
-`step-N.tmp` and renamed. `adapter/` inside it is a standard PEFT adapter.
+`step-N.tmp` and renamed. `adapter/` inside it is a standard PEFT adapter. Where things lie
+in a run folder is engine.runs' business; this module knows what goes inside a checkpoint.
 """
 
 from __future__ import annotations
@@ -13,19 +14,18 @@ from pathlib import Path
 
 import torch
 
-from engine.fastpath.lora_group import adapters_changed
-
-STATE_FILE = "trainer_state.json"
+from engine.fastpath.lora import adapters_changed
+from engine.runs import ADAPTER, STATE_FILE, RunFolder, publish, tmp_for
 
 
 def save_checkpoint(folder: Path, model, optimizer, scheduler, step: int, extra: dict, tokenizer=None) -> Path:
     final = Path(folder)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = tmp_for(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "adapter", safe_serialization=True)
+    model.save_pretrained(tmp / ADAPTER, safe_serialization=True)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp / "adapter")
+        tokenizer.save_pretrained(tmp / ADAPTER)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     rng = {"torch": torch.get_rng_state()}
@@ -34,9 +34,7 @@ def save_checkpoint(folder: Path, model, optimizer, scheduler, step: int, extra:
     torch.save(rng, tmp / "rng.pt")
     state = {"step": step, "python_random": _py_state(), **extra}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
+    return publish(tmp, final)
 
 
 def _py_state():
@@ -45,11 +43,7 @@ def _py_state():
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = sorted(
-        (p for p in (Path(run_dir) / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")),
-        key=lambda p: int(p.name.split("-")[1]),
-    )
-    return ckpts[-1] if ckpts else None
+    return RunFolder(run_dir).latest_checkpoint()
 
 
 def read_state(ckpt: Path) -> dict:
@@ -65,7 +59,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> dict:
 
     ckpt = Path(ckpt)
     state = read_state(ckpt)
-    weights = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+    weights = load_file(str(ckpt / ADAPTER / "adapter_model.safetensors"))
     result = set_peft_model_state_dict(model, weights)
     adapters_changed()  # the fused LoRA path's cached adapter copies are stale now
     unexpected = getattr(result, "unexpected_keys", [])

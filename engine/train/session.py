@@ -7,6 +7,14 @@ cross-entropy, all of which the Trainer would need overriding piecemeal.
 
 `run()` blocks (call it on a worker thread) and never raises for bad input: every outcome,
 including failure, arrives as an event, and `run()` returns the last one.
+
+The run is a recipe of named steps (`_run`): `_setup_config` (hardware defaults, seeds, the
+run folder chosen), `_setup_data` (tokenizer, packed data; the run folder opens),
+`_setup_model` (LoRA, fast paths), `_setup_optimizer` (optimizer, step plan, schedule),
+`_restore` (a checkpoint when resuming), then `_train_loop` (pause/stop between steps;
+`_train_step` with `_forward_backward_or_retry` for the kept-attention OOM retry, and
+`_report_step` for counters and metrics) and `_finish` (last checkpoint, final adapter,
+Finished). Where files lie in the run folder is engine.runs' business.
 """
 
 from __future__ import annotations
@@ -33,10 +41,9 @@ from engine.events import (
     RunStarted,
     StepMetrics,
 )
+from engine.runs import RunFolder, RunFolderError, publish, resume_checkpoint, step_of
 
-
-class RunFolderError(RuntimeError):
-    pass
+__all__ = ["TrainingSession", "RunFolderError"]
 
 
 class TrainingSession:
@@ -129,74 +136,65 @@ class TrainingSession:
                 f.close()
         self._metrics_file = self._log_file = None
 
-    def _plan_run_dir(self, config: RunConfig) -> Path:
-        """Where the run will live; refuses a folder that already holds a run (no silent overwrite)."""
-        if self._resume_from is not None:
-            src = self._resume_from
-            run_dir = src.parent.parent if src.parent.name == "checkpoints" else src
-        elif self._run_dir is not None:
-            run_dir = self._run_dir
-        else:
-            name = config.output.run_name
-            if name == "auto":
-                name = datetime.now().strftime("run-%Y%m%d-%H%M%S")
-            run_dir = Path(config.output.dir) / name
-        if self._resume_from is None and run_dir.exists() and any(run_dir.iterdir()):
-            if (run_dir / "config.yaml").exists() and not config.output.overwrite:
-                raise RunFolderError(
-                    f"the output folder {run_dir} already holds a run; choose another run name or "
-                    "folder, resume it, or set output.overwrite: true"
-                )
-            if not (run_dir / "config.yaml").exists():
-                raise RunFolderError(f"the output folder {run_dir} is not empty and holds no run; choose an empty folder")
-        return run_dir
-
-    def _open_run_dir(self, run_dir: Path) -> Path:
-        if self._resume_from is None and (run_dir / "config.yaml").exists():
-            import shutil
-
-            shutil.rmtree(run_dir)  # only reached with output.overwrite: true
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "checkpoints").mkdir(exist_ok=True)
-        self._metrics_file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        self._log_file = open(run_dir / "log.txt", "a", encoding="utf-8")
-        return run_dir
-
+    # -- the recipe ----------------------------------------------------------------------------
     def _run(self) -> Event:
+        self._started = time.time()
+        self._setup_config()
+        self._setup_data()
+        self._setup_model()
+        self._setup_optimizer()
+        self._restore()
+        self._emit(RunStarted(
+            str(self.run_dir), self.config.to_dict(), self._profile.to_dict(), self._total, self._fast,
+            self._summary, self._start_step,
+        ))
+        step, stopped = self._train_loop()
+        return self._finish(step, stopped)
+
+    def _setup_config(self) -> None:
+        """Hardware defaults applied to the config, seeds set, the run folder chosen (not made)."""
         import torch
 
         from engine.hardware import policy
         from engine.hardware.profile import detect
-        from engine.data.collate import PackedBatch
-        from engine.data.dataset import prepare_dataset
-        from engine.models.loading import load_model, load_tokenizer
-        from engine.models.lora import attach_lora, lora_parameters
-        from engine.train import checkpoint as ckpt
-        from engine.train.optim import make_optimizer
-        from engine.train.schedule import StepPlan, lr_lambda
-        from engine.train.step import forward_loss, offloader_of, prepare_model
 
-        started = time.time()
-        profile = detect()
+        self._profile = detect()
         # Model shape from a config.json already on disk (never a download): the memory-based
         # defaults need it; without it the policy keeps to what it can decide safely.
         info = policy.model_info_for(self.config)
-        config = policy.apply_defaults(self.config, profile, info)
-        self.config = config
-        run_dir = self._plan_run_dir(config)
-        t = config.training
-        device = torch.device(t.device)
-        torch.manual_seed(t.seed)
-        random.seed(t.seed)
+        self.config = config = policy.apply_defaults(self.config, self._profile, info)
+        self._folder = self._plan_run_dir(config)
+        self._device = torch.device(config.training.device)
+        torch.manual_seed(config.training.seed)
+        random.seed(config.training.seed)
 
-        # Bad data or a bad model folder fails here, before a run folder exists.
+    def _plan_run_dir(self, config: RunConfig) -> RunFolder:
+        """Where the run will live; refuses a folder that already holds a run (no silent overwrite)."""
+        if self._resume_from is not None:
+            return RunFolder.of(self._resume_from)
+        if self._run_dir is not None:
+            folder = RunFolder(self._run_dir)
+        else:
+            name = config.output.run_name
+            if name == "auto":
+                name = datetime.now().strftime("run-%Y%m%d-%H%M%S")
+            folder = RunFolder(Path(config.output.dir) / name)
+        folder.check_free(config.output.overwrite)
+        return folder
+
+    def _setup_data(self) -> None:
+        """Tokenizer and packed data set; then the run folder opens (bad data fails before it exists)."""
+        from engine.data.dataset import prepare_dataset
+        from engine.models.loading import load_tokenizer
+
+        config = self.config
         self.log(f"Loading tokenizer and data ({config.data.source})")
-        tokenizer = load_tokenizer(config.model)
-        data = prepare_dataset(config.data, tokenizer)
-        summary = data.summary()
-        self.run_dir = self._open_run_dir(run_dir)
-        config.save(run_dir / "config.yaml")
-        self.log(f"Run folder: {run_dir}")
+        self._tokenizer = load_tokenizer(config.model)
+        self._data = data = prepare_dataset(config.data, self._tokenizer)
+        self._summary = summary = data.summary()
+        self._open_run_dir()
+        config.save(self._folder.config)
+        self.log(f"Run folder: {self.run_dir}")
         if data.used_fallback_template:
             self.log("The tokenizer has no chat template; using a plain ChatML template", "warning")
         for idx, reason in data.skipped[:20]:
@@ -204,174 +202,241 @@ class TrainingSession:
         if len(data.skipped) > 20:
             self.log(f"... and {len(data.skipped) - 20} more rows skipped", "warning")
         if data.truncated:
-            self.log(f"{data.truncated} examples were longer than {config.data.max_seq_len} tokens and were truncated", "warning")
+            self.log(f"{data.truncated} examples were longer than {config.data.max_seq_len} tokens "
+                     "and were truncated", "warning")
         self.log(
             f"{summary['examples']} examples packed into {summary['packed_rows']} rows of "
             f"{summary['row_tokens']} tokens ({summary['packing_efficiency']:.1%} full)"
         )
 
+    def _open_run_dir(self) -> None:
+        folder = self._folder.create(fresh=self._resume_from is None)
+        self._metrics_file = open(folder.metrics, "a", encoding="utf-8")
+        self._log_file = open(folder.log, "a", encoding="utf-8")
+        self.run_dir = folder.path
+
+    def _setup_model(self) -> None:
+        """The model with LoRA attached and the fast paths on (engine.train.step.prepare_model)."""
+        from engine.models.loading import load_model
+        from engine.models.lora import attach_lora, lora_parameters
+        from engine.train.step import forward_loss, prepare_model
+
+        config, t, device = self.config, self.config.training, self._device
         self.log(f"Loading model {config.model.name_or_path} on {device} ({config.model.dtype})")
         model = load_model(config.model, device, config.model.dtype)
         model = attach_lora(model, config.lora)
-        fast = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=t.offload)
-        offloader = offloader_of(model)
+        prepared = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=t.offload)
+        self._model, self._offloader, self._fast = prepared.model, prepared.offloader, prepared.report
+        self._forward_loss = forward_loss
         model.train()
-        params = lora_parameters(model)
-        n_train = sum(p.numel() for p in params)
-        self.log(f"LoRA: {n_train:,} trainable parameters; fast paths: " + ", ".join(f"{k}={v}" for k, v in fast.items()))
+        self._params = lora_parameters(model)
+        n_train = sum(p.numel() for p in self._params)
+        self.log(f"LoRA: {n_train:,} trainable parameters; fast paths: "
+                 + ", ".join(f"{k}={v}" for k, v in self._fast.items()))
 
-        optimizer = make_optimizer(params, t.lr, t.weight_decay, t.optimizer)
-        plan = StepPlan(len(data.packing.rows), int(t.rows_per_micro_batch), t.grad_accum, t.seed)
-        total = plan.total_steps(t.max_steps, t.epochs)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.scheduler, t.warmup_steps, total))
+    def _setup_optimizer(self) -> None:
+        """Optimizer, the step plan (which rows each step reads) and the LR schedule."""
+        import torch
 
-        start_step = 0
-        if self._resume_from is not None:
-            source = self._resume_from
-            if (source / "checkpoints").is_dir():
-                source = ckpt.latest_checkpoint(source)
-                if source is None:
-                    raise FileNotFoundError(f"{self._resume_from} holds no checkpoint to resume from")
-            state = ckpt.load_checkpoint(source, model, optimizer, scheduler)
-            start_step = state["step"]
-            self.last_checkpoint = source
-            self.log(f"Resumed from {source} at step {start_step}")
+        from engine.train.optim import make_optimizer
+        from engine.train.schedule import StepPlan, lr_lambda
 
-        self._emit(
-            RunStarted(
-                str(run_dir), config.to_dict(), profile.to_dict(), total, fast, summary, start_step
-            )
+        t = self.config.training
+        self._optimizer = make_optimizer(self._params, t.lr, t.weight_decay, t.optimizer)
+        self._plan = StepPlan(len(self._data.packing.rows), int(t.rows_per_micro_batch), t.grad_accum, t.seed)
+        self._total = total = self._plan.total_steps(t.max_steps, t.epochs)
+        self._scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self._optimizer, lr_lambda(t.scheduler, t.warmup_steps, total))
+
+    def _restore(self) -> None:
+        """Resuming: adapter, optimizer, scheduler and RNG states from the checkpoint."""
+        from engine.train import checkpoint as ckpt
+
+        self._start_step = 0
+        if self._resume_from is None:
+            return
+        source = resume_checkpoint(self._resume_from)
+        if source is None:
+            raise FileNotFoundError(f"{self._resume_from} holds no checkpoint to resume from")
+        state = ckpt.load_checkpoint(source, self._model, self._optimizer, self._scheduler)
+        self._start_step = state["step"]
+        self.last_checkpoint = source
+        self.log(f"Resumed from {source} at step {self._start_step}")
+
+    def _save(self, step: int) -> None:
+        from engine.train import checkpoint as ckpt
+
+        path = ckpt.save_checkpoint(
+            self._folder.checkpoint(step), self._model, self._optimizer, self._scheduler, step,
+            {"total_steps": self._total, "epoch": self._plan.epoch_at(step)}, self._tokenizer,
         )
+        self.last_checkpoint = path
+        self._emit(CheckpointSaved(step, str(path)))
 
-        def save(step: int) -> None:
-            path = ckpt.save_checkpoint(
-                run_dir / "checkpoints" / f"step-{step}", model, optimizer, scheduler, step,
-                {"total_steps": total, "epoch": plan.epoch_at(step)}, tokenizer,
-            )
-            self.last_checkpoint = path
-            self._emit(CheckpointSaved(step, str(path)))
+    # -- the loop -------------------------------------------------------------------------------
+    def _train_loop(self) -> tuple[int, bool]:
+        """Optimizer steps from the start step to the total, honouring pause and stop between
+        them; returns (steps done, whether it was stopped)."""
+        import torch
 
-        is_cuda = device.type == "cuda"
-        mem_total = torch.cuda.get_device_properties(device).total_memory if is_cuda else _host_total()
-        use_fused = prepare_flag(fast.get("fused_ce", "on"))
-        chunk = config.fast_paths.ce_chunk_tokens
-        chunk = None if chunk == "auto" else int(chunk)
-        last_loss = float("nan")
-        tok_per_s = []
-        step = start_step
-        stopped = False
-        rows = data.packing.rows
-        said: set = set()  # fallbacks and missing fast paths already logged (once each)
+        t, device = self.config.training, self._device
+        self._is_cuda = device.type == "cuda"
+        self._mem_total = torch.cuda.get_device_properties(device).total_memory if self._is_cuda else _host_total()
+        self._use_fused = prepare_flag(self._fast.get("fused_ce", "on"))
+        chunk = self.config.fast_paths.ce_chunk_tokens
+        self._chunk = None if chunk == "auto" else int(chunk)
+        self._last_loss = float("nan")
+        self._tok_per_s = []
+        self._said = set()  # fallbacks and missing fast paths already logged (once each)
+        step = self._start_step
         reset_counters()
-        while step < total:
-            if not self._resume.is_set():
-                self._emit(Paused(step))
-                self.log(f"Paused at step {step}")
-                self._resume.wait()
-                if not self._stop.is_set():
-                    self._emit(Resumed(step))
-                    self.log(f"Resumed at step {step}")
-            if self._stop.is_set():
-                stopped = True
-                break
-            t0 = time.perf_counter()
-            micro = []
-            for row_ids in plan.micro_batches(step):
-                doc_ids = [d for r in row_ids for d in rows[r]]
-                micro.append(
-                    PackedBatch.from_documents([data.docs[d] for d in doc_ids], [data.trained[d] for d in doc_ids])
-                )
-            normalizer = max(1, sum(b.num_trained_tokens for b in micro))
+        while step < self._total:
+            if self._wait_if_paused(step):
+                return step, True
+            step = self._train_step(step)
+            if t.save_every and step % t.save_every == 0 and step < self._total:
+                self._save(step)
+        return step, False
 
-            def forward_backward() -> torch.Tensor:
-                loss_sum = torch.zeros((), device=device)
-                for batch in micro:
-                    batch = batch.to(device)
-                    loss = forward_loss(
-                        model, batch, normalizer, fused_ce=use_fused,
-                        cached_metadata=config.fast_paths.cached_metadata, ce_chunk_tokens=chunk,
-                    )
-                    loss.backward()
-                    loss_sum += loss.detach()
-                    batch.info.free()
-                return loss_sum
+    def _wait_if_paused(self, step: int) -> bool:
+        """Blocks while paused; True when the run is to stop."""
+        if not self._resume.is_set():
+            self._emit(Paused(step))
+            self.log(f"Paused at step {step}")
+            self._resume.wait()
+            if not self._stop.is_set():
+                self._emit(Resumed(step))
+                self.log(f"Resumed at step {step}")
+        return self._stop.is_set()
 
-            try:
-                loss_sum = forward_backward()
-            except torch.cuda.OutOfMemoryError:
-                # Kept attention outputs take at most half of the memory free at the step's
-                # start; if the step still ran out, stop keeping them and run it once more
-                # from scratch (partial LoRA gradients are dropped first).
-                if offloader is None or offloader.stats.attention_kept != "kept":
-                    raise
-                optimizer.zero_grad(set_to_none=True)
-                offloader.stop_keeping_attention()
-                if is_cuda:
-                    torch.cuda.empty_cache()
-                self.log(f"Step {step + 1} ran out of GPU memory with attention outputs kept for the "
-                         "recompute; they are no longer kept in this run, and the step runs again.")
-                loss_sum = forward_backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            last_loss = float(loss_sum)  # one sync per optimizer step
-            if is_cuda:
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            step += 1
-            ntok = sum(b.num_tokens for b in micro)
-            counters = reset_counters()
-            calls, fallbacks = split_counts(counters)
-            self._say_what_did_not_run(fast, calls, fallbacks, str(device), step, said)
-            if step % t.log_every == 0 or step == total:
-                tok_per_s.append(ntok / dt)
-                if is_cuda:
-                    mem = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
-                           torch.cuda.max_memory_allocated(device))
-                else:
-                    rss = _rss()
-                    mem = (rss, rss, rss)
-                self._emit(StepMetrics(
-                    step=step, total_steps=total, epoch=plan.epoch_at(step), loss=last_loss,
-                    lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm), tokens=ntok,
-                    trained_tokens=normalizer, step_seconds=dt, tokens_per_second=ntok / dt,
-                    mem_allocated=mem[0], mem_reserved=mem[1], mem_peak=mem[2], mem_total=mem_total,
-                    device=str(device), metadata_builds=counters.get("metadata_builds", 0),
-                    host_syncs=counters.get("host_syncs", 0),
-                    offload=_offload_note(offloader), fast_path_calls=calls, fallbacks=fallbacks,
-                ))
-            if t.save_every and step % t.save_every == 0 and step < total:
-                save(step)
+    def _micro_batches(self, step: int) -> list:
+        from engine.data.collate import PackedBatch
+
+        data, rows = self._data, self._data.packing.rows
+        micro = []
+        for row_ids in self._plan.micro_batches(step):
+            doc_ids = [d for r in row_ids for d in rows[r]]
+            micro.append(PackedBatch.from_documents([data.docs[d] for d in doc_ids],
+                                                    [data.trained[d] for d in doc_ids]))
+        return micro
+
+    def _train_step(self, step: int) -> int:
+        """One optimizer step (all its micro-batches), then its metrics; returns the new step."""
+        import torch
+
+        t, device = self.config.training, self._device
+        t0 = time.perf_counter()
+        micro = self._micro_batches(step)
+        normalizer = max(1, sum(b.num_trained_tokens for b in micro))
+        loss_sum = self._forward_backward_or_retry(micro, normalizer, step)
+        max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
+        self._optimizer.step()
+        self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._last_loss = float(loss_sum)  # one sync per optimizer step
+        if self._is_cuda:
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        step += 1
+        self._report_step(step, micro, normalizer, grad_norm, dt)
+        return step
+
+    def _forward_backward(self, micro: list, normalizer: int):
+        import torch
+
+        device = self._device
+        loss_sum = torch.zeros((), device=device)
+        for batch in micro:
+            batch = batch.to(device)
+            loss = self._forward_loss(
+                self._model, batch, normalizer, fused_ce=self._use_fused,
+                cached_metadata=self.config.fast_paths.cached_metadata, ce_chunk_tokens=self._chunk,
+                offloader=self._offloader,
+            )
+            loss.backward()
+            loss_sum += loss.detach()
+            batch.info.free()
+        return loss_sum
+
+    def _forward_backward_or_retry(self, micro: list, normalizer: int, step: int):
+        import torch
+
+        try:
+            return self._forward_backward(micro, normalizer)
+        except torch.cuda.OutOfMemoryError:
+            # Kept attention outputs take at most half of the memory free at the step's
+            # start; if the step still ran out, stop keeping them and run it once more
+            # from scratch (partial LoRA gradients are dropped first).
+            offloader = self._offloader
+            if offloader is None or offloader.stats.attention_kept != "kept":
+                raise
+            self._optimizer.zero_grad(set_to_none=True)
+            offloader.stop_keeping_attention()
+            if self._is_cuda:
+                torch.cuda.empty_cache()
+            self.log(f"Step {step + 1} ran out of GPU memory with attention outputs kept for the "
+                     "recompute; they are no longer kept in this run, and the step runs again.")
+            return self._forward_backward(micro, normalizer)
+
+    def _report_step(self, step: int, micro: list, normalizer: int, grad_norm, dt: float) -> None:
+        """The step's fast-path counters (warnings once each) and, every log_every steps, StepMetrics."""
+        import torch
+
+        t, device = self.config.training, self._device
+        ntok = sum(b.num_tokens for b in micro)
+        counters = reset_counters()
+        calls, fallbacks = split_counts(counters)
+        self._say_what_did_not_run(self._fast, calls, fallbacks, str(device), step, self._said)
+        if step % t.log_every == 0 or step == self._total:
+            self._tok_per_s.append(ntok / dt)
+            if self._is_cuda:
+                mem = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
+                       torch.cuda.max_memory_allocated(device))
+            else:
+                rss = _rss()
+                mem = (rss, rss, rss)
+            self._emit(StepMetrics(
+                step=step, total_steps=self._total, epoch=self._plan.epoch_at(step), loss=self._last_loss,
+                lr=self._scheduler.get_last_lr()[0], grad_norm=float(grad_norm), tokens=ntok,
+                trained_tokens=normalizer, step_seconds=dt, tokens_per_second=ntok / dt,
+                mem_allocated=mem[0], mem_reserved=mem[1], mem_peak=mem[2], mem_total=self._mem_total,
+                device=str(device), metadata_builds=counters.get("metadata_builds", 0),
+                host_syncs=counters.get("host_syncs", 0),
+                offload=_offload_note(self._offloader), fast_path_calls=calls, fallbacks=fallbacks,
+            ))
+
+    # -- the end --------------------------------------------------------------------------------
+    def _finish(self, step: int, stopped: bool) -> Event:
+        """Last checkpoint, the final adapter (not for a stopped run), and the Finished event."""
         if stopped:
             self.log(f"Stopped at step {step}; saving a checkpoint")
-        if self.last_checkpoint is None or read_step(self.last_checkpoint) != step:
-            save(step)
-        adapter_dir = run_dir / "adapter"
+        if self.last_checkpoint is None or step_of(self.last_checkpoint) != step:
+            self._save(step)
+        folder = self._folder
         if not stopped:
             import shutil
 
-            tmp = run_dir / "adapter.tmp"
+            tmp = folder.adapter_tmp
             shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            shutil.rmtree(adapter_dir, ignore_errors=True)
-            tmp.rename(adapter_dir)
-            self.log(f"Adapter saved to {adapter_dir}")
+            self._model.save_pretrained(tmp, safe_serialization=True)
+            self._tokenizer.save_pretrained(tmp)
+            publish(tmp, folder.adapter)
+            self.log(f"Adapter saved to {folder.adapter}")
         result = Finished(
-            str(run_dir),
+            str(folder.path),
             {
                 "steps": step,
-                "total_steps": total,
-                "final_loss": last_loss,
-                "seconds": round(time.time() - started, 2),
-                "median_tokens_per_second": _median(tok_per_s),
-                "adapter": str(adapter_dir) if not stopped else None,
+                "total_steps": self._total,
+                "final_loss": self._last_loss,
+                "seconds": round(time.time() - self._started, 2),
+                "median_tokens_per_second": _median(self._tok_per_s),
+                "adapter": str(folder.adapter) if not stopped else None,
                 "last_checkpoint": str(self.last_checkpoint),
             },
             stopped=stopped,
         )
-        self.model, self.tokenizer = model, tokenizer  # for callers that chat or export in-process
+        self.model, self.tokenizer = self._model, self._tokenizer  # for callers that chat or export in-process
         self._emit(result)
         self._close()
         return result
@@ -379,13 +444,6 @@ class TrainingSession:
 
 def prepare_flag(status: str) -> bool:
     return status == "on"
-
-
-def read_step(path) -> int:
-    try:
-        return int(Path(path).name.split("-")[1])
-    except (IndexError, ValueError):
-        return -1
 
 
 def _offload_note(offloader) -> str:
