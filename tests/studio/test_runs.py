@@ -39,7 +39,10 @@ def test_short_run_finishes_with_an_adapter(window, qtbot, runs_dir):
     assert m.loss.point_count() == 60 and m.memory.point_count() == 60
     assert steps[-1]["loss"] < steps[0]["loss"]  # the demo learns
     assert m.progress.value() == 60
-    assert probe.worst_ms < 50, f"event loop stalled {probe.worst_ms:.0f} ms: {probe.stalls}"
+    # Training runs on the worker thread: a step on the UI thread would stall it for whole
+    # seconds. The bound leaves room for a loaded 2-core CI machine (50 ms failed there while
+    # other test runs shared the cores); it is a responsiveness check, not a speed figure.
+    assert probe.worst_ms < 250, f"event loop stalled {probe.worst_ms:.0f} ms: {probe.stalls}"
     window.go_to(MONITOR)
     screenshot(window, "monitor")
 
