@@ -240,7 +240,8 @@ class RunFolder:
     def status(self) -> str:
         last = self.last_event() or {}
         kind = last.get("event", "")
-        return {"Finished": "stopped" if last.get("stopped") else "finished", "Failed": "failed"}.get(kind, "incomplete")
+        outcome = {"Finished": "stopped" if last.get("stopped") else "finished", "Failed": "failed"}
+        return outcome.get(kind, "incomplete")
 
     def info(self) -> RunInfo:
         return RunInfo(path=self.path, adapter=self.final_adapter(), checkpoints=self.checkpoints(),
@@ -256,7 +257,8 @@ class RunFolder:
                     "folder, resume it, or set output.overwrite: true"
                 )
             if not self.is_run():
-                raise RunFolderError(f"the output folder {self.path} is not empty and holds no run; choose an empty folder")
+                raise RunFolderError(
+                    f"the output folder {self.path} is not empty and holds no run; choose an empty folder")
 
     def create(self, fresh: bool) -> "RunFolder":
         """Make the folder and checkpoints/. `fresh`: a new run, so an old run here (only possible

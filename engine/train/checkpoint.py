@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.fastpath.lora import adapters_changed
+from engine.fastpath.lora_group import adapters_changed
 from engine.runs import ADAPTER, STATE_FILE, RunFolder, publish, tmp_for
 
 
