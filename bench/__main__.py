@@ -36,63 +36,111 @@ KNOWN_IMPLS = ("ours", "hf", "hf_sdpa", "hf_flex", "hf_eager", "liger_sdpa", "li
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default=None,
-                   help="comma list of W1..W7 (W5b: GPT-OSS MoE block); default W1,W2,W3 (parity: W1,W2)")
-    p.add_argument("--impls", default=DEFAULT_IMPLS,
-                   help=f"comma list, run in this order; known: {', '.join(KNOWN_IMPLS)} (default {DEFAULT_IMPLS}); "
-                        "on W5/W5b any HF name runs every transformers experts implementation")
-    p.add_argument("--ours-variants", default="all-on",
-                   help="fast-path ablations of ours: all-on, no-kernels, no-lora-autograd, no-fused-ce, "
-                        "no-packed-attention, rebuilt-metadata, all-off, offload-single, offload-double, "
-                        "or field=value[+field=value] over FastPathConfig")
-    p.add_argument("--order", choices=("impl", "workload"), default="impl",
-                   help="impl: each implementation on every workload before the next (default; the "
-                        "important ones first under a time budget); workload: one workload at a time")
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="comma list of W1..W7 (W5b: GPT-OSS MoE block); default W1,W2,W3 (parity: W1,W2)",
+    )
+    p.add_argument(
+        "--impls",
+        default=DEFAULT_IMPLS,
+        help=f"comma list, run in this order; known: {', '.join(KNOWN_IMPLS)} (default {DEFAULT_IMPLS}); "
+        "on W5/W5b any HF name runs every transformers experts implementation",
+    )
+    p.add_argument(
+        "--ours-variants",
+        default="all-on",
+        help="fast-path ablations of ours: all-on, no-kernels, no-lora-autograd, no-fused-ce, "
+        "no-packed-attention, rebuilt-metadata, all-off, offload-single, offload-double, "
+        "or field=value[+field=value] over FastPathConfig",
+    )
+    p.add_argument(
+        "--order",
+        choices=("impl", "workload"),
+        default="impl",
+        help="impl: each implementation on every workload before the next (default; the "
+        "important ones first under a time budget); workload: one workload at a time",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 8; --cpu-smoke 2)")
-    p.add_argument("--lr", type=float, default=None,
-                   help="AdamW learning rate of every implementation (default 1e-3, CPU-tiny 1e-2: the loss "
-                        "falls within the timed steps on the learnable batches, so the learning check can tell)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="AdamW learning rate of every implementation (default 1e-3, CPU-tiny 1e-2: the loss "
+        "falls within the timed steps on the learnable batches, so the learning check can tell)",
+    )
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; --cpu-smoke 1)")
     p.add_argument("--results", default=str(DEFAULT_RESULTS), help="JSON-lines file records are appended to")
     p.add_argument("--md", default=str(DEFAULT_MD), help="RESULTS.md path for --summarize")
-    p.add_argument("--max-seconds", type=float, default=None,
-                   help="wall-clock budget of the whole command; what does not fit is recorded as skipped")
-    p.add_argument("--profile", action="store_true",
-                   help="after the timed steps, profile two more by op and print where the time goes")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="wall-clock budget of the whole command; what does not fit is recorded as skipped",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile two more by op and print where the time goes",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan (N, ceiling, batches, impls); build nothing")
     p.add_argument("--summarize", action="store_true", help="regenerate RESULTS.md from --results and exit")
     p.add_argument("--merge", default=None, help="with --summarize: first append the records of this file")
-    p.add_argument("--parity", action="store_true",
-                   help="the learning check: ours (--learning-variant, default all-on) against stock HF + PEFT "
-                        "for --learning-steps optimizer steps on the same learnable batches (bf16 on a GPU), "
-                        "then one step's LoRA gradients against HF + PEFT fp32 (fp32 and bf16, shrunk model)")
-    p.add_argument("--learning-steps", type=int, default=None,
-                   help="optimizer steps of --parity's learning check (default 30, the WORKLOADS.md minimum)")
-    p.add_argument("--learning-layers", type=int, default=0,
-                   help="layers of the learning check's model (default 0: the workload's own depth)")
+    p.add_argument(
+        "--parity",
+        action="store_true",
+        help="the learning check: ours (--learning-variant, default all-on) against stock HF + PEFT "
+        "for --learning-steps optimizer steps on the same learnable batches (bf16 on a GPU), "
+        "then one step's LoRA gradients against HF + PEFT fp32 (fp32 and bf16, shrunk model)",
+    )
+    p.add_argument(
+        "--learning-steps",
+        type=int,
+        default=None,
+        help="optimizer steps of --parity's learning check (default 30, the WORKLOADS.md minimum)",
+    )
+    p.add_argument(
+        "--learning-layers",
+        type=int,
+        default=0,
+        help="layers of the learning check's model (default 0: the workload's own depth)",
+    )
     p.add_argument("--learning-ref", default="hf_sdpa", help="the stock implementation of the learning check")
     p.add_argument("--learning-variant", default="all-on", help="the variant of ours the learning check trains")
     p.add_argument("--parity-layers", type=int, default=2, help="layers of the one-step gradient check's model")
     p.add_argument("--parity-vocab", type=int, default=None, help="shrink the vocabulary for parity")
     p.add_argument("--parity-tokens", type=int, default=2048)
     p.add_argument("--parity-dtypes", default="float32,bfloat16")
-    p.add_argument("--parity-bf16-vs-hf", action="store_true",
-                   help="in bf16 also pass when ours is within 1.25x of stock HF + PEFT bf16's own error "
-                        "against the fp32 reference (the 1e-2 tolerance is strict by default)")
+    p.add_argument(
+        "--parity-bf16-vs-hf",
+        action="store_true",
+        help="in bf16 also pass when ours is within 1.25x of stock HF + PEFT bf16's own error "
+        "against the fp32 reference (the 1e-2 tolerance is strict by default)",
+    )
     p.add_argument("--memcap", action="store_true", help="W7: longest single sequence under a memory cap")
-    p.add_argument("--memcap-impls", default="ours:offload-single",
-                   help="comma list for --memcap; ours takes a variant after a colon (ours:offload-double)")
+    p.add_argument(
+        "--memcap-impls",
+        default="ours:offload-single",
+        help="comma list for --memcap; ours takes a variant after a colon (ours:offload-double)",
+    )
     p.add_argument("--memcap-gib", type=float, default=16.0)
     p.add_argument("--memcap-max-tokens", type=int, default=131_072)
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny model on the CPU: ours + hf_sdpa for 2 steps, fp32 one-step parity, "
-                        "and a 30-step learning check")
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny model on the CPU: ours + hf_sdpa for 2 steps, fp32 one-step parity, and a 30-step learning check",
+    )
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--unsloth-site", default=None,
-                   help="unpacked Unsloth bundle (the 'site' folder of .peer/unsloth-site.tgz); "
-                        "default $TUNESMITH_UNSLOTH_SITE")
+    p.add_argument(
+        "--unsloth-site",
+        default=None,
+        help="unpacked Unsloth bundle (the 'site' folder of .peer/unsloth-site.tgz); default $TUNESMITH_UNSLOTH_SITE",
+    )
     # Internal: the Unsloth child process.
     p.add_argument("--child-impl", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
@@ -128,8 +176,11 @@ def plan_impls(wl, impls: list[str], variants: list[str]) -> list[tuple[str, dic
         elif wl.kind == "moe_block":
             from bench.peers.moe import available_experts_impls
 
-            entries = [(f"hf_moe_{name}", {}) for name in ("eager", "grouped_mm", "batched_mm")
-                       if name == "eager" or name in available_experts_impls()]
+            entries = [
+                (f"hf_moe_{name}", {})
+                for name in ("eager", "grouped_mm", "batched_mm")
+                if name == "eager" or name in available_experts_impls()
+            ]
         else:
             entries = [("hf_sdpa" if impl == "hf" else impl, {})]
         out += [e for e in entries if e not in out]
@@ -157,10 +208,12 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
         batches[wl.id] = make_batches(args.warmup + args.steps, wl.tokens, wl.config["vocab_size"], wl.packing)
         docs = sum(len(b.lengths) for b in batches[wl.id]) / len(batches[wl.id])
         longest[wl.id] = 0.0
-        progress(f"== {wl.id} {wl.title}: {wl.tokens} tokens/step, {docs:.1f} documents/step, "
-                 f"N={matmul_params(wl) / 1e9:.3f}B, ceiling {ceiling_tokens_per_s(wl):,.0f} tokens/s; "
-                 f"learnable ids (loss floor {describe(wl.config['vocab_size'])['entropy_floor']} nats), "
-                 f"AdamW lr {lr_for(wl, args):g}")
+        progress(
+            f"== {wl.id} {wl.title}: {wl.tokens} tokens/step, {docs:.1f} documents/step, "
+            f"N={matmul_params(wl) / 1e9:.3f}B, ceiling {ceiling_tokens_per_s(wl):,.0f} tokens/s; "
+            f"learnable ids (loss floor {describe(wl.config['vocab_size'])['entropy_floor']} nats), "
+            f"AdamW lr {lr_for(wl, args):g}"
+        )
     # Impl-major by default: under a time budget every workload gets ours and the best peers
     # before any workload gets the slow baselines.
     jobs = [(wl, impl, opts) for wl in speed for impl, opts in plan_impls(wl, impls, variants)]
@@ -174,12 +227,19 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
         left = budget.remaining()
         need = max(15.0, 0.6 * longest[wl.id])  # a peer rarely takes less than this workload's slowest so far
         if left < need and impl != "unsloth":
-            rec = dict(base, workload=wl.id, impl=impl, options=options,
-                       status=f"skipped: time budget ({left:.0f} s left, ~{need:.0f} s needed)")
+            rec = dict(
+                base,
+                workload=wl.id,
+                impl=impl,
+                options=options,
+                status=f"skipped: time budget ({left:.0f} s left, ~{need:.0f} s needed)",
+            )
             progress(f"{wl.id} {impl}: {rec['status']}")
         elif impl == "unsloth":
             if device.type != "cuda":
-                rec = dict(base, workload=wl.id, impl=impl, options={}, status="not supported: Unsloth needs a CUDA GPU")
+                rec = dict(
+                    base, workload=wl.id, impl=impl, options={}, status="not supported: Unsloth needs a CUDA GPU"
+                )
             else:
                 rec = run_child(wl.id, args, budget, base, lr=lr_for(wl, args))
             progress(f"{wl.id} unsloth: {rec.get('status')}")
@@ -208,12 +268,21 @@ def run_memcaps(args, workloads, device, budget, env) -> list[dict]:
     records = []
     for wl in workloads:
         for impl in _list(args.memcap_impls):
-            rec = dict(base_record(args, env, "memcap"), workload=wl.id, impl=impl,
-                       options={"cap_gib": args.memcap_gib})
+            rec = dict(
+                base_record(args, env, "memcap"), workload=wl.id, impl=impl, options={"cap_gib": args.memcap_gib}
+            )
             progress(f"== {wl.id} {impl}: memcap search up to {args.memcap_max_tokens} tokens at {args.memcap_gib} GiB")
             try:
-                rec.update(run_memcap(wl, impl, device, budget, cap_gib=args.memcap_gib,
-                                      hi_units=max(1, args.memcap_max_tokens // UNIT)))
+                rec.update(
+                    run_memcap(
+                        wl,
+                        impl,
+                        device,
+                        budget,
+                        cap_gib=args.memcap_gib,
+                        hi_units=max(1, args.memcap_max_tokens // UNIT),
+                    )
+                )
             except NotSupported as exc:
                 rec["status"] = f"not supported: {exc}"
             except Exception as exc:
@@ -250,11 +319,21 @@ def run_learnings(args, workloads, device, budget, env) -> tuple[list[dict], boo
             continue
         model = shrink(wl, args.learning_layers).with_changes(id=wl.id) if args.learning_layers else wl
         steps = args.learning_steps or 30
-        progress(f"== learning check {wl.id}: ours[{args.learning_variant}] vs {args.learning_ref}, {steps} steps, "
-                 f"{model.config['num_hidden_layers']} layers, {model.tokens} tokens/step, lr {lr_for(wl, args):g}")
-        rec = run_learning(model, device, steps=steps, lr=lr_for(wl, args), budget=budget,
-                           base=base_record(args, env, "learning"), variant=args.learning_variant,
-                           ref_impl=args.learning_ref, args=args)
+        progress(
+            f"== learning check {wl.id}: ours[{args.learning_variant}] vs {args.learning_ref}, {steps} steps, "
+            f"{model.config['num_hidden_layers']} layers, {model.tokens} tokens/step, lr {lr_for(wl, args):g}"
+        )
+        rec = run_learning(
+            model,
+            device,
+            steps=steps,
+            lr=lr_for(wl, args),
+            budget=budget,
+            base=base_record(args, env, "learning"),
+            variant=args.learning_variant,
+            ref_impl=args.learning_ref,
+            args=args,
+        )
         append_record(args.results, rec)
         rows.append(rec)
         ok &= rec["status"].startswith("ok")
@@ -288,23 +367,34 @@ def dry_run(args, workloads, impls, variants) -> int:
     from bench.peers.unsloth import find_site
     from bench.workloads import ceiling_tokens_per_s, matmul_params
 
-    print(f"steps {args.steps} timed after {args.warmup} warm-up; results -> {args.results}; "
-          f"budget {args.max_seconds or 'none'} s", flush=True)
+    print(
+        f"steps {args.steps} timed after {args.warmup} warm-up; results -> {args.results}; "
+        f"budget {args.max_seconds or 'none'} s",
+        flush=True,
+    )
     for name in ("liger_kernel", "bitsandbytes", "unsloth"):
         print(f"  {name}: {'importable' if importlib.util.find_spec(name) else 'not importable here'}", flush=True)
     print(f"  unsloth bundle: {find_site(args.unsloth_site) or 'none (pass --unsloth-site)'}", flush=True)
     for wl in workloads:
         batches = make_batches(args.warmup + args.steps, wl.tokens, wl.config["vocab_size"], wl.packing)
         docs = [len(b.lengths) for b in batches]
-        print(f"{wl.id} {wl.title} [{wl.kind}{', ' + wl.quant if wl.quant else ''}]: N={matmul_params(wl):,} "
-              f"ceiling {ceiling_tokens_per_s(wl):,.0f} tokens/s; {wl.tokens} tokens/step, documents/step "
-              f"{min(docs)}-{max(docs)} (mean {sum(docs) / len(docs):.1f}); target: {wl.target}", flush=True)
+        print(
+            f"{wl.id} {wl.title} [{wl.kind}{', ' + wl.quant if wl.quant else ''}]: N={matmul_params(wl):,} "
+            f"ceiling {ceiling_tokens_per_s(wl):,.0f} tokens/s; {wl.tokens} tokens/step, documents/step "
+            f"{min(docs)}-{max(docs)} (mean {sum(docs) / len(docs):.1f}); target: {wl.target}",
+            flush=True,
+        )
         print(f"  data: {describe(wl.config['vocab_size'])}; AdamW lr {lr_for(wl, args):g}", flush=True)
         if wl.kind == "memcap":
             print(f"  memcap impls: {args.memcap_impls}, cap {args.memcap_gib} GiB, up to {args.memcap_max_tokens}")
         else:
-            print("  impls: " + ", ".join(f"{i}[{o['variant']}]" if o.get("variant") else i
-                                          for i, o in plan_impls(wl, impls, variants)), flush=True)
+            print(
+                "  impls: "
+                + ", ".join(
+                    f"{i}[{o['variant']}]" if o.get("variant") else i for i, o in plan_impls(wl, impls, variants)
+                ),
+                flush=True,
+            )
     return 0
 
 
@@ -417,28 +507,47 @@ def _run(args, workloads, impls, variants, device, budget, env, start) -> int:
 
     if records:
         print("\n" + format_table(records), flush=True)
-    failed = any(r["impl"] == "ours" and (r.get("status") == "oom" or str(r.get("status", "")).startswith("error"))
-                 for r in records)
+    failed = any(
+        r["impl"] == "ours" and (r.get("status") == "oom" or str(r.get("status", "")).startswith("error"))
+        for r in records
+    )
     # A speed run's own learning check: ours against the stock curves of this run.
-    unlearned = [r for r in records if r.get("mode") == "bench" and r["impl"] == "ours" and r.get("status") == "ok"
-                 and learning_verdict(r, records)["verdict"] == "FAILED"]
+    unlearned = [
+        r
+        for r in records
+        if r.get("mode") == "bench"
+        and r["impl"] == "ours"
+        and r.get("status") == "ok"
+        and learning_verdict(r, records)["verdict"] == "FAILED"
+    ]
     if os.path.abspath(args.results) == os.path.abspath(str(DEFAULT_RESULTS)):
         summarize(args.results, args.md)
     progress(f"records appended to {args.results}; {time.monotonic() - start:.0f} s in all")
     for r in learning:
-        print(f"LEARNING CHECK {r['workload']} ours[{r.get('variant')}] vs {r.get('ref_impl')}, {r.get('steps')} "
-              f"steps: {r['status']}", flush=True)
+        print(
+            f"LEARNING CHECK {r['workload']} ours[{r.get('variant')}] vs {r.get('ref_impl')}, {r.get('steps')} "
+            f"steps: {r['status']}",
+            flush=True,
+        )
     for r in unlearned:
         from bench.report import impl_label
 
-        print(f"LEARNING CHECK FAILED {r['workload']} {impl_label(r)}: "
-              f"{learning_verdict(r, records)['reason']}", flush=True)
+        print(
+            f"LEARNING CHECK FAILED {r['workload']} {impl_label(r)}: {learning_verdict(r, records)['reason']}",
+            flush=True,
+        )
     if not learning_ok:
-        print("LEARNING CHECK FAILED: ours does not learn like stock HF + PEFT on the same batches (or the "
-              "check could not decide); see the curves above.", flush=True)
+        print(
+            "LEARNING CHECK FAILED: ours does not learn like stock HF + PEFT on the same batches (or the "
+            "check could not decide); see the curves above.",
+            flush=True,
+        )
     if not parity_ok:
-        print("PARITY FAILED: the engine's loss or LoRA gradients differ from HF + PEFT (fp32) beyond the "
-              "WORKLOADS.md tolerance (fp32 <= 1e-4, bf16 <= 1e-2); see the parity lines above.", flush=True)
+        print(
+            "PARITY FAILED: the engine's loss or LoRA gradients differ from HF + PEFT (fp32) beyond the "
+            "WORKLOADS.md tolerance (fp32 <= 1e-4, bf16 <= 1e-2); see the parity lines above.",
+            flush=True,
+        )
     if not (parity_ok and learning_ok) or unlearned:
         return 2
     return 1 if failed else 0

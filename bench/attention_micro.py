@@ -62,9 +62,18 @@ def run(workloads: list[str], backends: list[str], reps: int, results: Path | No
         fwd_flops = 2.0 * d * hq * sum(n * n for n in info.lengths)
         ref = None
         for backend in backends:
-            row = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "gpu": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "workload": wid, "backend": backend,
-                   "tokens": t, "docs": len(info.lengths), "hq": hq, "hkv": hkv, "head_dim": d}
+            row = {
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "workload": wid,
+                "backend": backend,
+                "tokens": t,
+                "docs": len(info.lengths),
+                "hq": hq,
+                "hkv": hkv,
+                "head_dim": d,
+            }
             try:
                 if not attention.backend_available(backend, q):
                     row["status"] = "not available here"
@@ -73,8 +82,9 @@ def run(workloads: list[str], backends: list[str], reps: int, results: Path | No
 
                 def fwd(grad: bool):
                     qq, kk, vv = (x.detach().requires_grad_(grad) for x in (q, k, v))
-                    o = attention.varlen_attention(qq, kk, vv, info.cu_seqlens, info.max_seqlen,
-                                                   backend=backend, info=info)
+                    o = attention.varlen_attention(
+                        qq, kk, vv, info.cu_seqlens, info.max_seqlen, backend=backend, info=info
+                    )
                     return o, (qq, kk, vv)
 
                 def fwd_bwd():
@@ -90,10 +100,14 @@ def run(workloads: list[str], backends: list[str], reps: int, results: Path | No
                 if ref is None:
                     ref = out
                 diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(out, ref)]
-                row.update(status="ok", fwd_ms=round(ms_f, 3), fwd_bwd_ms=round(ms_fb, 3),
-                           fwd_tflops=round(fwd_flops / ms_f / 1e9, 1),
-                           fwd_bwd_tflops=round(3.5 * fwd_flops / ms_fb / 1e9, 1),
-                           max_diff_vs_first={"o": diffs[0], "dq": diffs[1], "dk": diffs[2], "dv": diffs[3]})
+                row.update(
+                    status="ok",
+                    fwd_ms=round(ms_f, 3),
+                    fwd_bwd_ms=round(ms_fb, 3),
+                    fwd_tflops=round(fwd_flops / ms_f / 1e9, 1),
+                    fwd_bwd_tflops=round(3.5 * fwd_flops / ms_fb / 1e9, 1),
+                    max_diff_vs_first={"o": diffs[0], "dq": diffs[1], "dk": diffs[2], "dv": diffs[3]},
+                )
             except Exception as exc:  # one backend failing must not hide the others
                 row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
@@ -118,8 +132,10 @@ def main(argv=None) -> int:
     rows = run(args.workloads.split(","), args.backends.split(","), args.reps, args.results)
     print(f"\n{'workload':8} {'backend':12} {'fwd ms':>8} {'fwd+bwd ms':>11} {'fwd TF/s':>9} {'f+b TF/s':>9}  status")
     for r in rows:
-        print(f"{r['workload']:8} {r['backend']:12} {r.get('fwd_ms', '-'):>8} {r.get('fwd_bwd_ms', '-'):>11} "
-              f"{r.get('fwd_tflops', '-'):>9} {r.get('fwd_bwd_tflops', '-'):>9}  {r['status']}")
+        print(
+            f"{r['workload']:8} {r['backend']:12} {r.get('fwd_ms', '-'):>8} {r.get('fwd_bwd_ms', '-'):>11} "
+            f"{r.get('fwd_tflops', '-'):>9} {r.get('fwd_bwd_tflops', '-'):>9}  {r['status']}"
+        )
     return 0
 
 

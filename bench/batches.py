@@ -48,7 +48,7 @@ class StepBatch:
         flat = self.ids.tolist()
         out, start = [], 0
         for n in self.lengths:
-            out.append(flat[start:start + n])
+            out.append(flat[start : start + n])
             start += n
         return out
 
@@ -115,9 +115,17 @@ def entropy_floor(vocab: int) -> float:
 
 def describe(vocab: int, base_seed: int = BASE_SEED) -> dict:
     """The record's note on its batches, enough to rebuild them."""
-    return {"ids": DATA, "chain_seed": CHAIN_SEED, "base_seed": base_seed, "set_size": min(SET_SIZE, vocab),
-            "p_next": P_NEXT, "entropy_floor": round(entropy_floor(vocab), 4)}
+    return {
+        "ids": DATA,
+        "chain_seed": CHAIN_SEED,
+        "base_seed": base_seed,
+        "set_size": min(SET_SIZE, vocab),
+        "p_next": P_NEXT,
+        "entropy_floor": round(entropy_floor(vocab), 4),
+    }
 
 
-def make_batches(n: int, total: int, vocab: int, packing: str = "packed", base_seed: int = BASE_SEED) -> list[StepBatch]:
+def make_batches(
+    n: int, total: int, vocab: int, packing: str = "packed", base_seed: int = BASE_SEED
+) -> list[StepBatch]:
     return [make_step(base_seed + i, total, vocab, packing) for i in range(n)]

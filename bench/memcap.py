@@ -11,14 +11,23 @@ import traceback
 from typing import Callable
 
 from bench.report import progress
-from bench.runner import (DEFAULT_LR, GIB, Budget, BudgetExceeded, NotSupported, is_oom,
-                                 make_ours_optimizer, make_peer_optimizer)
+from bench.runner import (
+    DEFAULT_LR,
+    GIB,
+    Budget,
+    BudgetExceeded,
+    NotSupported,
+    is_oom,
+    make_ours_optimizer,
+    make_peer_optimizer,
+)
 
 UNIT = 1024
 
 
-def search_longest(trial: Callable[[int], bool], lo_units: int, hi_units: int, budget: Budget | None = None,
-                   unit: int = UNIT) -> tuple[int, list[dict]]:
+def search_longest(
+    trial: Callable[[int], bool], lo_units: int, hi_units: int, budget: Budget | None = None, unit: int = UNIT
+) -> tuple[int, list[dict]]:
     """Largest n*unit in [lo, hi] units with trial(n*unit) true, assuming monotonic; 0 if none.
 
     Returns (longest tokens, trials in order). Stops early (keeping what it knows) when the
@@ -96,8 +105,9 @@ def _make_step(impl: str, workload, device):
     return model, opt, step
 
 
-def run_memcap(workload, impl: str, device, budget: Budget, cap_gib: float = 16.0,
-               lo_units: int = 1, hi_units: int = 128) -> dict:
+def run_memcap(
+    workload, impl: str, device, budget: Budget, cap_gib: float = 16.0, lo_units: int = 1, hi_units: int = 128
+) -> dict:
     """Fields of the memcap record (status, longest_tokens, trials ...)."""
     import torch
 
@@ -137,8 +147,10 @@ def run_memcap(workload, impl: str, device, budget: Budget, cap_gib: float = 16.
         opt.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
-        progress(f"{workload.id} {impl} memcap: {n} tokens -> {'ok' if ok else 'OOM'}"
-                 + (f", peak {peaks[n]:.2f} GiB" if ok else ""))
+        progress(
+            f"{workload.id} {impl} memcap: {n} tokens -> {'ok' if ok else 'OOM'}"
+            + (f", peak {peaks[n]:.2f} GiB" if ok else "")
+        )
         return ok
 
     status = "ok"
@@ -151,6 +163,12 @@ def run_memcap(workload, impl: str, device, budget: Budget, cap_gib: float = 16.
         torch.cuda.empty_cache()
     if status == "ok" and budget.remaining() <= 0:
         status = "ok (search cut short by the time budget)"
-    return {"status": status, "longest_tokens": longest, "trials": trials, "cap_gib": cap_gib,
-            "peak_gib": peaks.get(longest), "weights_gib": round(weights_gib, 2),
-            "search_range": [lo_units * UNIT, hi_units * UNIT]}
+    return {
+        "status": status,
+        "longest_tokens": longest,
+        "trials": trials,
+        "cap_gib": cap_gib,
+        "peak_gib": peaks.get(longest),
+        "weights_gib": round(weights_gib, 2),
+        "search_range": [lo_units * UNIT, hi_units * UNIT],
+    }

@@ -15,9 +15,9 @@ from bench.runner import Context, Prepared
 
 def setup_ours_moe_block(variant: str, fields: dict):
     def setup(ctx: Context) -> Prepared:
-        from engine.fastpath import moe
         from bench.peers.moe import block_dtype, block_inputs, block_step, count_cuda_syncs
         from bench.workloads import build_moe_block
+        from engine.fastpath import moe
 
         wl = ctx.workload
         dtype = block_dtype(ctx)
@@ -25,8 +25,11 @@ def setup_ours_moe_block(variant: str, fields: dict):
         grouping = fields.get("moe_grouping", "auto")
         kernels = "torch" if fields.get("kernels") is False else "auto"
         # Offload (part of every variant's base) has nothing to offload in one block.
-        options = {"variant": variant, "block": type(block).__name__,
-                   "ignored_fields": sorted(k for k in fields if k not in ("moe_grouping", "kernels", "offload"))}
+        options = {
+            "variant": variant,
+            "block": type(block).__name__,
+            "ignored_fields": sorted(k for k in fields if k not in ("moe_grouping", "kernels", "offload")),
+        }
         if grouping is False:
             options["moe_grouping"] = "off: disabled in variant (stock forward, eager experts)"
         else:

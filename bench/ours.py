@@ -23,8 +23,13 @@ VARIANTS: dict[str, dict] = {
     "no-fused-ce": {"fused_ce": False},
     "no-packed-attention": {"packed_attention": False},
     "rebuilt-metadata": {"cached_metadata": False},
-    "all-off": {"kernels": False, "lora_autograd": False, "fused_ce": False, "packed_attention": False,
-                "offload": "off"},
+    "all-off": {
+        "kernels": False,
+        "lora_autograd": False,
+        "fused_ce": False,
+        "packed_attention": False,
+        "offload": "off",
+    },
     "no-offload": {"offload": "off"},
     "offload-single": {"offload": "single"},
     "no-moe-grouping": {"moe_grouping": False},
@@ -51,8 +56,9 @@ def variant_fields(variant: str) -> dict:
     out = dict(ALL_ON)
     for part in variant.split("+"):
         if "=" not in part:
-            raise SystemExit(f"unknown ours variant {variant!r}; known: {', '.join(VARIANTS)} "
-                             "or field=value[+field=value]")
+            raise SystemExit(
+                f"unknown ours variant {variant!r}; known: {', '.join(VARIANTS)} or field=value[+field=value]"
+            )
         k, v = part.split("=", 1)
         out[k.strip()] = _parse_value(v)
     return out
@@ -111,8 +117,15 @@ def loss_fn(prepared, fp):
     chunk = None if fp.ce_chunk_tokens == "auto" else fp.ce_chunk_tokens
 
     def run(batch):
-        return forward_loss(model, batch, normalizer=batch.num_trained_tokens, fused_ce=fused,
-                            cached_metadata=fp.cached_metadata, ce_chunk_tokens=chunk, offloader=offloader)
+        return forward_loss(
+            model,
+            batch,
+            normalizer=batch.num_trained_tokens,
+            fused_ce=fused,
+            cached_metadata=fp.cached_metadata,
+            ce_chunk_tokens=chunk,
+            offloader=offloader,
+        )
 
     return run, fused
 
@@ -133,8 +146,12 @@ def setup_ours(variant: str):
             return setup_ours_moe_block(variant, fields)(ctx)
         if wl.quant == "nf4":
             _need_bnb(ctx.device)
-        model = build_model(wl, dtype=torch.bfloat16 if ctx.device.type == "cuda" else torch.float32,
-                            device=ctx.device, attn_implementation="sdpa")
+        model = build_model(
+            wl,
+            dtype=torch.bfloat16 if ctx.device.type == "cuda" else torch.float32,
+            device=ctx.device,
+            attn_implementation="sdpa",
+        )
         prepared, fp = prepare_ours(model, wl, ctx.device, fields)
         model, offloader, report = prepared.model, prepared.offloader, dict(prepared.report)
         run, fused = loss_fn(prepared, fp)
@@ -158,10 +175,16 @@ def setup_ours(variant: str):
                 extra["offload_step"] = offloader.stats.note()
             return loss.detach()
 
-        options = {"variant": variant, "fast_paths": dataclasses.asdict(fp), "fast_paths_report": report,
-                   "offload": split_fields(fields)[1].get("offload", "off"),
-                   "fused_ce": fused, "attn_build": "sdpa", "lora_params": _count_trainable(model),
-                   "optimizer": opt_options}
+        options = {
+            "variant": variant,
+            "fast_paths": dataclasses.asdict(fp),
+            "fast_paths_report": report,
+            "offload": split_fields(fields)[1].get("offload", "off"),
+            "fused_ce": fused,
+            "attn_build": "sdpa",
+            "lora_params": _count_trainable(model),
+            "optimizer": opt_options,
+        }
         return Prepared(step, options, extra, keep=[model, opt, packed])
 
     return setup

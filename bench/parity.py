@@ -22,7 +22,7 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}  # WORKLOADS.md, Parity
 def canonical(name: str) -> str:
     for prefix in ("base_model.model.", "_orig_mod."):
         if name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
     return name
 
 
@@ -64,16 +64,18 @@ def compare(loss, grads: dict, ref_loss, ref_grads: dict) -> dict:
         diff = (g.to(g_ref.device) - g_ref).norm().item()
         denom = g_ref.norm().item()
         errs[name] = diff / (denom if denom > 0 else 1.0)
-        num, den = num + diff ** 2, den + denom ** 2
+        num, den = num + diff**2, den + denom**2
     worst = sorted(errs.items(), key=lambda kv: -kv[1])[:3]
     return {
-        "loss": float(loss), "ref_loss": float(ref_loss),
+        "loss": float(loss),
+        "ref_loss": float(ref_loss),
         "loss_rel_err": abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12),
         "grad_rel_err_max": max(errs.values()) if errs else float("inf"),
         "grad_rel_err_mean": sum(errs.values()) / len(errs) if errs else float("inf"),
         # All LoRA gradients as one vector: less sensitive to tiny, noisy tensors.
         "grad_rel_err_global": math.sqrt(num / den) if den > 0 else float("inf"),
-        "worst_params": [[k, v] for k, v in worst], "missing_grads": missing[:5],
+        "worst_params": [[k, v] for k, v in worst],
+        "missing_grads": missing[:5],
         "n_grads": len(errs),
     }
 
@@ -101,18 +103,30 @@ def _verdict(cmp: dict, tol: float, dname: str, hf_max: float | None, bf16_vs_hf
         bad.append(f"LoRA grad rel err {cmp['grad_rel_err_max']:.2e} > {tol:.0e} (worst {w[0]})")
     if not bad:
         return "ok"
-    within_stock = (dname != "float32" and hf_max is not None and not cmp["missing_grads"]
-                    and cmp["loss_rel_err"] <= tol and cmp["grad_rel_err_max"] <= 1.25 * hf_max)
+    within_stock = (
+        dname != "float32"
+        and hf_max is not None
+        and not cmp["missing_grads"]
+        and cmp["loss_rel_err"] <= tol
+        and cmp["grad_rel_err_max"] <= 1.25 * hf_max
+    )
     if within_stock and bf16_vs_hf:
-        return (f"ok: within stock HF + PEFT {dname}'s own error (ours {cmp['grad_rel_err_max']:.2e}, "
-                f"HF {hf_max:.2e}; the {tol:.0e} tolerance is met by neither)")
-    note = (f" [stock HF + PEFT {dname} is at {hf_max:.2e} itself: {dname} rounding alone exceeds the "
-            "tolerance; --parity-bf16-vs-hf accepts errors within 1.25x of stock]") if within_stock else ""
+        return (
+            f"ok: within stock HF + PEFT {dname}'s own error (ours {cmp['grad_rel_err_max']:.2e}, "
+            f"HF {hf_max:.2e}; the {tol:.0e} tolerance is met by neither)"
+        )
+    note = (
+        (
+            f" [stock HF + PEFT {dname} is at {hf_max:.2e} itself: {dname} rounding alone exceeds the "
+            "tolerance; --parity-bf16-vs-hf accepts errors within 1.25x of stock]"
+        )
+        if within_stock
+        else ""
+    )
     return "FAILED: " + "; ".join(bad) + note
 
 
-def run_parity(workload, device, dtypes=("float32", "bfloat16"), seed: int = 0,
-               bf16_vs_hf: bool = False) -> list[dict]:
+def run_parity(workload, device, dtypes=("float32", "bfloat16"), seed: int = 0, bf16_vs_hf: bool = False) -> list[dict]:
     """One record-like dict per dtype: status "ok..." or "FAILED: ...", errors, worst tensors."""
     import torch
     import torch.nn.functional as F
@@ -155,15 +169,24 @@ def run_parity(workload, device, dtypes=("float32", "bfloat16"), seed: int = 0,
     ref_grads = lora_grads(ref)
     ref_loss = float(ref_loss.detach())
     del ref, loss_sum, logits
-    progress(f"parity {wl.id}: reference fp32 loss {ref_loss:.6f}, {len(ref_grads)} LoRA tensors, "
-             f"{len(docs)} documents, {batch.num_tokens} tokens")
+    progress(
+        f"parity {wl.id}: reference fp32 loss {ref_loss:.6f}, {len(ref_grads)} LoRA tensors, "
+        f"{len(docs)} documents, {batch.num_tokens} tokens"
+    )
 
     results = []
     for dname in dtypes:
         dtype = getattr(torch, dname)
         tol = TOLERANCE[dname]
-        row = {"mode": "parity", "workload": wl.id, "impl": "ours", "dtype": dname, "tolerance": tol,
-               "tokens": batch.num_tokens, "docs": len(docs)}
+        row = {
+            "mode": "parity",
+            "workload": wl.id,
+            "impl": "ours",
+            "dtype": dname,
+            "tolerance": tol,
+            "tokens": batch.num_tokens,
+            "docs": len(docs),
+        }
         # Context first: stock HF + PEFT in this dtype (packed through position_ids), same numbers.
         hf_max = None
         try:
@@ -175,8 +198,11 @@ def run_parity(workload, device, dtypes=("float32", "bfloat16"), seed: int = 0,
             hl.backward()
             c2 = compare(hl.detach(), lora_grads(hf), ref_loss, ref_grads)
             hf_max = c2["grad_rel_err_max"]
-            row.update(hf_same_dtype_loss_rel_err=c2["loss_rel_err"], hf_same_dtype_grad_rel_err_max=hf_max,
-                       hf_same_dtype_grad_rel_err_global=c2["grad_rel_err_global"])
+            row.update(
+                hf_same_dtype_loss_rel_err=c2["loss_rel_err"],
+                hf_same_dtype_grad_rel_err_max=hf_max,
+                hf_same_dtype_grad_rel_err_global=c2["grad_rel_err_global"],
+            )
             del hf, hl
         except Exception as exc:
             row["hf_same_dtype_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -198,11 +224,13 @@ def run_parity(workload, device, dtypes=("float32", "bfloat16"), seed: int = 0,
             traceback.print_exc()
             row["status"] = f"FAILED: error {type(exc).__name__}: {str(exc).strip()[:300]}"
             traceback.clear_frames(exc.__traceback__)
-        progress(f"parity {wl.id} {dname}: {row['status']}; loss rel err {row.get('loss_rel_err', float('nan')):.2e}, "
-                 f"LoRA grad rel err max {row.get('grad_rel_err_max', float('nan')):.2e} / global "
-                 f"{row.get('grad_rel_err_global', float('nan')):.2e} (tol {tol:.0e}); stock HF + PEFT {dname}: "
-                 f"max {row.get('hf_same_dtype_grad_rel_err_max', float('nan')):.2e} / global "
-                 f"{row.get('hf_same_dtype_grad_rel_err_global', float('nan')):.2e}")
+        progress(
+            f"parity {wl.id} {dname}: {row['status']}; loss rel err {row.get('loss_rel_err', float('nan')):.2e}, "
+            f"LoRA grad rel err max {row.get('grad_rel_err_max', float('nan')):.2e} / global "
+            f"{row.get('grad_rel_err_global', float('nan')):.2e} (tol {tol:.0e}); stock HF + PEFT {dname}: "
+            f"max {row.get('hf_same_dtype_grad_rel_err_max', float('nan')):.2e} / global "
+            f"{row.get('hf_same_dtype_grad_rel_err_global', float('nan')):.2e}"
+        )
         results.append(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -214,8 +242,18 @@ def run_parity(workload, device, dtypes=("float32", "bfloat16"), seed: int = 0,
 LEARNING_STEPS = 30  # WORKLOADS.md, Parity: every fast-path combination trains >= 30 steps
 
 
-def run_learning(workload, device, *, steps: int = LEARNING_STEPS, lr: float, budget, base: dict,
-                 variant: str = "all-on", ref_impl: str = "hf_sdpa", args=None) -> dict:
+def run_learning(
+    workload,
+    device,
+    *,
+    steps: int = LEARNING_STEPS,
+    lr: float,
+    budget,
+    base: dict,
+    variant: str = "all-on",
+    ref_impl: str = "hf_sdpa",
+    args=None,
+) -> dict:
     """Train ours (`variant`, by default all-on: offload included, what a GPU run gets) and a
     stock HF + PEFT implementation for `steps` optimizer steps each, on the same learnable
     batches, from the same weights, with the same AdamW; compare the loss curves with the
@@ -230,9 +268,19 @@ def run_learning(workload, device, *, steps: int = LEARNING_STEPS, lr: float, bu
 
     wl = workload
     batches = make_batches(steps, wl.tokens, wl.config["vocab_size"], wl.packing)
-    rec = dict(base, mode="learning", workload=wl.id, impl="ours", variant=variant, ref_impl=ref_impl,
-               dtype="bfloat16" if device.type == "cuda" else "float32", steps=steps, lr=lr,
-               tokens=wl.tokens, data=describe(wl.config["vocab_size"]))
+    rec = dict(
+        base,
+        mode="learning",
+        workload=wl.id,
+        impl="ours",
+        variant=variant,
+        ref_impl=ref_impl,
+        dtype="bfloat16" if device.type == "cuda" else "float32",
+        steps=steps,
+        lr=lr,
+        tokens=wl.tokens,
+        data=describe(wl.config["vocab_size"]),
+    )
     curves, runs = {}, {}
     for impl, options in (("ours", {"variant": variant}), (ref_impl, {})):
         ctx = Context(wl, batches, device, 0, steps, budget, args, lr=lr)
@@ -240,19 +288,28 @@ def run_learning(workload, device, *, steps: int = LEARNING_STEPS, lr: float, bu
         runs[impl] = r
         curves[impl] = r.get("loss_curve") or []
         if r.get("status") != "ok":
-            rec.update(status=f"FAILED: {impl} did not finish ({r.get('status')})", loss_curve=curves.get("ours"),
-                       ref_loss_curve=curves.get(ref_impl))
+            rec.update(
+                status=f"FAILED: {impl} did not finish ({r.get('status')})",
+                loss_curve=curves.get("ours"),
+                ref_loss_curve=curves.get(ref_impl),
+            )
             progress(f"learning {wl.id}: {rec['status']}")
             return rec
     ours, stock = curves["ours"], curves[ref_impl]
     check = learning_check(ours, stock)
-    rec.update(loss_curve=ours, ref_loss_curve=stock, options=runs["ours"].get("options"),
-               ref_options=runs[ref_impl].get("options"),
-               **{k: check.get(k) for k in ("stock_fall", "ours_fall", "max_step_rel_err", "worst_step")})
+    rec.update(
+        loss_curve=ours,
+        ref_loss_curve=stock,
+        options=runs["ours"].get("options"),
+        ref_options=runs[ref_impl].get("options"),
+        **{k: check.get(k) for k in ("stock_fall", "ours_fall", "max_step_rel_err", "worst_step")},
+    )
     # Here "no check" is a failure too: this run chose its steps and learning rate to show a fall.
     rec["status"] = "ok: " + check["reason"] if check["verdict"] == "ok" else "FAILED: " + check["reason"]
-    progress(f"learning {wl.id} ours[{variant}] vs {ref_impl}, {steps} steps at lr {lr:g}:\n" +
-             curves_table({"ours": ours, ref_impl: stock}))
+    progress(
+        f"learning {wl.id} ours[{variant}] vs {ref_impl}, {steps} steps at lr {lr:g}:\n"
+        + curves_table({"ours": ours, ref_impl: stock})
+    )
     progress(f"learning {wl.id}: {rec['status']}")
     return rec
 
@@ -263,6 +320,10 @@ def curves_table(named: dict) -> str:
     n = max((len(c) for c in named.values()), default=0)
     rows = ["  step " + "".join(f"{k:>16}" for k in names)]
     for i in range(n):
-        rows.append(f"  {i + 1:>4} " + "".join(
-            f"{named[k][i]:>16.6f}" if i < len(named[k]) and named[k][i] is not None else " " * 16 for k in names))
+        rows.append(
+            f"  {i + 1:>4} "
+            + "".join(
+                f"{named[k][i]:>16.6f}" if i < len(named[k]) and named[k][i] is not None else " " * 16 for k in names
+            )
+        )
     return "\n".join(rows)

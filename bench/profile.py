@@ -32,8 +32,13 @@ def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     gpu_us = sum(getattr(e, attr, 0) for e in events) / steps if cuda else 0.0
-    table = events.table(sort_by=sort.replace("cuda", "device") if attr.startswith("self_device") else sort,
-                         row_limit=top, max_name_column_width=60)
-    progress(f"{label} profile: wall {wall * 1e3:.1f} ms/step, GPU kernels {gpu_us / 1e3:.1f} ms/step "
-             f"({100 * gpu_us / 1e3 / (wall * 1e3):.0f}% busy)\n{table}")
+    table = events.table(
+        sort_by=sort.replace("cuda", "device") if attr.startswith("self_device") else sort,
+        row_limit=top,
+        max_name_column_width=60,
+    )
+    progress(
+        f"{label} profile: wall {wall * 1e3:.1f} ms/step, GPU kernels {gpu_us / 1e3:.1f} ms/step "
+        f"({100 * gpu_us / 1e3 / (wall * 1e3):.0f}% busy)\n{table}"
+    )
     return {"profile_wall_ms": round(wall * 1e3, 2), "profile_gpu_ms": round(gpu_us / 1e3, 2)}

@@ -40,13 +40,17 @@ def git_commit() -> str:
     if os.environ.get("TUNESMITH_COMMIT"):
         return os.environ["TUNESMITH_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH_DIR, capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True, timeout=10)
         sha = out.stdout.strip()
         if out.returncode != 0 or not sha:
             return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=BENCH_DIR,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=BENCH_DIR,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except Exception:
         return "unknown"
@@ -66,7 +70,7 @@ def unsloth_bundle_version(site: str | None) -> str | None:
     if not site:
         return None
     for p in Path(site).glob("unsloth-*.dist-info"):
-        return p.name[len("unsloth-"):-len(".dist-info")]
+        return p.name[len("unsloth-") : -len(".dist-info")]
     return None
 
 
@@ -148,8 +152,14 @@ def _finite_curve(curve) -> bool:
     return bool(curve) and all(isinstance(x, (int, float)) and math.isfinite(x) for x in curve)
 
 
-def learning_check(ours: list[float] | None, stock: list[float] | None, *, min_fall: float = MIN_FALL,
-                   fall_tol: float = FALL_TOL, step_tol: float = STEP_TOL) -> dict:
+def learning_check(
+    ours: list[float] | None,
+    stock: list[float] | None,
+    *,
+    min_fall: float = MIN_FALL,
+    fall_tol: float = FALL_TOL,
+    step_tol: float = STEP_TOL,
+) -> dict:
     """Does the curve `ours` learn like the stock curve of the same run on the same batches?
 
     Returns {"verdict": "ok" | "FAILED" | "none", "reason": str, ...numbers}. "none" means the
@@ -169,8 +179,11 @@ def learning_check(ours: list[float] | None, stock: list[float] | None, *, min_f
     stock_fall = curve_fall(stock)
     out["stock_fall"] = stock_fall
     if stock_fall < min_fall:
-        return dict(out, reason=f"the stock curve fell {stock_fall:.3f} nats (< {min_fall}): more steps or a "
-                                "higher learning rate are needed to tell a learning run from a flat one")
+        return dict(
+            out,
+            reason=f"the stock curve fell {stock_fall:.3f} nats (< {min_fall}): more steps or a "
+            "higher learning rate are needed to tell a learning run from a flat one",
+        )
     if not _finite_curve(ours):
         return dict(out, verdict="FAILED", reason="non-finite loss in ours")
     ours_fall = curve_fall(ours)
@@ -181,19 +194,25 @@ def learning_check(ours: list[float] | None, stock: list[float] | None, *, min_f
     if abs(ours_fall - stock_fall) > fall_tol * stock_fall:
         bad.append(f"fell {ours_fall:.3f} nats, stock {stock_fall:.3f} (more than {fall_tol:.0%} apart)")
     if rel[worst] > step_tol:
-        bad.append(f"step {worst + 1}: {ours[worst]:.4f} vs stock {stock[worst]:.4f} "
-                   f"({rel[worst]:.1%} > {step_tol:.0%})")
+        bad.append(
+            f"step {worst + 1}: {ours[worst]:.4f} vs stock {stock[worst]:.4f} ({rel[worst]:.1%} > {step_tol:.0%})"
+        )
     if bad:
         return dict(out, verdict="FAILED", reason="; ".join(bad))
-    return dict(out, verdict="ok", reason=f"fell {ours_fall:.3f} nats (stock {stock_fall:.3f}), "
-                                          f"worst step {rel[worst]:.2%}")
+    return dict(
+        out, verdict="ok", reason=f"fell {ours_fall:.3f} nats (stock {stock_fall:.3f}), worst step {rel[worst]:.2%}"
+    )
 
 
 def _same_run(a: dict, b: dict) -> bool:
     """Measured in one process run, one after another on the same batches (never across runs)."""
-    return (a.get("run_id") is not None and a.get("run_id") == b.get("run_id")
-            and a.get("workload") == b.get("workload") and a.get("gpu") == b.get("gpu")
-            and a.get("mode", "bench") == b.get("mode", "bench"))
+    return (
+        a.get("run_id") is not None
+        and a.get("run_id") == b.get("run_id")
+        and a.get("workload") == b.get("workload")
+        and a.get("gpu") == b.get("gpu")
+        and a.get("mode", "bench") == b.get("mode", "bench")
+    )
 
 
 def _no_loss(rec: dict) -> bool:
@@ -225,26 +244,39 @@ def learning_verdict(rec: dict, records: Iterable[dict]) -> dict:
             return {"verdict": "none", "reason": f"stock: {len(curve)} steps, too few to show a fall", "counts": True}
         fall = curve_fall(curve)
         note = "" if fall >= MIN_FALL else f" (< {MIN_FALL}: cannot check others)"
-        return {"verdict": "reference", "reason": f"stock: fell {fall:.3f} nats{note}", "counts": True,
-                "stock_fall": fall}
+        return {
+            "verdict": "reference",
+            "reason": f"stock: fell {fall:.3f} nats{note}",
+            "counts": True,
+            "stock_fall": fall,
+        }
     counts_anyway = impl != "ours"  # the gate is on ours; a peer's speed is shown with its note
     if not curve:
         return {"verdict": "none", "reason": OLD_RECORD, "counts": counts_anyway}
     refs = {}
     for r in records:
-        if (r is not rec and _same_run(r, rec) and r.get("impl") in REFERENCE_IMPLS
-                and r.get("status") == "ok" and r.get("loss_curve")):
+        if (
+            r is not rec
+            and _same_run(r, rec)
+            and r.get("impl") in REFERENCE_IMPLS
+            and r.get("status") == "ok"
+            and r.get("loss_curve")
+        ):
             refs.setdefault(r["impl"], r)  # first in file order: one record per impl and run
     if not refs:
-        return {"verdict": "none", "counts": counts_anyway,
-                "reason": f"no stock HF + PEFT / Liger curve in run {rec.get('run_id') or '?'}"}
+        return {
+            "verdict": "none",
+            "counts": counts_anyway,
+            "reason": f"no stock HF + PEFT / Liger curve in run {rec.get('run_id') or '?'}",
+        }
     checks = [(name, learning_check(curve, refs[name]["loss_curve"])) for name in REFERENCE_IMPLS if name in refs]
     for want in ("ok", "FAILED", "none"):
         for name, c in checks:
             if c["verdict"] == want:
                 label = {"ok": "ok", "FAILED": "FAILED", "none": "no learning check"}[want]
-                return dict(c, reference=name, counts=counts_anyway or want == "ok",
-                            reason=f"{label} vs {name}: {c['reason']}")
+                return dict(
+                    c, reference=name, counts=counts_anyway or want == "ok", reason=f"{label} vs {name}: {c['reason']}"
+                )
     raise AssertionError("unreachable")
 
 
@@ -261,8 +293,7 @@ def best_peer_same_run(rec: dict, records: Iterable[dict]) -> float | None:
     """The fastest peer's tokens/s in the record's own run (ratios never span runs)."""
     best = None
     for r in records:
-        if (_same_run(r, rec) and _is_peer(r.get("impl")) and r.get("status") == "ok"
-                and r.get("tokens_per_s")):
+        if _same_run(r, rec) and _is_peer(r.get("impl")) and r.get("status") == "ok" and r.get("tokens_per_s"):
             best = max(best or 0.0, r["tokens_per_s"])
     return best
 
@@ -270,24 +301,45 @@ def best_peer_same_run(rec: dict, records: Iterable[dict]) -> float | None:
 def format_table(records: Iterable[dict]) -> str:
     """The console table printed at the end of a run (the learning check within these records)."""
     records = list(records)
-    rows = [("workload", "impl", "status", "tok/s", "min-max tok/s", "step s", "peak GiB",
-             "reserved GiB", "ceiling", "loss first->last", "learning")]
+    rows = [
+        (
+            "workload",
+            "impl",
+            "status",
+            "tok/s",
+            "min-max tok/s",
+            "step s",
+            "peak GiB",
+            "reserved GiB",
+            "ceiling",
+            "loss first->last",
+            "learning",
+        )
+    ]
     for r in records:
         status = r.get("status", "?")
         ok = status == "ok"
         v = learning_verdict(r, records) if r.get("mode", "bench") == "bench" else {"reason": "-", "counts": True}
         cell = speed_cell(r, v) if r.get("mode", "bench") == "bench" else None
-        rows.append((
-            r.get("workload", "?"), impl_label(r), status if len(status) <= 60 else status[:57] + "...",
-            cell or (_fmt(r.get("tokens_per_s")) if ok else "-"),
-            f"{_fmt(r.get('tokens_per_s_min'))}-{_fmt(r.get('tokens_per_s_max'))}" if ok and not cell else "-",
-            _fmt(r.get("step_s"), ".3f") if ok and not cell else "-",
-            _fmt(r.get("peak_gib"), ".2f"), _fmt(r.get("reserved_gib"), ".2f"),
-            _fmt(100 * r["ceiling_fraction"], ".1f") + "%" if ok and not cell and r.get("ceiling_fraction") else "-",
-            f"{_fmt(r.get('first_loss'), '.4f')}->{_fmt(r.get('last_loss'), '.4f')}"
-            if r.get("first_loss") is not None else "-",
-            v["reason"] if len(v["reason"]) <= 90 else v["reason"][:87] + "...",
-        ))
+        rows.append(
+            (
+                r.get("workload", "?"),
+                impl_label(r),
+                status if len(status) <= 60 else status[:57] + "...",
+                cell or (_fmt(r.get("tokens_per_s")) if ok else "-"),
+                f"{_fmt(r.get('tokens_per_s_min'))}-{_fmt(r.get('tokens_per_s_max'))}" if ok and not cell else "-",
+                _fmt(r.get("step_s"), ".3f") if ok and not cell else "-",
+                _fmt(r.get("peak_gib"), ".2f"),
+                _fmt(r.get("reserved_gib"), ".2f"),
+                _fmt(100 * r["ceiling_fraction"], ".1f") + "%"
+                if ok and not cell and r.get("ceiling_fraction")
+                else "-",
+                f"{_fmt(r.get('first_loss'), '.4f')}->{_fmt(r.get('last_loss'), '.4f')}"
+                if r.get("first_loss") is not None
+                else "-",
+                v["reason"] if len(v["reason"]) <= 90 else v["reason"][:87] + "...",
+            )
+        )
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -319,14 +371,18 @@ def _speed_row(r: dict, records: list[dict], history: bool) -> str:
     best = best_peer_same_run(r, records) if shown else None
     vs = f"{r['tokens_per_s'] / best:.2f}x" if best and r.get("tokens_per_s") else "-"
     cells = [
-        impl_label(r), _cell(r.get("status", "?"))[:120],
+        impl_label(r),
+        _cell(r.get("status", "?"))[:120],
         instead or _fmt(r.get("tokens_per_s")),
         f"{_fmt(r.get('tokens_per_s_min'))}-{_fmt(r.get('tokens_per_s_max'))}" if shown else "-",
         # A run that did not learn may not have done the work: its memory is no figure either.
         _fmt(r.get("peak_gib"), ".2f") if shown or not ok else "-",
         _fmt(r.get("reserved_gib"), ".2f") if shown or not ok else "-",
         (_fmt(100 * r["ceiling_fraction"], ".1f") + "%") if shown and r.get("ceiling_fraction") else "-",
-        vs, _cell(v["reason"]), (r.get("date") or "")[:16], (r.get("commit") or "")[:10],
+        vs,
+        _cell(v["reason"]),
+        (r.get("date") or "")[:16],
+        (r.get("commit") or "")[:10],
         r.get("run_id") or "-",
     ]
     if history:
@@ -334,8 +390,20 @@ def _speed_row(r: dict, records: list[dict], history: bool) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-SPEED_HEADER = ["impl", "status", "tokens/s", "min-max", "peak GiB", "reserved GiB", "ceiling",
-                "vs best peer (same run)", "learning check", "date", "commit", "run"]
+SPEED_HEADER = [
+    "impl",
+    "status",
+    "tokens/s",
+    "min-max",
+    "peak GiB",
+    "reserved GiB",
+    "ceiling",
+    "vs best peer (same run)",
+    "learning check",
+    "date",
+    "commit",
+    "run",
+]
 
 
 def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD) -> str:
@@ -344,18 +412,23 @@ def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD
 
     records = read_records(results)
     speed = [r for r in records if r.get("mode", "bench") == "bench"]
-    out = ["# Benchmark results", "",
-           f"Generated by `python -m bench --summarize` from `{Path(results).name}` "
-           f"({len(records)} records). Per workload and GPU: the latest record of each implementation, "
-           "then every record (newest first). Recipe, learning check and targets: WORKLOADS.md.", "",
-           f"- A speed of ours is shown only when its learning check passed: the same run (same run id) "
-           f"has a stock HF + PEFT (or Liger) loss curve on the same batches that falls by at least "
-           f"{MIN_FALL} nats (first step against the mean of the last three), ours falls by the same "
-           f"within {FALL_TOL:.0%}, and every step of ours is within {STEP_TOL:.0%} of the stock curve. "
-           "Otherwise the row says \"FAILED learning\" or \"no learning check\" (records from before "
-           "the check have no loss curve; their token ids were uniform random and could not be learned).",
-           "- \"vs best peer (same run)\" is tokens/s over the fastest peer's (HF + PEFT, Liger, Unsloth) "
-           "of the same run id; ratios are never taken across runs.", ""]
+    out = [
+        "# Benchmark results",
+        "",
+        f"Generated by `python -m bench --summarize` from `{Path(results).name}` "
+        f"({len(records)} records). Per workload and GPU: the latest record of each implementation, "
+        "then every record (newest first). Recipe, learning check and targets: WORKLOADS.md.",
+        "",
+        f"- A speed of ours is shown only when its learning check passed: the same run (same run id) "
+        f"has a stock HF + PEFT (or Liger) loss curve on the same batches that falls by at least "
+        f"{MIN_FALL} nats (first step against the mean of the last three), ours falls by the same "
+        f"within {FALL_TOL:.0%}, and every step of ours is within {STEP_TOL:.0%} of the stock curve. "
+        'Otherwise the row says "FAILED learning" or "no learning check" (records from before '
+        "the check have no loss curve; their token ids were uniform random and could not be learned).",
+        '- "vs best peer (same run)" is tokens/s over the fastest peer\'s (HF + PEFT, Liger, Unsloth) '
+        "of the same run id; ratios are never taken across runs.",
+        "",
+    ]
     by_wl: "OrderedDict[str, list[dict]]" = OrderedDict()
     for r in speed:
         by_wl.setdefault(r["workload"], []).append(r)
@@ -373,63 +446,110 @@ def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD
             if wl and wl.target:
                 out += [f"Target: {wl.target}.", ""]
             if wl and wl.kind == "moe_block":
-                out += ["Speeds are MoE block forward + backward tokens/s (no training loss, so no learning check).", ""]
+                out += [
+                    "Speeds are MoE block forward + backward tokens/s (no training loss, so no learning check).",
+                    "",
+                ]
             out += ["Latest record per implementation:", "", header, rule]
-            for r in sorted(latest, key=lambda r: (-(r.get("tokens_per_s") or 0) if r.get("status") == "ok"
-                                                   and speed_cell(r, learning_verdict(r, records)) is None
-                                                   else 1e18)):
+            for r in sorted(
+                latest,
+                key=lambda r: (
+                    -(r.get("tokens_per_s") or 0)
+                    if r.get("status") == "ok" and speed_cell(r, learning_verdict(r, records)) is None
+                    else 1e18
+                ),
+            ):
                 out.append(_speed_row(r, records, history=False))
             out.append("")
             hist = sorted(mine, key=lambda r: str(r.get("date") or ""), reverse=True)
-            out += ["<details><summary>History: all {} records, newest first</summary>".format(len(hist)), "",
-                    "| " + " | ".join(hist_cols) + " |", "|" + "---|" * len(hist_cols)]
+            out += [
+                "<details><summary>History: all {} records, newest first</summary>".format(len(hist)),
+                "",
+                "| " + " | ".join(hist_cols) + " |",
+                "|" + "---|" * len(hist_cols),
+            ]
             out += [_speed_row(r, records, history=True) for r in hist]
             out += ["", "</details>", ""]
-    unmeasured = [w for w in WORKLOADS if w not in by_wl and not any(
-        r.get("workload") == w for r in records)]
+    unmeasured = [w for w in WORKLOADS if w not in by_wl and not any(r.get("workload") == w for r in records)]
     if unmeasured:
-        out += ["## Not measured yet", "",
-                "No record in results.jsonl yet for: " + ", ".join(
-                    f"{w} ({WORKLOADS[w].title})" for w in unmeasured) + ".", ""]
+        out += [
+            "## Not measured yet",
+            "",
+            "No record in results.jsonl yet for: " + ", ".join(f"{w} ({WORKLOADS[w].title})" for w in unmeasured) + ".",
+            "",
+        ]
     memcap = [r for r in records if r.get("mode") == "memcap"]
     if memcap:
-        out += ["## W7: longest single sequence that trains under a memory cap", "",
-                "| impl | status | longest tokens | cap GiB | trials | gpu | date |", "|---|---|---|---|---|---|---|"]
+        out += [
+            "## W7: longest single sequence that trains under a memory cap",
+            "",
+            "| impl | status | longest tokens | cap GiB | trials | gpu | date |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in _latest_per_key(memcap, lambda r: (r.get("gpu"), r.get("workload"), impl_label(r))).values():
             trials = ", ".join(f"{t['tokens']}:{'ok' if t['ok'] else 'oom'}" for t in r.get("trials", []))
-            out.append(f"| {impl_label(r)} | {r.get('status')} | {_fmt(r.get('longest_tokens'))} | "
-                       f"{r.get('cap_gib')} | {trials} | {r.get('gpu')} | {(r.get('date') or '')[:16]} |")
+            out.append(
+                f"| {impl_label(r)} | {r.get('status')} | {_fmt(r.get('longest_tokens'))} | "
+                f"{r.get('cap_gib')} | {trials} | {r.get('gpu')} | {(r.get('date') or '')[:16]} |"
+            )
         out.append("")
     learning = [r for r in records if r.get("mode") == "learning"]
     if learning:
-        out += ["## Learning check (`--parity`): ours against stock HF + PEFT over many steps", "",
-                "| workload | variant | stock | dtype | steps | lr | status | stock fall | ours fall | worst step | "
-                "loss stock first->last | loss ours first->last | gpu | date | commit | run |",
-                "|" + "---|" * 16]
+        out += [
+            "## Learning check (`--parity`): ours against stock HF + PEFT over many steps",
+            "",
+            "| workload | variant | stock | dtype | steps | lr | status | stock fall | ours fall | worst step | "
+            "loss stock first->last | loss ours first->last | gpu | date | commit | run |",
+            "|" + "---|" * 16,
+        ]
         for r in sorted(learning, key=lambda r: str(r.get("date") or ""), reverse=True):
             sc, oc = r.get("ref_loss_curve") or [], r.get("loss_curve") or []
-            out.append("| " + " | ".join(_cell(x) for x in [
-                r.get("workload"), r.get("variant"), r.get("ref_impl"), r.get("dtype"), r.get("steps"),
-                _fmt(r.get("lr"), ".0e"), str(r.get("status"))[:160], _fmt(r.get("stock_fall"), ".3f"),
-                _fmt(r.get("ours_fall"), ".3f"),
-                (_fmt(100 * r["max_step_rel_err"], ".2f") + "%") if r.get("max_step_rel_err") is not None else "-",
-                f"{_fmt(sc[0] if sc else None, '.4f')}->{_fmt(sc[-1] if sc else None, '.4f')}",
-                f"{_fmt(oc[0] if oc else None, '.4f')}->{_fmt(oc[-1] if oc else None, '.4f')}",
-                r.get("gpu"), (r.get("date") or "")[:16], (r.get("commit") or "")[:10], r.get("run_id") or "-",
-            ]) + " |")
+            out.append(
+                "| "
+                + " | ".join(
+                    _cell(x)
+                    for x in [
+                        r.get("workload"),
+                        r.get("variant"),
+                        r.get("ref_impl"),
+                        r.get("dtype"),
+                        r.get("steps"),
+                        _fmt(r.get("lr"), ".0e"),
+                        str(r.get("status"))[:160],
+                        _fmt(r.get("stock_fall"), ".3f"),
+                        _fmt(r.get("ours_fall"), ".3f"),
+                        (_fmt(100 * r["max_step_rel_err"], ".2f") + "%")
+                        if r.get("max_step_rel_err") is not None
+                        else "-",
+                        f"{_fmt(sc[0] if sc else None, '.4f')}->{_fmt(sc[-1] if sc else None, '.4f')}",
+                        f"{_fmt(oc[0] if oc else None, '.4f')}->{_fmt(oc[-1] if oc else None, '.4f')}",
+                        r.get("gpu"),
+                        (r.get("date") or "")[:16],
+                        (r.get("commit") or "")[:10],
+                        r.get("run_id") or "-",
+                    ]
+                )
+                + " |"
+            )
         out.append("")
     parity = [r for r in records if r.get("mode") == "parity"]
     if parity:
-        out += ["## Parity: one step against HF + PEFT in fp32", "",
-                "| workload | dtype | status | loss rel err | LoRA grad rel err max / global | tolerance | stock HF+PEFT same dtype max / global | gpu | date |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            "## Parity: one step against HF + PEFT in fp32",
+            "",
+            "| workload | dtype | status | loss rel err | LoRA grad rel err max / global | tolerance"
+            " | stock HF+PEFT same dtype max / global | gpu | date |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in _latest_per_key(parity, lambda r: (r.get("gpu"), r.get("workload"), r.get("dtype"))).values():
-            out.append(f"| {r.get('workload')} | {r.get('dtype')} | {r.get('status')} | "
-                       f"{_fmt(r.get('loss_rel_err'), '.2e')} | {_fmt(r.get('grad_rel_err_max'), '.2e')} / "
-                       f"{_fmt(r.get('grad_rel_err_global'), '.2e')} | {_fmt(r.get('tolerance'), '.0e')} | "
-                       f"{_fmt(r.get('hf_same_dtype_grad_rel_err_max'), '.2e')} / "
-                       f"{_fmt(r.get('hf_same_dtype_grad_rel_err_global'), '.2e')} | "
-                       f"{r.get('gpu')} | {(r.get('date') or '')[:16]} |")
+            out.append(
+                f"| {r.get('workload')} | {r.get('dtype')} | {r.get('status')} | "
+                f"{_fmt(r.get('loss_rel_err'), '.2e')} | {_fmt(r.get('grad_rel_err_max'), '.2e')} / "
+                f"{_fmt(r.get('grad_rel_err_global'), '.2e')} | {_fmt(r.get('tolerance'), '.0e')} | "
+                f"{_fmt(r.get('hf_same_dtype_grad_rel_err_max'), '.2e')} / "
+                f"{_fmt(r.get('hf_same_dtype_grad_rel_err_global'), '.2e')} | "
+                f"{r.get('gpu')} | {(r.get('date') or '')[:16]} |"
+            )
         out.append("")
     text = "\n".join(out).rstrip() + "\n"
     Path(md).write_text(text, encoding="utf-8")

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from bench.report import progress
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 # The one optimizer of every implementation (WORKLOADS.md, "The common recipe"): AdamW over the
 # LoRA parameters with these settings. lr 1e-3 makes the loss fall visibly within a speed run's
@@ -61,10 +61,22 @@ def optimizer_options(opt, source: str) -> dict:
     got = {"betas": tuple(d.get("betas", ())), "eps": d.get("eps"), "weight_decay": d.get("weight_decay")}
     if type(opt).__name__ != "AdamW" or got != ADAMW:
         raise RuntimeError(f"{source} made {type(opt).__name__} {got}, not the bench's AdamW {ADAMW}")
-    impl = ("fused" if d.get("fused") else "foreach" if d.get("foreach")
-            else "torch default (foreach on CUDA, for-loop on CPU)")
-    return {"name": "AdamW", "lr": d.get("lr"), "betas": list(got["betas"]), "eps": got["eps"],
-            "weight_decay": got["weight_decay"], "implementation": impl, "source": source}
+    impl = (
+        "fused"
+        if d.get("fused")
+        else "foreach"
+        if d.get("foreach")
+        else "torch default (foreach on CUDA, for-loop on CPU)"
+    )
+    return {
+        "name": "AdamW",
+        "lr": d.get("lr"),
+        "betas": list(got["betas"]),
+        "eps": got["eps"],
+        "weight_decay": got["weight_decay"],
+        "implementation": impl,
+        "source": source,
+    }
 
 
 class BudgetExceeded(Exception):
@@ -130,8 +142,13 @@ class PatchGuard:
     left in place they would silently speed up every later "plain HF" model of the process.
     """
 
-    PREFIXES = ("transformers.models.", "transformers.integrations.", "transformers.loss.",
-                "transformers.masking_utils", "transformers.modeling_utils")
+    PREFIXES = (
+        "transformers.models.",
+        "transformers.integrations.",
+        "transformers.loss.",
+        "transformers.masking_utils",
+        "transformers.modeling_utils",
+    )
 
     def __init__(self, arch: str | None = None):
         self.arch = arch
@@ -149,8 +166,11 @@ class PatchGuard:
             if mod is None or not name.startswith(self.PREFIXES):
                 continue
             g = dict(vars(mod))
-            classes = {k: dict(v.__dict__) for k, v in g.items()
-                       if isinstance(v, type) and getattr(v, "__module__", None) == name}
+            classes = {
+                k: dict(v.__dict__)
+                for k, v in g.items()
+                if isinstance(v, type) and getattr(v, "__module__", None) == name
+            }
             self.saved[name] = (mod, g, classes)
         import torch.nn.functional as F
 
@@ -218,11 +238,16 @@ def measure(prep: Prepared, ctx: Context, label: str) -> dict:
     out = dict(partial, loss_curve=list(losses))
     tokens = ctx.batches[0].num_tokens if ctx.batches else ctx.workload.tokens
     med = statistics.median(times)
-    out.update(step_s=med, tokens_per_s=tokens / med, tokens_per_s_min=tokens / max(times),
-               tokens_per_s_max=tokens / min(times))
+    out.update(
+        step_s=med,
+        tokens_per_s=tokens / med,
+        tokens_per_s_min=tokens / max(times),
+        tokens_per_s_max=tokens / min(times),
+    )
     if cuda:
-        out.update(peak_gib=torch.cuda.max_memory_allocated() / GIB,
-                   reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+        out.update(
+            peak_gib=torch.cuda.max_memory_allocated() / GIB, reserved_gib=torch.cuda.max_memory_reserved() / GIB
+        )
     else:
         out.update(peak_gib=None, reserved_gib=None)
     known = [x for x in losses if x is not None]
@@ -247,12 +272,15 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-def run_impl(setup: Callable[[Context], Prepared], ctx: Context, impl: str, base: dict,
-             options: dict | None = None) -> dict:
+def run_impl(
+    setup: Callable[[Context], Prepared], ctx: Context, impl: str, base: dict, options: dict | None = None
+) -> dict:
     """Set up, measure and free one implementation; never raises for its failures."""
     import torch
 
-    label = f"{ctx.workload.id} {impl}" + (f"[{options['variant']}]" if options and options.get("variant") not in (None, "all-on") else "")
+    label = f"{ctx.workload.id} {impl}" + (
+        f"[{options['variant']}]" if options and options.get("variant") not in (None, "all-on") else ""
+    )
     rec = dict(base, workload=ctx.workload.id, impl=impl, options=dict(options or {}))
     free_memory(ctx.device)
     t_start = time.monotonic()
@@ -320,7 +348,7 @@ def setup_for(impl: str, options: dict):
     if impl == "ours":
         return setup_ours(options.get("variant", "all-on"))
     if impl.startswith("hf_moe_"):
-        return setup_moe_block(impl[len("hf_moe_"):])
+        return setup_moe_block(impl[len("hf_moe_") :])
     attn = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
     family, _, kind = impl.partition("_")
     if family in ("hf", "liger") and kind in attn:

@@ -34,61 +34,194 @@ class Workload:
         return dataclasses.replace(self, **changes)
 
 
-_QWEN3_COMMON = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40_960,
-                     hidden_act="silu", attention_bias=False)
-_LLAMA_COMMON = dict(rms_norm_eps=1e-5, max_position_embeddings=131_072, hidden_act="silu",
-                     attention_bias=False, mlp_bias=False)
+_QWEN3_COMMON = dict(
+    rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40_960, hidden_act="silu", attention_bias=False
+)
+_LLAMA_COMMON = dict(
+    rms_norm_eps=1e-5, max_position_embeddings=131_072, hidden_act="silu", attention_bias=False, mlp_bias=False
+)
 
 WORKLOADS: dict[str, Workload] = {
-    "W1": Workload("W1", "Qwen3-0.6B", "qwen3", dict(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True,
-        **_QWEN3_COMMON), target=">= 100,000 tokens/s (median of 3 runs) and peak <= 2.2 GiB"),
-    "W2": Workload("W2", "Llama-3.2-1B", "llama", dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128_256, tie_word_embeddings=True,
-        rope_theta=500_000.0, **_LLAMA_COMMON), target=">= 80,000 tokens/s and peak <= 3.5 GiB"),
-    "W3": Workload("W3", "Qwen3-8B", "qwen3", dict(
-        hidden_size=4096, intermediate_size=12_288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=False,
-        **_QWEN3_COMMON), target=">= 13,000 tokens/s and peak <= 17.5 GiB"),
-    "W4": Workload("W4", "Qwen3-14B QLoRA", "qwen3", dict(
-        hidden_size=5120, intermediate_size=17_408, num_hidden_layers=40, num_attention_heads=40,
-        num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=False,
-        **_QWEN3_COMMON), quant="nf4",
-        target=">= 1.6x the best peer in the same run; peak <= 12 GiB"),
-    "W5": Workload("W5", "Qwen3-30B-A3B MoE block (12-layer shape)", "qwen3_moe", dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=12,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151_936,
-        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], tie_word_embeddings=False, **_QWEN3_COMMON),
-        kind="moe_block", lora_targets=ATTENTION_ONLY,
-        target="MoE block forward+backward >= 2x HF's; routing asks the host at most once per layer"),
-    "W5b": Workload("W5b", "GPT-OSS-20B MoE block (8-layer shape)", "gpt_oss", dict(
-        hidden_size=2880, intermediate_size=2880, num_hidden_layers=8, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, vocab_size=201_088, num_local_experts=32,
-        num_experts_per_tok=4, tie_word_embeddings=False), kind="moe_block",
-        lora_targets=ATTENTION_ONLY, target="MoE block forward+backward >= 2x HF's"),
-    "W6": Workload("W6", "Llama-3.2-1B, one 32k document", "llama", dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128_256, tie_word_embeddings=True,
-        rope_theta=500_000.0, **_LLAMA_COMMON), tokens=32_768, packing="single",
-        target=">= 1.5x the best peer in the same run (no-keep variant beside it)"),
-    "W7": Workload("W7", "Llama-3.1-8B QLoRA, longest sequence at 16 GiB", "llama", dict(
-        hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128_256, tie_word_embeddings=False,
-        rope_theta=500_000.0, **_LLAMA_COMMON), kind="memcap", packing="single", quant="nf4",
-        tokens=131_072, target=">= 131,072 tokens at 16 GiB"),
+    "W1": Workload(
+        "W1",
+        "Qwen3-0.6B",
+        "qwen3",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151_936,
+            tie_word_embeddings=True,
+            **_QWEN3_COMMON,
+        ),
+        target=">= 100,000 tokens/s (median of 3 runs) and peak <= 2.2 GiB",
+    ),
+    "W2": Workload(
+        "W2",
+        "Llama-3.2-1B",
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128_256,
+            tie_word_embeddings=True,
+            rope_theta=500_000.0,
+            **_LLAMA_COMMON,
+        ),
+        target=">= 80,000 tokens/s and peak <= 3.5 GiB",
+    ),
+    "W3": Workload(
+        "W3",
+        "Qwen3-8B",
+        "qwen3",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12_288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151_936,
+            tie_word_embeddings=False,
+            **_QWEN3_COMMON,
+        ),
+        target=">= 13,000 tokens/s and peak <= 17.5 GiB",
+    ),
+    "W4": Workload(
+        "W4",
+        "Qwen3-14B QLoRA",
+        "qwen3",
+        dict(
+            hidden_size=5120,
+            intermediate_size=17_408,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151_936,
+            tie_word_embeddings=False,
+            **_QWEN3_COMMON,
+        ),
+        quant="nf4",
+        target=">= 1.6x the best peer in the same run; peak <= 12 GiB",
+    ),
+    "W5": Workload(
+        "W5",
+        "Qwen3-30B-A3B MoE block (12-layer shape)",
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=151_936,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+            **_QWEN3_COMMON,
+        ),
+        kind="moe_block",
+        lora_targets=ATTENTION_ONLY,
+        target="MoE block forward+backward >= 2x HF's; routing asks the host at most once per layer",
+    ),
+    "W5b": Workload(
+        "W5b",
+        "GPT-OSS-20B MoE block (8-layer shape)",
+        "gpt_oss",
+        dict(
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=8,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=201_088,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            tie_word_embeddings=False,
+        ),
+        kind="moe_block",
+        lora_targets=ATTENTION_ONLY,
+        target="MoE block forward+backward >= 2x HF's",
+    ),
+    "W6": Workload(
+        "W6",
+        "Llama-3.2-1B, one 32k document",
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128_256,
+            tie_word_embeddings=True,
+            rope_theta=500_000.0,
+            **_LLAMA_COMMON,
+        ),
+        tokens=32_768,
+        packing="single",
+        target=">= 1.5x the best peer in the same run (no-keep variant beside it)",
+    ),
+    "W7": Workload(
+        "W7",
+        "Llama-3.1-8B QLoRA, longest sequence at 16 GiB",
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14_336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128_256,
+            tie_word_embeddings=False,
+            rope_theta=500_000.0,
+            **_LLAMA_COMMON,
+        ),
+        kind="memcap",
+        packing="single",
+        quant="nf4",
+        tokens=131_072,
+        target=">= 131,072 tokens at 16 GiB",
+    ),
 }
 
 # A model small enough for a CPU: the CI smoke run and the CPU parity check.
-CPU_TINY = Workload("CPU-tiny", "2-layer Qwen3, hidden 64, vocab 256", "qwen3", dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True,
-    **_QWEN3_COMMON), tokens=512,
+CPU_TINY = Workload(
+    "CPU-tiny",
+    "2-layer Qwen3, hidden 64, vocab 256",
+    "qwen3",
+    dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        tie_word_embeddings=True,
+        **_QWEN3_COMMON,
+    ),
+    tokens=512,
     # Its 64-wide LoRA moves the loss about 10x slower per step than the real shapes do: at the
     # recipe's 1e-3 it falls ~0.1 nats in 30 steps, at 1e-2 ~0.5 (the learning check needs 0.3).
-    extra={"lr": 1e-2})
+    extra={"lr": 1e-2},
+)
 
 
 def get_workload(wid: str) -> Workload:
@@ -169,8 +302,7 @@ def build_model(w: Workload, *, dtype, device, attn_implementation: str = "sdpa"
         try:
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
         except TypeError:  # older transformers call it torch_dtype
-            model = AutoModelForCausalLM.from_config(
-                cfg, torch_dtype=dtype, attn_implementation=attn_implementation)
+            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype, attn_implementation=attn_implementation)
     if next(model.parameters()).dtype != dtype:  # a transformers that ignored the dtype argument
         model.to(dtype)
     model.config.use_cache = False
@@ -194,11 +326,18 @@ def quantize_nf4(model, compute_dtype) -> None:
             if type(child) is not torch.nn.Linear:
                 continue
             dev = child.weight.device
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                  compute_dtype=compute_dtype, compress_statistics=True,
-                                  quant_type="nf4", device="meta")
-            q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
-                                         compress_statistics=True, module=q)
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="meta",
+            )
+            q.weight = bnb.nn.Params4bit(
+                child.weight.data, requires_grad=False, quant_type="nf4", compress_statistics=True, module=q
+            )
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
             q.weight = q.weight.to(dev)  # quantizes here (Params4bit.to)

@@ -93,9 +93,19 @@ _LAZY = {"TrainingSession": "engine.train.session"}
 
 # What warm_up() imports: everything a training run, an export and a chat load.
 _HEAVY = (
-    "torch", "transformers", "peft", "datasets", "safetensors.torch",
-    "engine.train.session", "engine.train.step", "engine.train.checkpoint", "engine.data.dataset",
-    "engine.models.loading", "engine.models.lora", "engine.models.patches", "engine.export.merged",
+    "torch",
+    "transformers",
+    "peft",
+    "datasets",
+    "safetensors.torch",
+    "engine.train.session",
+    "engine.train.step",
+    "engine.train.checkpoint",
+    "engine.data.dataset",
+    "engine.models.loading",
+    "engine.models.lora",
+    "engine.models.patches",
+    "engine.export.merged",
 )
 
 
@@ -146,33 +156,84 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     # config
-    "AUTO", "ConfigError", "RunConfig", "ModelConfig", "LoraConfig", "DataConfig", "TrainingConfig",
-    "FastPathConfig", "OutputConfig",
+    "AUTO",
+    "ConfigError",
+    "RunConfig",
+    "ModelConfig",
+    "LoraConfig",
+    "DataConfig",
+    "TrainingConfig",
+    "FastPathConfig",
+    "OutputConfig",
     # session
     "TrainingSession",
     # events
-    "Event", "RunStarted", "StepMetrics", "LogLine", "CheckpointSaved", "Paused", "Resumed", "Finished",
-    "Failed", "event_from_dict",
+    "Event",
+    "RunStarted",
+    "StepMetrics",
+    "LogLine",
+    "CheckpointSaved",
+    "Paused",
+    "Resumed",
+    "Finished",
+    "Failed",
+    "event_from_dict",
     # run folders
-    "RunFolder", "RunFolderError", "RunInfo", "list_runs", "read_run", "run_folder_of",
+    "RunFolder",
+    "RunFolderError",
+    "RunInfo",
+    "list_runs",
+    "read_run",
+    "run_folder_of",
     # hardware
-    "HardwareProfile", "detect", "apply_defaults", "resolve_defaults", "explain_defaults", "format_profile",
+    "HardwareProfile",
+    "detect",
+    "apply_defaults",
+    "resolve_defaults",
+    "explain_defaults",
+    "format_profile",
     # estimates
-    "ModelInfo", "model_info", "estimate_vram", "fit_verdict",
+    "ModelInfo",
+    "model_info",
+    "estimate_vram",
+    "fit_verdict",
     # fast paths
-    "describe_fast_paths", "requested_but_not_run",
+    "describe_fast_paths",
+    "requested_but_not_run",
     # models and data preview
-    "ModelLoadError", "resolve_model_source", "load_tokenizer", "DataError", "DataPreview", "RenderedExample",
-    "PackingLayout", "load_preview", "render_example", "packing_layout",
+    "ModelLoadError",
+    "resolve_model_source",
+    "load_tokenizer",
+    "DataError",
+    "DataPreview",
+    "RenderedExample",
+    "PackingLayout",
+    "load_preview",
+    "render_example",
+    "packing_layout",
     # export
-    "EXPORTERS", "ExportKind", "ExportError", "run_exports", "destinations", "export_adapter", "export_merged",
-    "find_adapter", "run_config_for",
+    "EXPORTERS",
+    "ExportKind",
+    "ExportError",
+    "run_exports",
+    "destinations",
+    "export_adapter",
+    "export_merged",
+    "find_adapter",
+    "run_config_for",
     # chat
-    "load_chat_model", "generate_reply",
+    "load_chat_model",
+    "generate_reply",
     # resources
-    "RESOURCES", "DEMO_MODEL_DIR", "DEMO_DATA_FILE", "DEMO_HELDOUT_FILE", "DEMO_PRESET", "PRESETS_DIR",
+    "RESOURCES",
+    "DEMO_MODEL_DIR",
+    "DEMO_DATA_FILE",
+    "DEMO_HELDOUT_FILE",
+    "DEMO_PRESET",
+    "PRESETS_DIR",
     # startup and the command line
-    "warm_up", "cli_main",
+    "warm_up",
+    "cli_main",
 ]
 
 

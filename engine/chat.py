@@ -31,8 +31,9 @@ def load_chat_model(model_cfg: ModelConfig, adapter: str | Path | None = None, d
     return model, tokenizer
 
 
-def generate_reply(model, tokenizer, prompt: str | list[dict], max_new_tokens: int = 48,
-                   temperature: float = 0.0) -> str:
+def generate_reply(
+    model, tokenizer, prompt: str | list[dict], max_new_tokens: int = 48, temperature: float = 0.0
+) -> str:
     """The assistant's reply to `prompt` (a user message, or a whole message list)."""
     import torch
 
@@ -54,4 +55,4 @@ def generate_reply(model, tokenizer, prompt: str | list[dict], max_new_tokens: i
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()

@@ -33,14 +33,23 @@ from typing import Mapping, Optional
 BASE_KEYS = ("metadata_builds", "host_syncs", "moe_calls")
 
 CALL_KEYS = (
-    "lora_linears", "lora_mlp",
-    "rmsnorm:triton", "rmsnorm:torch",
-    "rope:triton", "rope:torch",
-    "activations:triton", "activations:torch",
-    "fused_ce:triton", "fused_ce:torch",
-    "attention:varlen_triton", "attention:torch_flash", "attention:flash_attn", "attention:reference",
+    "lora_linears",
+    "lora_mlp",
+    "rmsnorm:triton",
+    "rmsnorm:torch",
+    "rope:triton",
+    "rope:torch",
+    "activations:triton",
+    "activations:torch",
+    "fused_ce:triton",
+    "fused_ce:torch",
+    "attention:varlen_triton",
+    "attention:torch_flash",
+    "attention:flash_attn",
+    "attention:reference",
     "attention:dense",
-    "moe:grouped_mm", "moe:loop",
+    "moe:grouped_mm",
+    "moe:loop",
 )
 
 FALLBACK = "fallback:"
@@ -78,7 +87,7 @@ def split_counts(snapshot: Mapping[str, int]) -> tuple[dict[str, int], dict[str,
         if not v:
             continue
         if k.startswith(FALLBACK):
-            fallbacks[k[len(FALLBACK):]] = v
+            fallbacks[k[len(FALLBACK) :]] = v
         elif k not in ("metadata_builds", "host_syncs"):
             calls[k] = v
     return calls, fallbacks
@@ -96,8 +105,12 @@ _RAN_BY: dict[str, tuple[str, ...]] = {
     "lora_qkv": ("lora_linears",),
     "lora_o": ("lora_linears",),
     "lora_mlp": ("lora_mlp",),
-    "packed_attention": ("attention:varlen_triton", "attention:torch_flash", "attention:flash_attn",
-                         "attention:reference"),
+    "packed_attention": (
+        "attention:varlen_triton",
+        "attention:torch_flash",
+        "attention:flash_attn",
+        "attention:reference",
+    ),
     "fused_ce": ("fused_ce:triton", "fused_ce:torch"),
     "moe_grouping": ("moe_calls",),
 }
@@ -121,9 +134,9 @@ def requested(status: str) -> bool:
     return status.startswith(("on", "partial"))
 
 
-def requested_but_not_run(report: Mapping[str, str], calls: Mapping[str, int],
-                          fallbacks: Optional[Mapping[str, int]] = None,
-                          device: str = "") -> dict[str, str]:
+def requested_but_not_run(
+    report: Mapping[str, str], calls: Mapping[str, int], fallbacks: Optional[Mapping[str, int]] = None, device: str = ""
+) -> dict[str, str]:
     """{fast path: what went wrong} for the paths `report` requested that a step did not run.
 
     `report`: prepare_model's {name: "on..." | "partial k/n: why" | "off: why"}; `calls` and
@@ -157,5 +170,14 @@ def requested_but_not_run(report: Mapping[str, str], calls: Mapping[str, int],
     return out
 
 
-__all__ = ["COUNTERS", "BASE_KEYS", "CALL_KEYS", "count_fallback", "reset_counters", "split_counts",
-           "requested", "requested_but_not_run", "FALLBACK_KINDS"]
+__all__ = [
+    "COUNTERS",
+    "BASE_KEYS",
+    "CALL_KEYS",
+    "count_fallback",
+    "reset_counters",
+    "split_counts",
+    "requested",
+    "requested_but_not_run",
+    "FALLBACK_KINDS",
+]

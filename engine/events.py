@@ -106,8 +106,7 @@ class Failed(Event):
 
 
 EVENT_TYPES = {
-    cls.__name__: cls
-    for cls in (RunStarted, StepMetrics, LogLine, CheckpointSaved, Paused, Resumed, Finished, Failed)
+    cls.__name__: cls for cls in (RunStarted, StepMetrics, LogLine, CheckpointSaved, Paused, Resumed, Finished, Failed)
 }
 
 

@@ -244,8 +244,9 @@ class RunFolder:
         return outcome.get(kind, "incomplete")
 
     def info(self) -> RunInfo:
-        return RunInfo(path=self.path, adapter=self.final_adapter(), checkpoints=self.checkpoints(),
-                       status=self.status())
+        return RunInfo(
+            path=self.path, adapter=self.final_adapter(), checkpoints=self.checkpoints(), status=self.status()
+        )
 
     # -- starting a run -------------------------------------------------------------------------
     def check_free(self, overwrite: bool = False) -> None:
@@ -258,7 +259,8 @@ class RunFolder:
                 )
             if not self.is_run():
                 raise RunFolderError(
-                    f"the output folder {self.path} is not empty and holds no run; choose an empty folder")
+                    f"the output folder {self.path} is not empty and holds no run; choose an empty folder"
+                )
 
     def create(self, fresh: bool) -> "RunFolder":
         """Make the folder and checkpoints/. `fresh`: a new run, so an old run here (only possible

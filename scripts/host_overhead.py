@@ -33,9 +33,15 @@ def build(layers, hidden, inter, heads, kv_heads, head_dim, dtype, seed=0):
     from engine.train.step import prepare_model
 
     cfg = AutoConfig.for_model(
-        "qwen3", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        vocab_size=256, max_position_embeddings=8192,
+        "qwen3",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=256,
+        max_position_embeddings=8192,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -100,7 +106,8 @@ def count_ops(layers, dtype, tokens=64):
 
 # Metadata-only ops: no device kernel is launched for these.
 _NO_KERNEL = {
-    "aten::" + n for n in (
+    "aten::" + n
+    for n in (
         "as_strided view _unsafe_view reshape transpose t slice select expand unsqueeze squeeze "
         "detach alias resolve_conj resolve_neg empty empty_strided empty_like split narrow "
         "permute contiguous lift_fresh _reshape_alias unbind chunk split_with_sizes"
@@ -116,7 +123,12 @@ def cmd_ops(args):
     per_layer.subtract(a)
     print("fast paths:", report)
     print(f"per decoder layer (fwd + recompute + bwd + optimizer), dtype={args.dtype}:")
-    for key in ("inside the LoRA Functions (fwd, recompute, bwd)", "all aten", "top-level aten (dispatches from Python/autograd)", "leaf compute (~device kernels)"):
+    for key in (
+        "inside the LoRA Functions (fwd, recompute, bwd)",
+        "all aten",
+        "top-level aten (dispatches from Python/autograd)",
+        "leaf compute (~device kernels)",
+    ):
         print(f"  {per_layer.pop(key):5d} {key}")
     print("leaf compute ops by name:")
     for name, n in per_layer.most_common(args.top):
@@ -125,8 +137,9 @@ def cmd_ops(args):
 
 def cmd_time(args):
     torch.set_num_threads(args.threads)
-    model, _ = build(args.layers, args.hidden, args.hidden * 3, args.hidden // 64, max(1, args.hidden // 256),
-                     64, torch.float32)
+    model, _ = build(
+        args.layers, args.hidden, args.hidden * 3, args.hidden // 64, max(1, args.hidden // 256), 64, torch.float32
+    )
     b = batch(args.tokens)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     one_step(model, b, opt)
@@ -136,8 +149,10 @@ def cmd_time(args):
         one_step(model, b, opt)
         times.append(time.perf_counter() - t0)
     times.sort()
-    print(f"hidden={args.hidden} layers={args.layers} tokens={args.tokens}: "
-          f"median {1e3 * times[len(times) // 2]:.1f} ms/step, min {1e3 * times[0]:.1f} ms")
+    print(
+        f"hidden={args.hidden} layers={args.layers} tokens={args.tokens}: "
+        f"median {1e3 * times[len(times) // 2]:.1f} ms/step, min {1e3 * times[0]:.1f} ms"
+    )
 
 
 def main():

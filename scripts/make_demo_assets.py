@@ -30,26 +30,104 @@ DATA_DIR = RESOURCES / "demo_data"
 SEED = 1234
 
 CAPITALS = {
-    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
-    "Japan": "Tokyo", "China": "Beijing", "India": "New Delhi", "Egypt": "Cairo", "Kenya": "Nairobi",
-    "Peru": "Lima", "Chile": "Santiago", "Canada": "Ottawa", "Mexico": "Mexico City", "Cuba": "Havana",
-    "Norway": "Oslo", "Sweden": "Stockholm", "Finland": "Helsinki", "Poland": "Warsaw", "Greece": "Athens",
-    "Turkey": "Ankara", "Iran": "Tehran", "Iraq": "Baghdad", "Russia": "Moscow", "Ukraine": "Kyiv",
-    "Austria": "Vienna", "Hungary": "Budapest", "Ireland": "Dublin", "Belgium": "Brussels",
-    "Denmark": "Copenhagen", "Vietnam": "Hanoi", "Thailand": "Bangkok", "Nepal": "Kathmandu",
-    "Ghana": "Accra", "Morocco": "Rabat", "Argentina": "Buenos Aires", "Colombia": "Bogota",
-    "Australia": "Canberra", "Brazil": "Brasilia", "Iceland": "Reykjavik",
+    "France": "Paris",
+    "Germany": "Berlin",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Portugal": "Lisbon",
+    "Japan": "Tokyo",
+    "China": "Beijing",
+    "India": "New Delhi",
+    "Egypt": "Cairo",
+    "Kenya": "Nairobi",
+    "Peru": "Lima",
+    "Chile": "Santiago",
+    "Canada": "Ottawa",
+    "Mexico": "Mexico City",
+    "Cuba": "Havana",
+    "Norway": "Oslo",
+    "Sweden": "Stockholm",
+    "Finland": "Helsinki",
+    "Poland": "Warsaw",
+    "Greece": "Athens",
+    "Turkey": "Ankara",
+    "Iran": "Tehran",
+    "Iraq": "Baghdad",
+    "Russia": "Moscow",
+    "Ukraine": "Kyiv",
+    "Austria": "Vienna",
+    "Hungary": "Budapest",
+    "Ireland": "Dublin",
+    "Belgium": "Brussels",
+    "Denmark": "Copenhagen",
+    "Vietnam": "Hanoi",
+    "Thailand": "Bangkok",
+    "Nepal": "Kathmandu",
+    "Ghana": "Accra",
+    "Morocco": "Rabat",
+    "Argentina": "Buenos Aires",
+    "Colombia": "Bogota",
+    "Australia": "Canberra",
+    "Brazil": "Brasilia",
+    "Iceland": "Reykjavik",
 }
 OPPOSITES = {
-    "hot": "cold", "big": "small", "fast": "slow", "up": "down", "light": "dark", "happy": "sad",
-    "open": "closed", "early": "late", "full": "empty", "old": "new", "hard": "soft", "high": "low",
-    "rich": "poor", "strong": "weak", "wet": "dry", "near": "far", "long": "short", "thick": "thin",
-    "loud": "quiet", "clean": "dirty", "first": "last", "win": "lose", "push": "pull", "buy": "sell",
+    "hot": "cold",
+    "big": "small",
+    "fast": "slow",
+    "up": "down",
+    "light": "dark",
+    "happy": "sad",
+    "open": "closed",
+    "early": "late",
+    "full": "empty",
+    "old": "new",
+    "hard": "soft",
+    "high": "low",
+    "rich": "poor",
+    "strong": "weak",
+    "wet": "dry",
+    "near": "far",
+    "long": "short",
+    "thick": "thin",
+    "loud": "quiet",
+    "clean": "dirty",
+    "first": "last",
+    "win": "lose",
+    "push": "pull",
+    "buy": "sell",
 }
 WORDS = [
-    "apple", "river", "stone", "cloud", "tiger", "lemon", "house", "music", "green", "paper",
-    "light", "ocean", "plant", "train", "bread", "chair", "water", "night", "sugar", "glass",
-    "horse", "candle", "garden", "window", "silver", "forest", "pencil", "rocket", "basket", "mirror",
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "lemon",
+    "house",
+    "music",
+    "green",
+    "paper",
+    "light",
+    "ocean",
+    "plant",
+    "train",
+    "bread",
+    "chair",
+    "water",
+    "night",
+    "sugar",
+    "glass",
+    "horse",
+    "candle",
+    "garden",
+    "window",
+    "silver",
+    "forest",
+    "pencil",
+    "rocket",
+    "basket",
+    "mirror",
 ]
 
 
@@ -62,13 +140,31 @@ def make_examples(rng: random.Random):
             if a > b:
                 out.append((f"What is {a} minus {b}?", "", f"Answer: {a - b}", f"{a} minus {b} leaves {a - b}."))
     for country, city in CAPITALS.items():
-        out.append((f"What is the capital of {country}?", "", f"Answer: {city}", f"The capital of {country} is {city}."))
-        out.append(("Name the capital city of this country.", country, f"Answer: {city}", f"{city} is the capital of {country}."))
+        out.append(
+            (f"What is the capital of {country}?", "", f"Answer: {city}", f"The capital of {country} is {city}.")
+        )
+        out.append(
+            (
+                "Name the capital city of this country.",
+                country,
+                f"Answer: {city}",
+                f"{city} is the capital of {country}.",
+            )
+        )
     for word, opp in OPPOSITES.items():
         out.append((f"What is the opposite of {word}?", "", f"Answer: {opp}", f"The opposite of {word} is {opp}."))
     for word in WORDS:
-        out.append(("Reverse the letters of this word.", word, f"Answer: {word[::-1]}", f"{word} backwards is {word[::-1]}."))
-        out.append((f"Write {word} in capital letters.", "", f"Answer: {word.upper()}", f"{word} in capitals is {word.upper()}."))
+        out.append(
+            ("Reverse the letters of this word.", word, f"Answer: {word[::-1]}", f"{word} backwards is {word[::-1]}.")
+        )
+        out.append(
+            (
+                f"Write {word} in capital letters.",
+                "",
+                f"Answer: {word.upper()}",
+                f"{word} in capitals is {word.upper()}.",
+            )
+        )
         out.append((f"How many letters are in {word}?", "", f"Answer: {len(word)}", f"{word} has {len(word)} letters."))
     rng.shuffle(out)
     return out

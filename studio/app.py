@@ -34,7 +34,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="tunesmith", description="Tunesmith Studio: the fine-tuning window.")
     p.add_argument("--runs-dir", help="folder for run folders (default: remembered, else ~/Tunesmith/runs)")
     p.add_argument("--settings", help="an INI file for the studio's settings (default: the system's)")
-    p.add_argument("--quit-after-paint", action="store_true", help="open, report time to first paint, exit (smoke test)")
+    p.add_argument(
+        "--quit-after-paint", action="store_true", help="open, report time to first paint, exit (smoke test)"
+    )
     return p.parse_args(argv)
 
 

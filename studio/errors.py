@@ -54,7 +54,9 @@ class ErrorReporter:
         box.setIcon(QMessageBox.Icon.Critical)
         box.setWindowTitle("Tunesmith: something went wrong")
         box.setText(f"<b>{message}</b>")
-        box.setInformativeText("The studio is still running. If this keeps happening, the details below help a bug report.")
+        box.setInformativeText(
+            "The studio is still running. If this keeps happening, the details below help a bug report."
+        )
         box.setDetailedText(detail)
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         box.setModal(False)  # never block the window (or a test) behind a dialog

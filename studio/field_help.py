@@ -17,7 +17,9 @@ HELP = {
     "lora.r": "Rank of the adapter matrices. Higher learns more, costs more memory. 8–64 is typical.",
     "lora.alpha": "Scale of the adapter's update (alpha / r). Often equal to r or 2×r.",
     "lora.dropout": "Dropout on the adapter input, in [0, 1). 0 is fastest and usually fine.",
-    "lora.target_modules": "Which linear layers get adapters: all-linear, or a comma-separated list (q_proj, v_proj, ...).",
+    "lora.target_modules": (
+        "Which linear layers get adapters: all-linear, or a comma-separated list (q_proj, v_proj, ...)."
+    ),
     "data.split": "Which split of a Hub data set to train on.",
     "data.train_on_responses_only": "Mask prompt tokens so only the assistant's replies are learned.",
     "data.max_seq_len": "Tokens per packed row. Longer examples are truncated or dropped.",
@@ -44,7 +46,10 @@ HELP = {
     "fast_paths.packed_attention": "Variable-length attention over packed documents (no padding).",
     "fast_paths.cached_metadata": "Build packing metadata once per batch instead of once per layer.",
     "fast_paths.moe_grouping": "Group tokens by expert in one pass for mixture-of-experts models.",
-    "fast_paths.keep_attention": "With offload and long documents: keep attention outputs so the recompute skips attention (uses memory when it fits).",
+    "fast_paths.keep_attention": (
+        "With offload and long documents: keep attention outputs so the recompute skips attention "
+        "(uses memory when it fits)."
+    ),
     "fast_paths.ce_chunk_tokens": "Tokens per chunk in the fused cross-entropy. auto: by vocabulary size.",
     "output.dir": "Folder where run folders are created.",
     "output.run_name": "Name of this run's folder; auto uses a timestamp.",

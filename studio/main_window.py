@@ -95,8 +95,15 @@ class MainWindow(QMainWindow):
         self.export_panel = ExportPanel(self.state)
         self.hardware_panel = HardwarePanel(self.state)
         self.pages = QStackedWidget()
-        for page in (self.model_panel, self.data_panel, self.training_panel, self.monitor_panel,
-                     self.chat_panel, self.export_panel, self.hardware_panel):
+        for page in (
+            self.model_panel,
+            self.data_panel,
+            self.training_panel,
+            self.monitor_panel,
+            self.chat_panel,
+            self.export_panel,
+            self.hardware_panel,
+        ):
             page.setObjectName("page")
             self.pages.addWidget(page)
         self.steps.step_selected.connect(self._show_step)
@@ -136,14 +143,22 @@ class MainWindow(QMainWindow):
             action.triggered.connect(slot)
             file_menu.addAction(action)
         run_menu = self.menuBar().addMenu("&Run")
-        for text, slot in (("Train", self.start_training), ("Pause", self.pause), ("Resume", self.resume), ("Stop", self.stop)):
+        for text, slot in (
+            ("Train", self.start_training),
+            ("Pause", self.pause),
+            ("Resume", self.resume),
+            ("Stop", self.stop),
+        ):
             action = QAction(text, self)
             action.triggered.connect(slot)
             run_menu.addAction(action)
         help_menu = self.menuBar().addMenu("&Help")
         about = QAction("About Tunesmith", self)
-        about.triggered.connect(lambda: QMessageBox.about(
-            self, "Tunesmith", "Tunesmith Studio: point-and-click LoRA / QLoRA fine-tuning on your own GPU."))
+        about.triggered.connect(
+            lambda: QMessageBox.about(
+                self, "Tunesmith", "Tunesmith Studio: point-and-click LoRA / QLoRA fine-tuning on your own GPU."
+            )
+        )
         help_menu.addAction(about)
 
     def _wire(self) -> None:
@@ -193,8 +208,12 @@ class MainWindow(QMainWindow):
         self.warmed_up.emit(seconds)
 
     def detect_hardware(self) -> None:
-        run_task(_detect_hardware, owner=self, on_done=self._hardware_ready,
-                 on_error=lambda m, _d: self.device_label.setText(f"Hardware detection failed: {m}"))
+        run_task(
+            _detect_hardware,
+            owner=self,
+            on_done=self._hardware_ready,
+            on_error=lambda m, _d: self.device_label.setText(f"Hardware detection failed: {m}"),
+        )
 
     def _hardware_ready(self, profile) -> None:
         self.state.set_profile(profile)
@@ -293,8 +312,13 @@ class MainWindow(QMainWindow):
 
     # -- closing ----------------------------------------------------------------------------
     def _ask(self, title: str, text: str) -> bool:
-        answer = QMessageBox.question(self, title, text, QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
-                                      QMessageBox.StandardButton.No)
+        answer = QMessageBox.question(
+            self,
+            title,
+            text,
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+            QMessageBox.StandardButton.No,
+        )
         return answer == QMessageBox.StandardButton.Yes
 
     def closeEvent(self, event) -> None:

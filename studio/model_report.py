@@ -61,10 +61,14 @@ def read_model_config(name_or_path: str) -> tuple[dict[str, Any], str]:
                 f"local cache. {OFFLINE_HINT}"
             ) from None
         if "GatedRepo" in name or "401" in text or "403" in text:
-            raise ModelReportError(f"'{source}' is gated: accept its licence on the Hub and log in (huggingface-cli login).") from None
+            raise ModelReportError(
+                f"'{source}' is gated: accept its licence on the Hub and log in (huggingface-cli login)."
+            ) from None
         if "RepositoryNotFound" in name or "404" in text:
             raise ModelReportError(f"There is no model '{source}' on the Hugging Face Hub.") from None
-        raise ModelReportError(f"Cannot read '{source}' from the Hub: {text.splitlines()[0] if text else name}") from None
+        raise ModelReportError(
+            f"Cannot read '{source}' from the Hub: {text.splitlines()[0] if text else name}"
+        ) from None
     try:
         return json.loads(Path(path).read_text(encoding="utf-8")), path
     except (OSError, ValueError) as exc:
@@ -95,9 +99,14 @@ def profile_dict(profile) -> dict[str, Any]:
 
 
 FAST_PATH_LABELS = {
-    "rmsnorm": "RMSNorm kernel", "rope": "RoPE kernel", "activations": "gated-MLP activation kernel",
-    "lora_qkv": "fused LoRA QKV", "lora_o": "fused LoRA O", "lora_mlp": "fused LoRA MLP",
-    "packed_attention": "packed varlen attention", "fused_ce": "fused cross-entropy",
+    "rmsnorm": "RMSNorm kernel",
+    "rope": "RoPE kernel",
+    "activations": "gated-MLP activation kernel",
+    "lora_qkv": "fused LoRA QKV",
+    "lora_o": "fused LoRA O",
+    "lora_mlp": "fused LoRA MLP",
+    "packed_attention": "packed varlen attention",
+    "fused_ce": "fused cross-entropy",
     "moe_grouping": "grouped MoE experts",
 }
 

@@ -9,8 +9,14 @@ import yaml
 
 STUDIO_PRESETS = Path(__file__).resolve().parent / "presets"
 # Keys a preset never overrides: they belong to the Model and Data pages and to the app.
-KEEP = {("model", "name_or_path"), ("data", "source"), ("data", "format"), ("data", "columns"),
-        ("data", "split"), ("output", "dir")}
+KEEP = {
+    ("model", "name_or_path"),
+    ("data", "source"),
+    ("data", "format"),
+    ("data", "columns"),
+    ("data", "split"),
+    ("output", "dir"),
+}
 
 
 def preset_dirs() -> list[Path]:
@@ -63,8 +69,10 @@ def dropout_note(dropout: float) -> str:
     """A sentence for the window when `dropout` turns the fused LoRA path off; "" otherwise."""
     if not dropout or dropout <= 0:
         return ""
-    return (f"LoRA dropout {dropout:g} turns the fused LoRA path off ({FUSED_LORA_OFF}): the q/k/v, o "
-            "and MLP projections run PEFT's slower path. Set LoRA dropout to 0 to keep them fused.")
+    return (
+        f"LoRA dropout {dropout:g} turns the fused LoRA path off ({FUSED_LORA_OFF}): the q/k/v, o "
+        "and MLP projections run PEFT's slower path. Set LoRA dropout to 0 to keep them fused."
+    )
 
 
 def with_dropout(fast_paths: dict, dropout: float) -> dict:
@@ -72,8 +80,14 @@ def with_dropout(fast_paths: dict, dropout: float) -> dict:
     `dropout` > 0 (the architecture's listing does not know the run's LoRA settings)."""
     if not dropout or dropout <= 0:
         return dict(fast_paths)
-    return {k: (f"off with dropout > 0 (lora.dropout = {dropout:g})" if k in FUSED_LORA_KEYS
-                and str(v).startswith("on") else v) for k, v in fast_paths.items()}
+    return {
+        k: (
+            f"off with dropout > 0 (lora.dropout = {dropout:g})"
+            if k in FUSED_LORA_KEYS and str(v).startswith("on")
+            else v
+        )
+        for k, v in fast_paths.items()
+    }
 
 
 def load_preset(path: Path) -> dict:

@@ -42,8 +42,9 @@ class TrainingWorker(QObject):
             from engine.api import TrainingSession
 
             # Emitting from this thread queues delivery to the GUI thread's receivers.
-            session = TrainingSession(self._config, self.event.emit, run_dir=self._run_dir,
-                                      resume_from=self._resume_from)
+            session = TrainingSession(
+                self._config, self.event.emit, run_dir=self._run_dir, resume_from=self._resume_from
+            )
             with self._lock:
                 self._session = session
                 pending, self._pending = self._pending, []

@@ -25,8 +25,15 @@ from engine.events import Failed, StepMetrics
 from engine.train.session import TrainingSession
 
 # Every fast path off and the stock optimizer: what plain transformers + PEFT would run.
-STOCK_FAST_PATHS = dict(kernels=False, lora_autograd=False, fused_ce=False, packed_attention=False,
-                        cached_metadata=False, moe_grouping=False, keep_attention=False)
+STOCK_FAST_PATHS = dict(
+    kernels=False,
+    lora_autograd=False,
+    fused_ce=False,
+    packed_attention=False,
+    cached_metadata=False,
+    moe_grouping=False,
+    keep_attention=False,
+)
 STOCK_TRAINING = dict(optimizer="adamw", offload="off")
 
 
@@ -53,8 +60,18 @@ def learnable_jsonl(folder: Path, docs: int = 400, seed: int = 0) -> Path:
     return write_text_jsonl(Path(folder) / "learnable.jsonl", docs, seed)
 
 
-def make_config(model: str, data: Path, out: Path, *, steps: int = 30, seq: int = 256, rows: int = 1,
-                lr: float = 1e-3, fast: dict | None = None, **training) -> RunConfig:
+def make_config(
+    model: str,
+    data: Path,
+    out: Path,
+    *,
+    steps: int = 30,
+    seq: int = 256,
+    rows: int = 1,
+    lr: float = 1e-3,
+    fast: dict | None = None,
+    **training,
+) -> RunConfig:
     """A run of `steps` optimizer steps on plain-text `data`, constant LR, no dropout."""
     cfg = RunConfig()
     cfg.model.name_or_path = model
@@ -106,8 +123,7 @@ def train(cfg: RunConfig, out: Path | None = None, resume_from=None, stop_after:
     model = getattr(session, "model", None)
     if model is not None:
         adapter = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return Curve([s.loss for s in steps], adapter, steps, session.run_dir,
-                 started[0].fast_paths if started else {})
+    return Curve([s.loss for s in steps], adapter, steps, session.run_dir, started[0].fast_paths if started else {})
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,8 +131,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def compare(ours: Curve, ref: Curve, *, step_rel: float, final_rel: float, min_fall: float,
-            fall_rel: float = 0.10, adapter_rel: float | None = None) -> list[str]:
+def compare(
+    ours: Curve,
+    ref: Curve,
+    *,
+    step_rel: float,
+    final_rel: float,
+    min_fall: float,
+    fall_rel: float = 0.10,
+    adapter_rel: float | None = None,
+) -> list[str]:
     """Reasons `ours` does not learn like `ref` (empty: it does)."""
     problems = []
     if len(ours.losses) != len(ref.losses):
@@ -124,15 +148,18 @@ def compare(ours: Curve, ref: Curve, *, step_rel: float, final_rel: float, min_f
     if not all(math.isfinite(x) for x in ours.losses):
         problems.append(f"non-finite loss: {ours.losses}")
     if ref.fall < min_fall:
-        problems.append(f"the reference fell only {ref.fall:.3f} nats (< {min_fall}); the data or LR "
-                        "cannot tell a learning run from a flat one")
+        problems.append(
+            f"the reference fell only {ref.fall:.3f} nats (< {min_fall}); the data or LR "
+            "cannot tell a learning run from a flat one"
+        )
     if abs(ours.fall - ref.fall) > fall_rel * abs(ref.fall):
         problems.append(f"fell {ours.fall:.4f} nats, the reference {ref.fall:.4f} (more than {fall_rel:.0%} apart)")
     worst = max(abs(a - b) / abs(b) for a, b in zip(ours.losses, ref.losses))
     if worst > step_rel:
         i = max(range(len(ref.losses)), key=lambda i: abs(ours.losses[i] - ref.losses[i]) / abs(ref.losses[i]))
-        problems.append(f"step {i + 1}: loss {ours.losses[i]:.6f} vs {ref.losses[i]:.6f} "
-                        f"(relative {worst:.2e} > {step_rel:.0e})")
+        problems.append(
+            f"step {i + 1}: loss {ours.losses[i]:.6f} vs {ref.losses[i]:.6f} (relative {worst:.2e} > {step_rel:.0e})"
+        )
     fin = abs(ours.losses[-1] - ref.losses[-1]) / abs(ref.losses[-1])
     if fin > final_rel:
         problems.append(f"final loss {ours.losses[-1]:.6f} vs {ref.losses[-1]:.6f} (relative {fin:.2e})")
@@ -144,8 +171,9 @@ def compare(ours: Curve, ref: Curve, *, step_rel: float, final_rel: float, min_f
         bad = {k: v for k, v in errs.items() if v > adapter_rel}
         if bad:
             k = max(bad, key=bad.get)
-            problems.append(f"{len(bad)} adapter tensors differ by more than {adapter_rel:.0e} "
-                            f"(worst {k}: {bad[k]:.2e})")
+            problems.append(
+                f"{len(bad)} adapter tensors differ by more than {adapter_rel:.0e} (worst {k}: {bad[k]:.2e})"
+            )
     return problems
 
 
@@ -155,6 +183,8 @@ def curve_table(named: dict[str, Curve]) -> str:
     n = max(len(c.losses) for c in named.values())
     rows = ["step " + " ".join(f"{k:>14}" for k in names)]
     for i in range(n):
-        rows.append(f"{i + 1:>4} " + " ".join(
-            f"{named[k].losses[i]:>14.6f}" if i < len(named[k].losses) else " " * 14 for k in names))
+        rows.append(
+            f"{i + 1:>4} "
+            + " ".join(f"{named[k].losses[i]:>14.6f}" if i < len(named[k].losses) else " " * 14 for k in names)
+        )
     return "\n".join(rows)

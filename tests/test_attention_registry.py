@@ -12,18 +12,24 @@ import torch
 import transformers
 
 from engine.fastpath import packed
-from engine.fastpath.attention import (ATTN_NAME, disable_packed_attention, enable_packed_attention,
-                              varlen_attention)
-from engine.kernels.varlen_attention import varlen_attention_reference
+from engine.fastpath.attention import ATTN_NAME, disable_packed_attention, enable_packed_attention, varlen_attention
 from engine.fastpath.packed import PackedSeqInfo
+from engine.kernels.varlen_attention import varlen_attention_reference
 
 LENGTHS = [5, 1, 12, 9]
 
 
 def _tiny(kind, attn="sdpa"):
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  attn_implementation=attn)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation=attn,
+    )
     if kind == "qwen3":
         cfg = transformers.Qwen3Config(head_dim=16, **common)
         cls = transformers.Qwen3ForCausalLM
@@ -46,8 +52,10 @@ def _grads(model):
 def _packed_run(model, ids, info):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids[None], use_cache=False, **info.model_kwargs())
-    loss = sum(_doc_loss(out.logits[:, s:e], ids[s:e])
-               for s, e in zip(info.cu_seqlens[:-1].tolist(), info.cu_seqlens[1:].tolist()))
+    loss = sum(
+        _doc_loss(out.logits[:, s:e], ids[s:e])
+        for s, e in zip(info.cu_seqlens[:-1].tolist(), info.cu_seqlens[1:].tolist())
+    )
     loss.backward()
     return loss.detach(), _grads(model)
 
@@ -168,8 +176,9 @@ def test_peft_wrapped_model_and_no_dense_mask():
     extra = {"cache" if "cache" in params else "past_key_values": None}
     if "cache_position" in params:
         extra["cache_position"] = torch.arange(info.total_tokens)
-    mask = masking_utils.create_causal_mask(config=base.config, inputs_embeds=embeds, attention_mask=None,
-                                            position_ids=info.position_ids[None], **extra)
+    mask = masking_utils.create_causal_mask(
+        config=base.config, inputs_embeds=embeds, attention_mask=None, position_ids=info.position_ids[None], **extra
+    )
     assert mask is None
     ids = torch.randint(0, 97, (1, info.total_tokens))
     out = model(input_ids=ids, use_cache=False, **info.model_kwargs())

@@ -11,8 +11,17 @@ from engine.models.estimate import GiB, estimate_breakdown, estimate_vram, fit_v
 
 
 def dense(cls, hidden, inter, layers, heads, kv, head_dim, vocab, tied, **kw):
-    return cls(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=tied, **kw)
+    return cls(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        **kw,
+    )
 
 
 def qwen3_06b():
@@ -28,28 +37,56 @@ def qwen3_8b():
 
 
 def qwen3_30b_a3b():
-    return Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
-                          num_experts_per_tok=8, tie_word_embeddings=False)
+    return Qwen3MoeConfig(
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        num_experts=128,
+        num_experts_per_tok=8,
+        tie_word_embeddings=False,
+    )
 
 
 # Published sizes: the model cards' totals (0.6B, 1.24B, 8.2B, 30.5B / 3.3B active, 21B).
-@pytest.mark.parametrize("make, expected", [
-    (qwen3_06b, 0.596e9),
-    (llama32_1b, 1.236e9),
-    (qwen3_8b, 8.19e9),
-    (lambda: dense(LlamaConfig, 4096, 14336, 32, 32, 8, 128, 128256, False), 8.03e9),  # Llama-3.1-8B
-    (lambda: dense(Qwen3Config, 5120, 17408, 40, 40, 8, 128, 151936, False), 14.77e9),  # Qwen3-14B
-    (qwen3_30b_a3b, 30.53e9),
-    (lambda: GptOssConfig(num_hidden_layers=24, num_local_experts=32), 20.91e9),  # GPT-OSS-20B
-    (lambda: Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True), 0.494e9),  # Qwen2.5-0.5B
-])
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (qwen3_06b, 0.596e9),
+        (llama32_1b, 1.236e9),
+        (qwen3_8b, 8.19e9),
+        (lambda: dense(LlamaConfig, 4096, 14336, 32, 32, 8, 128, 128256, False), 8.03e9),  # Llama-3.1-8B
+        (lambda: dense(Qwen3Config, 5120, 17408, 40, 40, 8, 128, 151936, False), 14.77e9),  # Qwen3-14B
+        (qwen3_30b_a3b, 30.53e9),
+        (lambda: GptOssConfig(num_hidden_layers=24, num_local_experts=32), 20.91e9),  # GPT-OSS-20B
+        (
+            lambda: Qwen2Config(
+                hidden_size=896,
+                intermediate_size=4864,
+                num_hidden_layers=24,
+                num_attention_heads=14,
+                num_key_value_heads=2,
+                vocab_size=151936,
+                tie_word_embeddings=True,
+            ),
+            0.494e9,
+        ),  # Qwen2.5-0.5B
+    ],
+)
 def test_parameter_count_matches_published(make, expected):
     info = model_info(make())
     assert info.num_params == pytest.approx(expected, rel=0.02)
-    parts = (info.embedding_params + info.lm_head_params + info.attention_params + info.mlp_params
-             + info.expert_params + info.norm_params)
+    parts = (
+        info.embedding_params
+        + info.lm_head_params
+        + info.attention_params
+        + info.mlp_params
+        + info.expert_params
+        + info.norm_params
+    )
     assert parts == info.num_params
 
 

@@ -24,9 +24,18 @@ from engine.hardware.profile import (
 from engine.models.estimate import model_info
 
 HARDWARE_FIELDS = [
-    "training.device", "model.dtype", "model.load_in_4bit", "training.rows_per_micro_batch",
-    "training.gradient_checkpointing", "training.offload", "fast_paths.kernels", "fast_paths.lora_autograd",
-    "fast_paths.fused_ce", "fast_paths.packed_attention", "fast_paths.moe_grouping", "fast_paths.ce_chunk_tokens",
+    "training.device",
+    "model.dtype",
+    "model.load_in_4bit",
+    "training.rows_per_micro_batch",
+    "training.gradient_checkpointing",
+    "training.offload",
+    "fast_paths.kernels",
+    "fast_paths.lora_autograd",
+    "fast_paths.fused_ce",
+    "fast_paths.packed_attention",
+    "fast_paths.moe_grouping",
+    "fast_paths.ce_chunk_tokens",
 ]
 FAST = ["kernels", "lora_autograd", "fused_ce", "packed_attention"]
 KERNEL_PATHS = ["kernels", "lora_autograd", "fused_ce"]  # packed attention is on everywhere
@@ -35,7 +44,12 @@ KERNEL_PATHS = ["kernels", "lora_autograd", "fused_ce"]  # packed attention is o
 def laptop_4060():
     return profile_from_properties(
         GpuProperties("NVIDIA GeForce RTX 4060 Laptop GPU", 8188 * MiB, (8, 9), free_memory=7400 * MiB),
-        os_name="Windows", arch="AMD64", cpu_count=16, ram_total=32 * GiB, ram_available=20 * GiB)
+        os_name="Windows",
+        arch="AMD64",
+        cpu_count=16,
+        ram_total=32 * GiB,
+        ram_available=20 * GiB,
+    )
 
 
 def desktop_4090():
@@ -43,15 +57,20 @@ def desktop_4090():
 
 
 def h200():
-    return profile_from_properties(GpuProperties("NVIDIA H200", 143771 * MiB, (9, 0), free_memory=143000 * MiB),
-                                   cpu_count=16, ram_total=128 * GiB)
+    return profile_from_properties(
+        GpuProperties("NVIDIA H200", 143771 * MiB, (9, 0), free_memory=143000 * MiB), cpu_count=16, ram_total=128 * GiB
+    )
 
 
 def gb10():
     # cudaMemGetInfo under-reports on unified memory; the OS's available figure is larger.
     return profile_from_properties(
         GpuProperties("NVIDIA GB10", int(119.7 * GiB), (12, 1), integrated=True, free_memory=60 * GiB),
-        arch="aarch64", cpu_count=20, ram_total=int(119.7 * GiB), ram_available=110 * GiB)
+        arch="aarch64",
+        cpu_count=20,
+        ram_total=int(119.7 * GiB),
+        ram_available=110 * GiB,
+    )
 
 
 def no_gpu():
@@ -59,15 +78,33 @@ def no_gpu():
 
 
 def qwen3_8b():
-    return model_info(Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                  tie_word_embeddings=False))
+    return model_info(
+        Qwen3Config(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def qwen3_06b():
-    return model_info(Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                  tie_word_embeddings=True))
+    return model_info(
+        Qwen3Config(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        )
+    )
 
 
 def config_for(name="example/not-cached-model", **training):
@@ -82,33 +119,36 @@ def config_for(name="example/not-cached-model", **training):
 # -- classification ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, cap, kind", [
-    ("NVIDIA GeForce RTX 4060 Laptop GPU", (8, 9), "rtx_laptop"),
-    ("NVIDIA GeForce RTX 3080 Ti Laptop GPU", (8, 6), "rtx_laptop"),
-    ("NVIDIA RTX A2000 Laptop GPU", (8, 6), "rtx_laptop"),
-    ("NVIDIA RTX 2000 Ada Generation Laptop GPU", (8, 9), "rtx_laptop"),
-    ("Quadro RTX 5000 with Max-Q Design", (7, 5), "rtx_laptop"),
-    ("NVIDIA GeForce MX450", (7, 5), "rtx_laptop"),
-    ("NVIDIA GeForce RTX 4090", (8, 9), "rtx_desktop"),
-    ("NVIDIA GeForce RTX 5090", (12, 0), "rtx_desktop"),
-    ("NVIDIA RTX A6000", (8, 6), "rtx_desktop"),
-    ("NVIDIA RTX 6000 Ada Generation", (8, 9), "rtx_desktop"),
-    ("NVIDIA RTX A2000", (8, 6), "rtx_desktop"),
-    ("Quadro RTX 8000", (7, 5), "rtx_desktop"),
-    ("NVIDIA TITAN RTX", (7, 5), "rtx_desktop"),
-    ("NVIDIA A100-SXM4-80GB", (8, 0), "datacenter"),
-    ("NVIDIA H100 80GB HBM3", (9, 0), "datacenter"),
-    ("NVIDIA H200", (9, 0), "datacenter"),
-    ("NVIDIA GH200 480GB", (9, 0), "datacenter"),
-    ("NVIDIA B200", (10, 0), "datacenter"),
-    ("NVIDIA L40S", (8, 9), "datacenter"),
-    ("NVIDIA L4", (8, 9), "datacenter"),
-    ("NVIDIA A10G", (8, 6), "datacenter"),
-    ("Tesla T4", (7, 5), "datacenter"),
-    ("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), "datacenter"),
-    ("NVIDIA Hopper Engineering Sample", (9, 0), "datacenter"),  # by capability
-    ("Some Future GPU", (8, 6), "rtx_desktop"),  # unknown consumer capability
-])
+@pytest.mark.parametrize(
+    "name, cap, kind",
+    [
+        ("NVIDIA GeForce RTX 4060 Laptop GPU", (8, 9), "rtx_laptop"),
+        ("NVIDIA GeForce RTX 3080 Ti Laptop GPU", (8, 6), "rtx_laptop"),
+        ("NVIDIA RTX A2000 Laptop GPU", (8, 6), "rtx_laptop"),
+        ("NVIDIA RTX 2000 Ada Generation Laptop GPU", (8, 9), "rtx_laptop"),
+        ("Quadro RTX 5000 with Max-Q Design", (7, 5), "rtx_laptop"),
+        ("NVIDIA GeForce MX450", (7, 5), "rtx_laptop"),
+        ("NVIDIA GeForce RTX 4090", (8, 9), "rtx_desktop"),
+        ("NVIDIA GeForce RTX 5090", (12, 0), "rtx_desktop"),
+        ("NVIDIA RTX A6000", (8, 6), "rtx_desktop"),
+        ("NVIDIA RTX 6000 Ada Generation", (8, 9), "rtx_desktop"),
+        ("NVIDIA RTX A2000", (8, 6), "rtx_desktop"),
+        ("Quadro RTX 8000", (7, 5), "rtx_desktop"),
+        ("NVIDIA TITAN RTX", (7, 5), "rtx_desktop"),
+        ("NVIDIA A100-SXM4-80GB", (8, 0), "datacenter"),
+        ("NVIDIA H100 80GB HBM3", (9, 0), "datacenter"),
+        ("NVIDIA H200", (9, 0), "datacenter"),
+        ("NVIDIA GH200 480GB", (9, 0), "datacenter"),
+        ("NVIDIA B200", (10, 0), "datacenter"),
+        ("NVIDIA L40S", (8, 9), "datacenter"),
+        ("NVIDIA L4", (8, 9), "datacenter"),
+        ("NVIDIA A10G", (8, 6), "datacenter"),
+        ("Tesla T4", (7, 5), "datacenter"),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), "datacenter"),
+        ("NVIDIA Hopper Engineering Sample", (9, 0), "datacenter"),  # by capability
+        ("Some Future GPU", (8, 6), "rtx_desktop"),  # unknown consumer capability
+    ],
+)
 def test_classify_by_name_and_capability(name, cap, kind):
     got, reason = classify(GpuProperties(name, 16 * GiB, cap))
     assert got == kind, reason
@@ -239,8 +279,7 @@ def test_h200_small_model_skips_checkpointing():
 
 
 def test_short_free_vram_falls_back_to_single_buffer():
-    busy = profile_from_properties(GpuProperties("NVIDIA GeForce RTX 4090", 24564 * MiB, (8, 9),
-                                                 free_memory=2 * GiB))
+    busy = profile_from_properties(GpuProperties("NVIDIA GeForce RTX 4090", 24564 * MiB, (8, 9), free_memory=2 * GiB))
     d = resolve_defaults(config_for(), busy)
     assert d.config.training.offload == "single"
     assert "only" in d.choices["training.offload"][1]
@@ -325,7 +364,7 @@ def test_decisions_are_returned_not_attached():
     cfg = apply_defaults(config_for("Qwen/Qwen3-8B"), laptop_4060(), qwen3_8b())
     assert set(vars(cfg)) == set(vars(RunConfig()))
     assert cfg.to_dict() == d.config.to_dict()
-    assert explain_defaults(cfg) == d.explain()[:len(d.choices)]
+    assert explain_defaults(cfg) == d.explain()[: len(d.choices)]
     assert cfg.auto_reasons == {path: reason for path, (_, reason) in d.choices.items()}
 
 
@@ -339,11 +378,17 @@ def test_each_decision_returns_its_value_and_reason():
     assert policy.dtype_default(h200(), gpu)[0] == "bfloat16" and policy.dtype_default(h200(), cpu)[0] == "float32"
     assert policy.kernels_default(h200(), gpu)[0] is True and policy.kernels_default(h200(), cpu)[0] is False
     assert policy.packed_attention_default(False) == (
-        True, "per-document SDPA reference; documents never attend to each other")
+        True,
+        "per-document SDPA reference; documents never attend to each other",
+    )
     value, reason = policy.moe_grouping_default()
     assert value is True and "searchsorted" in reason and "stable sort" in reason and "bincount" not in reason
-    assert policy.offload_default(gb10(), policy.budget_for("cuda", gb10()),
-                                  policy.Sizer(None, 1024, 16, 1024), "lora16", 8192, True, False)[0] == "off"
+    assert (
+        policy.offload_default(
+            gb10(), policy.budget_for("cuda", gb10()), policy.Sizer(None, 1024, 16, 1024), "lora16", 8192, True, False
+        )[0]
+        == "off"
+    )
     assert policy.num_workers_default(laptop_4060(), policy.budget_for("cuda", laptop_4060()))[0] == 0
     assert policy.machine_warnings("cuda", no_gpu(), policy.budget_for("cuda", no_gpu()))
     assert policy.training_mode(True, "float32") == "qlora4"

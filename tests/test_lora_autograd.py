@@ -94,9 +94,7 @@ def mlp_stock_for(kind):
 
 def mlp_fused_for(kind, impl="torch"):
     act = GatedAct(kind, impl)
-    return lambda b, x: (
-        lora_mlp(x, lora_parts(b.gate_proj), lora_parts(b.up_proj), lora_parts(b.down_proj), act),
-    )
+    return lambda b, x: (lora_mlp(x, lora_parts(b.gate_proj), lora_parts(b.up_proj), lora_parts(b.down_proj), act),)
 
 
 CASES = {
@@ -237,6 +235,7 @@ def test_mlp_triton_activation_through_interpreter(kind):
     """The raw Triton activation launchers (in-place backward) inside LoRAMLP, on the CPU
     through Triton's interpreter when no GPU is present (conftest sets TRITON_INTERPRET=1)."""
     import engine.kernels.activations  # noqa: F401  (a broken module fails here, not skips)
+
     if not torch.cuda.is_available():
         import os
 

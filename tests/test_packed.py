@@ -20,8 +20,10 @@ def _naive(lengths):
     return cu, pos
 
 
-@pytest.mark.parametrize("lengths", [[1], [7], [1, 1, 1], [5, 1, 20, 37], [2048, 16, 300],
-                                     [random.Random(s).randint(1, 90) for s in range(40)]])
+@pytest.mark.parametrize(
+    "lengths",
+    [[1], [7], [1, 1, 1], [5, 1, 20, 37], [2048, 16, 300], [random.Random(s).randint(1, 90) for s in range(40)]],
+)
 def test_from_lengths_matches_naive(lengths):
     info = PackedSeqInfo.from_lengths(lengths)
     cu, pos = _naive(lengths)
@@ -104,7 +106,7 @@ def test_device_block_table_matches_host_table_as_a_set():
     rows = [tuple(r) for r in table.tolist()]
     assert bound == len(rows)
     real = [r for r in rows if r[0] >= 0]
-    assert all(r == (-1, 0) for r in rows[len(real):])  # padding only at the end
+    assert all(r == (-1, 0) for r in rows[len(real) :])  # padding only at the end
     assert sorted(real) == sorted(tuple(r) for r in host_block_table(lengths, 16, "q").tolist())
 
 

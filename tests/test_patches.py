@@ -30,14 +30,23 @@ ALL_ON = {k: "on" for k in FAST_PATHS}
 ARCH_EXTRA = {
     "mistral": dict(sliding_window=8),
     "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
-    "gemma2": dict(sliding_window=8, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
-                   query_pre_attn_scalar=12),
+    "gemma2": dict(
+        sliding_window=8, attn_logit_softcapping=20.0, final_logit_softcapping=15.0, query_pre_attn_scalar=12
+    ),
 }
 
 
 def tiny(model_type, attn="eager", dtype=torch.float32, seed=0, lora=None, **extra):
-    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256)
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=256,
+    )
     if model_type == "qwen2":
         kw["attention_bias"] = True  # Qwen2 always has q/k/v bias; make sure the config says so
     kw.update(ARCH_EXTRA.get(model_type, {}))
@@ -158,6 +167,7 @@ def test_attention_kwargs_pass_through(model_type):
 def test_packed_varlen_attention_from_engine():
     """With engine.fastpath.attention's packed varlen function active, patched == stock."""
     from engine.fastpath import attention, packed
+
     model = tiny("qwen3")
     assert attention.enable_packed_attention(model) == "on"
     ids, _ = packed_batch()

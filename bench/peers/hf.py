@@ -11,15 +11,24 @@ from __future__ import annotations
 
 from bench.runner import Context, NotSupported, Prepared, make_peer_optimizer
 
-LIGER_FUNCS = {"qwen3": "apply_liger_kernel_to_qwen3", "llama": "apply_liger_kernel_to_llama",
-               "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
+LIGER_FUNCS = {
+    "qwen3": "apply_liger_kernel_to_qwen3",
+    "llama": "apply_liger_kernel_to_llama",
+    "qwen3_moe": "apply_liger_kernel_to_qwen3_moe",
+}
 
 
 def peft_config(workload):
     from peft import LoraConfig
 
-    return LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=list(workload.lora_targets),
-                      bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=16,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=list(workload.lora_targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def apply_liger(model, arch: str) -> str:
@@ -31,8 +40,9 @@ def apply_liger(model, arch: str) -> str:
     name = LIGER_FUNCS.get(arch)
     if name is None or not hasattr(lk, name):
         raise NotSupported(f"liger_kernel has no {name or 'patch for ' + arch}")
-    getattr(lk, name)(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                      fused_linear_cross_entropy=True, model=model)
+    getattr(lk, name)(
+        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True, model=model
+    )
     return name
 
 

@@ -89,8 +89,9 @@ def setup_moe_block(experts_impl: str):
         if experts_impl not in available_experts_impls():
             raise NotSupported(f"this transformers has no '{experts_impl}' experts implementation")
         dtype = block_dtype(ctx)
-        block = build_moe_block(wl, dtype=dtype, device=ctx.device,
-                                experts_implementation=None if experts_impl == "eager" else experts_impl)
+        block = build_moe_block(
+            wl, dtype=dtype, device=ctx.device, experts_implementation=None if experts_impl == "eager" else experts_impl
+        )
         if experts_impl == "eager":
             block.experts.config._experts_implementation = "eager"
         xs, gs = block_inputs(ctx, dtype)

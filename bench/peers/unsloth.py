@@ -48,8 +48,10 @@ def run_child(workload_id: str, args, budget: Budget, base: dict, lr: float) -> 
         except Exception:
             found = False
         if not found:
-            rec["status"] = ("not supported: no Unsloth here (unpack .peer/unsloth-site.tgz and pass "
-                             "--unsloth-site DIR or set TUNESMITH_UNSLOTH_SITE)")
+            rec["status"] = (
+                "not supported: no Unsloth here (unpack .peer/unsloth-site.tgz and pass "
+                "--unsloth-site DIR or set TUNESMITH_UNSLOTH_SITE)"
+            )
             return rec
     remaining = budget.remaining()
     if remaining < MIN_SECONDS:
@@ -58,21 +60,42 @@ def run_child(workload_id: str, args, budget: Budget, base: dict, lr: float) -> 
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tunesmith-unsloth-") as tmp:
         out_json = Path(tmp) / "record.json"
-        cmd = [sys.executable, "-m", "bench", "--child-impl", "unsloth", "--workloads", workload_id,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--json-out", str(out_json),
-               "--lr", repr(float(lr))]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench",
+            "--child-impl",
+            "unsloth",
+            "--workloads",
+            workload_id,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--json-out",
+            str(out_json),
+            "--lr",
+            repr(float(lr)),
+        ]
         if args.run_id:  # the child's record belongs to this run: its loss curve is compared within it
             cmd += ["--run-id", args.run_id]
         if budget.deadline is not None:
             cmd += ["--max-seconds", str(int(max(1, remaining - 5)))]
         env = dict(os.environ)
         paths = [p for p in (site, str(REPO_ROOT), env.get("PYTHONPATH")) if p]
-        env.update(PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   UNSLOTH_DISABLE_STATISTICS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        env.update(
+            PYTHONPATH=os.pathsep.join(paths),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            UNSLOTH_DISABLE_STATISTICS="1",
+            PYTHONUNBUFFERED="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
         progress(f"{workload_id} unsloth: child process {' '.join(cmd[1:])}")
         tail: list[str] = []
-        proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         # A child stuck without output (a hang in setup) is killed at the deadline by a watchdog,
         # since the line loop below only wakes up on output.
         watchdog = None
@@ -104,8 +127,10 @@ def run_child(workload_id: str, args, budget: Budget, base: dict, lr: float) -> 
             return child
     last = next((ln for ln in reversed(tail) if ln.strip()), "")
     if killed_at_deadline.is_set():
-        rec["status"] = (f"skipped: time budget (the Unsloth child was stopped at the deadline, "
-                         f"{time.monotonic() - t0:.0f} s after it started; last line: {last[:200]})")
+        rec["status"] = (
+            f"skipped: time budget (the Unsloth child was stopped at the deadline, "
+            f"{time.monotonic() - t0:.0f} s after it started; last line: {last[:200]})"
+        )
     else:
         rec["status"] = f"error: the Unsloth child exited with {rc} and no result ({last[:300]})"
     rec["log_tail"] = tail
@@ -145,8 +170,7 @@ def save_model_folder(workload, folder: Path) -> None:
     vocab = workload.config["vocab_size"]
     tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
-                                   pad_token="t3")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t3")
     fast.save_pretrained(folder)
 
 
@@ -162,11 +186,23 @@ def setup_unsloth(folder: Path):
         save_model_folder(wl, folder)
         save_s = time.monotonic() - t0
         model, _tok = FastLanguageModel.from_pretrained(
-            model_name=str(folder), max_seq_length=wl.tokens, dtype=torch.bfloat16,
-            load_in_4bit=wl.quant == "nf4", full_finetuning=False)
+            model_name=str(folder),
+            max_seq_length=wl.tokens,
+            dtype=torch.bfloat16,
+            load_in_4bit=wl.quant == "nf4",
+            full_finetuning=False,
+        )
         model = FastLanguageModel.get_peft_model(
-            model, r=16, target_modules=list(wl.lora_targets), lora_alpha=16, lora_dropout=0.0, bias="none",
-            use_gradient_checkpointing="unsloth", random_state=0, max_seq_length=wl.tokens)
+            model,
+            r=16,
+            target_modules=list(wl.lora_targets),
+            lora_alpha=16,
+            lora_dropout=0.0,
+            bias="none",
+            use_gradient_checkpointing="unsloth",
+            random_state=0,
+            max_seq_length=wl.tokens,
+        )
         FastLanguageModel.for_training(model)
         opt, opt_options = make_peer_optimizer([p for p in model.parameters() if p.requires_grad], ctx.lr)
         inputs = []
@@ -177,18 +213,27 @@ def setup_unsloth(folder: Path):
             inputs.append(inp)
 
         def step(i):
-            inp = {k: (v.to(ctx.device, non_blocking=True) if k != "packed_seq_lengths" else v)
-                   for k, v in inputs[i].items()}
+            inp = {
+                k: (v.to(ctx.device, non_blocking=True) if k != "packed_seq_lengths" else v)
+                for k, v in inputs[i].items()
+            }
             loss = model(**inp, use_cache=False).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
-        return Prepared(step, {"use_gradient_checkpointing": "unsloth", "packed_seq_lengths": "int32 (host)",
-                               "model_folder_save_s": round(save_s, 1), "optimizer": opt_options,
-                               "lora_params": sum(p.numel() for p in model.parameters() if p.requires_grad)},
-                        keep=[model, opt, inputs])
+        return Prepared(
+            step,
+            {
+                "use_gradient_checkpointing": "unsloth",
+                "packed_seq_lengths": "int32 (host)",
+                "model_folder_save_s": round(save_s, 1),
+                "optimizer": opt_options,
+                "lora_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            },
+            keep=[model, opt, inputs],
+        )
 
     return setup
 
@@ -211,8 +256,14 @@ def child_main(args) -> int:
     env["versions"]["unsloth"] = version
     wl = get_workload(args.workloads.split(",")[0])
     lr = float(args.lr if args.lr is not None else wl.extra.get("lr", DEFAULT_LR))
-    base = {"date": now_iso(), "run_id": args.run_id, "mode": "bench", **env, "lr": lr,
-            "data": describe(wl.config["vocab_size"])}
+    base = {
+        "date": now_iso(),
+        "run_id": args.run_id,
+        "mode": "bench",
+        **env,
+        "lr": lr,
+        "data": describe(wl.config["vocab_size"]),
+    }
     if why is not None:
         rec = dict(base, workload=wl.id, impl="unsloth", options={}, status=why)
     else:

@@ -21,8 +21,14 @@ ALIASES = {
     "text": ["text", "content"],
 }
 ROLE_NAMES = {
-    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
-    "model": "assistant", "system": "system", "tool": "tool",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
 }
 KNOWN_KEYS = {"instruction", "input", "output", "system", "messages", "text"}
 

@@ -109,6 +109,12 @@ def packing_layout(tokenizer, cfg: DataConfig) -> PackingLayout:
     s = data.summary()
     rows = [[len(data.docs[d]) for d in row] for row in data.packing.rows]
     return PackingLayout(
-        rows, data.packing.row_tokens, data.packing.efficiency, s["padding_avoided_tokens"],
-        len(data.docs), data.truncated, data.dropped_overlong, data.skipped,
+        rows,
+        data.packing.row_tokens,
+        data.packing.efficiency,
+        s["padding_avoided_tokens"],
+        len(data.docs),
+        data.truncated,
+        data.dropped_overlong,
+        data.skipped,
     )

@@ -34,8 +34,9 @@ class MarkovChain:
     p_next: float = P_NEXT
 
     @classmethod
-    def over_vocab(cls, vocab_size: int, seed: int, set_size: int = SET_SIZE, p_next: float = P_NEXT,
-                   low: int = 0) -> "MarkovChain":
+    def over_vocab(
+        cls, vocab_size: int, seed: int, set_size: int = SET_SIZE, p_next: float = P_NEXT, low: int = 0
+    ) -> "MarkovChain":
         """A chain over `set_size` distinct token ids drawn from [low, vocab_size)."""
         rng = np.random.default_rng(seed)
         n = min(set_size, vocab_size - low)
@@ -86,8 +87,9 @@ def _words(count: int) -> list[str]:
     return [words[i] for i in order[:count]]
 
 
-def text_documents(n_docs: int, seed: int, words_per_doc: tuple[int, int] = (40, 120),
-                   set_size: int = 64, chain_seed: int = 0) -> list[str]:
+def text_documents(
+    n_docs: int, seed: int, words_per_doc: tuple[int, int] = (40, 120), set_size: int = 64, chain_seed: int = 0
+) -> list[str]:
     """`n_docs` plain-text documents of space-separated words following the chain."""
     vocab = _words(set_size)
     chain = MarkovChain.over_vocab(len(vocab), chain_seed, set_size=set_size)
@@ -114,8 +116,9 @@ def write_text_jsonl(path: str | Path, n_docs: int, seed: int = 0, **kwargs) -> 
 def main(argv=None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m engine.data.synthetic",
-                                description="Write a JSONL file of learnable plain-text documents.")
+    p = argparse.ArgumentParser(
+        prog="python -m engine.data.synthetic", description="Write a JSONL file of learnable plain-text documents."
+    )
     p.add_argument("out", help="the .jsonl file to write")
     p.add_argument("--docs", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)

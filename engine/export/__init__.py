@@ -188,8 +188,9 @@ def _preflight(requests: Mapping[str, Path], overwrite: bool) -> None:
         _check_destination(dst, overwrite)
 
 
-def _export_one(kind: ExportKind, source: ExportSource, dst: Path, overwrite: bool, progress: Progress,
-                **options) -> list[str]:
+def _export_one(
+    kind: ExportKind, source: ExportSource, dst: Path, overwrite: bool, progress: Progress, **options
+) -> list[str]:
     if progress:
         progress(kind.stage)
     tmp = _atomic_dir(dst, overwrite)
@@ -208,8 +209,9 @@ def _export_one(kind: ExportKind, source: ExportSource, dst: Path, overwrite: bo
     return files
 
 
-def run_exports(src: str | Path, requests: Mapping[str, str | Path], overwrite: bool = False,
-                progress: Progress = None) -> dict[str, list[str]]:
+def run_exports(
+    src: str | Path, requests: Mapping[str, str | Path], overwrite: bool = False, progress: Progress = None
+) -> dict[str, list[str]]:
     """Run the requested exports ({kind: destination folder}) of `src`, in registry order.
 
     Returns {destination: files written (relative paths)}. Raises ExportError (or

@@ -63,9 +63,22 @@ def flash_attn_available() -> bool:
     return True
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True, sliding_window=None,
-                     softcap=None, backend: str = "auto", info: Optional[packed.PackedSeqInfo] = None,
-                     dropout_p: float = 0.0, kept=None):
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    max_seqlen,
+    *,
+    scale=None,
+    causal=True,
+    sliding_window=None,
+    softcap=None,
+    backend: str = "auto",
+    info: Optional[packed.PackedSeqInfo] = None,
+    dropout_p: float = 0.0,
+    kept=None,
+):
     """Attention over packed documents: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     `cu_seqlens` int32 [n_docs + 1] on q's device; `max_seqlen` a Python int (flash-attn sizes
@@ -87,9 +100,18 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True
         backend = "reference"
     if backend == "reference":
         packed.COUNTERS["attention:reference"] += 1  # its cu_seqlens.tolist() counts a host sync
-        return varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale=scale, causal=causal,
-                                          sliding_window=sliding_window, softcap=softcap,
-                                          dropout_p=dropout_p)
+        return varlen_attention_reference(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            max_seqlen,
+            scale=scale,
+            causal=causal,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            dropout_p=dropout_p,
+        )
     if backend == "flash_attn":
         packed.COUNTERS["attention:flash_attn"] += 1
         return _flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window, softcap)
@@ -107,9 +129,20 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, scale=None, causal=True
     tables = info.block_table if info is not None and info.cu_seqlens.device == q.device else None
     covers = info is not None and info.total_tokens == q.shape[0]
     packed.COUNTERS["attention:varlen_triton"] += 1
-    return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale=scale, causal=causal,
-                                   sliding_window=sliding_window, softcap=softcap, tables=tables,
-                                   covers_all_tokens=covers, kept=kept)
+    return varlen_attention_triton(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        scale=scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        tables=tables,
+        covers_all_tokens=covers,
+        kept=kept,
+    )
 
 
 def _flash_attn_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window, softcap):
@@ -121,9 +154,20 @@ def _flash_attn_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window, s
         packed.COUNTERS["host_syncs"] += 1
         max_seqlen = int(max_seqlen)
     window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
-    return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0,
-                                  softmax_scale=scale, causal=causal, window_size=window,
-                                  softcap=float(softcap or 0.0))
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        max_seqlen,
+        max_seqlen,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=window,
+        softcap=float(softcap or 0.0),
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -147,8 +191,7 @@ def backend_available(backend: str, q: torch.Tensor) -> bool:
     if backend == "torch_flash":
         # torch's in-tree flash kernels: CUDA, 16-bit, head_dim a multiple of 8 up to 256.
         fn, _ = _torch_varlen_fn()
-        return (fn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-                and d % 8 == 0 and d <= 256)
+        return fn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
     return False
 
 
@@ -176,8 +219,8 @@ def _torch_flash_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window):
 # transformers integration
 # ------------------------------------------------------------------------------------------
 
-def _dense_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
-                     softcap, is_causal):
+
+def _dense_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal):
     """Eager-style attention for what packed rows do not cover: a KV cache (query shorter than
     keys) or an explicit 4-D mask. query [B, Hq, Tq, D], key/value [B, Hkv, Tk, D]."""
     b, hq, tq, d = query.shape
@@ -223,8 +266,9 @@ def _single_documents(rows: int, length: int, device: torch.device) -> packed.Pa
     return info
 
 
-def tunesmith_varlen_attention_forward(module, query, key, value, attention_mask, scaling=None,
-                                       dropout=0.0, sliding_window=None, softcap=None, **kwargs):
+def tunesmith_varlen_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
+):
     """transformers attention function: query [B, Hq, T, D], key/value [B, Hkv, T, D] ->
     ([B, T, Hq, D], None). Packed rows (B == 1) come with `cu_seq_lens_q`/`max_length_q`
     from the collator; without them the documents are found from `position_ids` (a sync,
@@ -236,13 +280,15 @@ def tunesmith_varlen_attention_forward(module, query, key, value, attention_mask
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     if kwargs.get("s_aux") is not None:
-        raise ValueError(f"{ATTN_NAME} does not support attention sinks (s_aux); "
-                         "enable_packed_attention refuses such models")
+        raise ValueError(
+            f"{ATTN_NAME} does not support attention sinks (s_aux); enable_packed_attention refuses such models"
+        )
     if attention_mask is not None or key.shape[2] != t:
         packed.COUNTERS["attention:dense"] += 1
         count_fallback("packed_attention", "KV cache" if key.shape[2] != t else "explicit attention mask")
-        return _dense_attention(module, query, key, value, attention_mask, scaling, dropout,
-                                sliding_window, softcap, is_causal)
+        return _dense_attention(
+            module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal
+        )
 
     cu = kwargs.get("cu_seq_lens_q")
     info = None
@@ -268,9 +314,21 @@ def tunesmith_varlen_attention_forward(module, query, key, value, attention_mask
     if opts.use_flash_attn and query.is_cuda and flash_attn_available():
         backend = "flash_attn"
     drop = dropout if module.training else 0.0
-    out = varlen_attention(q, k, v, cu, max_len, scale=scaling, causal=is_causal,
-                           sliding_window=sliding_window, softcap=softcap, backend=backend, info=info,
-                           dropout_p=drop, kept=kwargs.get(KEPT_KWARG))
+    out = varlen_attention(
+        q,
+        k,
+        v,
+        cu,
+        max_len,
+        scale=scaling,
+        causal=is_causal,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        backend=backend,
+        info=info,
+        dropout_p=drop,
+        kept=kwargs.get(KEPT_KWARG),
+    )
     return out.view(b, t, hq, d), None
 
 
@@ -281,8 +339,9 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, tunesmith_varlen_attention_forward)
 
 
-def enable_packed_attention(model, *, cached_metadata: bool = True, use_flash_attn: bool = False,
-                            backend: str = "auto") -> str:
+def enable_packed_attention(
+    model, *, cached_metadata: bool = True, use_flash_attn: bool = False, backend: str = "auto"
+) -> str:
     """Switch `model` (plain or PEFT-wrapped transformers model) to packed varlen attention.
 
     Returns "on", or "off: <reason>" leaving the model as it was."""
@@ -315,8 +374,7 @@ def enable_packed_attention(model, *, cached_metadata: bool = True, use_flash_at
             return f"off: could not switch attention implementation ({exc})"
     if base.config._attn_implementation != ATTN_NAME:
         return f"off: model kept attn_implementation={base.config._attn_implementation!r}"
-    options = PackedAttentionOptions(cached_metadata=cached_metadata, use_flash_attn=use_flash_attn,
-                                     backend=backend)
+    options = PackedAttentionOptions(cached_metadata=cached_metadata, use_flash_attn=use_flash_attn, backend=backend)
     for mod in base.modules():
         setattr(mod, _OPTIONS_ATTR, options)
     if not hasattr(base, _PREVIOUS_ATTR):

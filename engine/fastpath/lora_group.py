@@ -250,8 +250,7 @@ class LoRAGroup:
         # (lora_A module, lora_B module) per projection, None where it has no LoRA; `.weight`
         # is read per call, so a replaced Parameter is picked up.
         self._lora = tuple(
-            None if p.adapter is None else (p.layer.lora_A[p.adapter], p.layer.lora_B[p.adapter])
-            for p in self.parts
+            None if p.adapter is None else (p.layer.lora_A[p.adapter], p.layer.lora_B[p.adapter]) for p in self.parts
         )
         self.ranks = tuple(0 if m is None else m[0].weight.shape[0] for m in self._lora)
         self._key = None

@@ -103,8 +103,10 @@ def _plan_for(block: nn.Module) -> tuple[Optional[_Plan], Optional[str]]:
     wrapped = [m for m in (experts, router) if m is not None and hasattr(m, "get_base_layer")]
     if wrapped:
         # PEFT's all-linear also targets 3-D expert weights and the router (ParamWrapper).
-        return None, ("PEFT adapters on the experts or the router (LoRA here trains only what "
-                      "leaves experts frozen: target the attention projections)")
+        return None, (
+            "PEFT adapters on the experts or the router (LoRA here trains only what "
+            "leaves experts frozen: target the attention projections)"
+        )
     if experts is None or router is None or not hasattr(router, "top_k"):
         return None, f"{name} has an unknown layout (transformers < 5?)"
     why = _params_plain(experts, wanted)
@@ -122,15 +124,33 @@ def _plan_for(block: nn.Module) -> tuple[Optional[_Plan], Optional[str]]:
         act_fn = getattr(experts, "act_fn", None)
         if act_fn is None:
             return None, f"{name}: experts have no act_fn"
-        return _Plan(stock, router_attr, "concat", "silu" if _is_silu(act_fn) else "generic", act_fn,
-                     transposed=False, has_bias=False, returns_scores=False), None
+        return _Plan(
+            stock,
+            router_attr,
+            "concat",
+            "silu" if _is_silu(act_fn) else "generic",
+            act_fn,
+            transposed=False,
+            has_bias=False,
+            returns_scores=False,
+        ), None
     # GPT-OSS: gate_up_proj [E, H, 2I] interleaved, down_proj [E, I, H], both used as x @ W.
     if gu.shape[2] != 2 * down.shape[1] or gu.shape[1] != down.shape[2]:
         return None, f"{name}: gate_up/down shapes do not match"
     if not (hasattr(experts, "alpha") and hasattr(experts, "limit")):
         return None, f"{name}: experts have no alpha/limit"
-    return _Plan(stock, router_attr, "interleaved", "gptoss", None, transposed=True, has_bias=True,
-                 returns_scores=True, alpha=float(experts.alpha), limit=float(experts.limit)), None
+    return _Plan(
+        stock,
+        router_attr,
+        "interleaved",
+        "gptoss",
+        None,
+        transposed=True,
+        has_bias=True,
+        returns_scores=True,
+        alpha=float(experts.alpha),
+        limit=float(experts.limit),
+    ), None
 
 
 def block_unsupported_reason(block: nn.Module) -> Optional[str]:
@@ -246,7 +266,7 @@ def _dims(experts: nn.Module, plan: Optional[_Plan]) -> tuple[int, int, int]:
 
 
 def matmul_path(block: nn.Module, dtype: torch.dtype, device) -> str:
-    """"grouped_mm" or "loop": what the grouped forward of `block` uses for such inputs."""
+    """ "grouped_mm" or "loop": what the grouped forward of `block` uses for such inputs."""
     plan = getattr(block, "_tunesmith_moe_plan", None) or _plan_for(block)[0]
     if plan is None:
         return "stock"
@@ -284,8 +304,9 @@ def _use_triton(kernels: str, x: torch.Tensor) -> bool:
 # -- the grouped experts ---------------------------------------------------------------------------
 
 
-def grouped_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: nn.Module,
-                    plan: _Plan) -> torch.Tensor:
+def grouped_experts(
+    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: nn.Module, plan: _Plan
+) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{indices[t, j]}(x[t]) for x [T, H]; frozen experts."""
     ex = experts
     if plan.act == "gptoss":  # read per call, like the stock forward does
@@ -322,8 +343,9 @@ class _GroupedExperts(torch.autograd.Function):
         # Route: (token, slot) pairs sorted by expert; group ends from the sorted ids.
         flat = indices.reshape(-1)
         sorted_e, order = torch.sort(flat, stable=True)
-        offs = torch.searchsorted(sorted_e, torch.arange(n_exp, device=dev, dtype=sorted_e.dtype),
-                                  right=True, out_int32=True)
+        offs = torch.searchsorted(
+            sorted_e, torch.arange(n_exp, device=dev, dtype=sorted_e.dtype), right=True, out_int32=True
+        )
         host = None
         if not _use_grouped_mm(plan.impl, x.dtype, dev, n_exp, inter, hidden):
             host = offs.tolist()  # the one host read of this block call (kept for the backward)
@@ -395,8 +417,9 @@ def _act_forward(gu, eid, bias, plan: _Plan, use_triton: bool) -> torch.Tensor:
     if plan.act == "generic":  # any activation, in the model dtype as the stock experts do
         g, u = moe_kernels.split_gate_up(gu, plan.layout)
         return plan.act_fn(g) * u
-    return moe_kernels.glu_forward(gu, eid, bias, layout=plan.layout, act=plan.act, alpha=plan.alpha,
-                                   limit=plan.limit, use_triton=use_triton)
+    return moe_kernels.glu_forward(
+        gu, eid, bias, layout=plan.layout, act=plan.act, alpha=plan.alpha, limit=plan.limit, use_triton=use_triton
+    )
 
 
 def _act_backward(gd, w_s, gu, eid, bias, plan: _Plan, use_triton: bool, need_dot: bool):
@@ -410,9 +433,19 @@ def _act_backward(gd, w_s, gu, eid, bias, plan: _Plan, use_triton: bool, need_do
             dg, du = torch.autograd.grad(h, (g, u), gd * w_s[:, None].to(gd.dtype))
         dot = (gd.float() * h.detach().float()).sum(-1) if need_dot else None
         return torch.cat([dg, du], 1), dot
-    return moe_kernels.glu_backward(gd, w_s, gu, eid, bias, layout=plan.layout, act=plan.act,
-                                    alpha=plan.alpha, limit=plan.limit, need_dot=need_dot,
-                                    use_triton=use_triton)
+    return moe_kernels.glu_backward(
+        gd,
+        w_s,
+        gu,
+        eid,
+        bias,
+        layout=plan.layout,
+        act=plan.act,
+        alpha=plan.alpha,
+        limit=plan.limit,
+        need_dot=need_dot,
+        use_triton=use_triton,
+    )
 
 
 _combine = moe_kernels.combine

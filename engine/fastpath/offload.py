@@ -120,8 +120,7 @@ class ActivationOffloader:
             layer._gradient_checkpointing_func = partial(self.checkpoint, i)
         return len(layers)
 
-    def begin_step(self, tokens: int, hidden_size: int, dtype: torch.dtype,
-                   attention_keep_bytes: int = 0) -> str:
+    def begin_step(self, tokens: int, hidden_size: int, dtype: torch.dtype, attention_keep_bytes: int = 0) -> str:
         """Choose this step's mode (double needs room for one more layer input); returns it.
 
         `attention_keep_bytes` > 0: keeping every layer's attention output for the recompute
@@ -139,16 +138,16 @@ class ActivationOffloader:
             need = tokens * hidden_size * torch.finfo(dtype).bits // 8 + DOUBLE_BUFFER_MARGIN
             if free < need:
                 self._step_mode = "single"
-                self.stats.fell_back = (f"free VRAM {free / 2**20:.0f} MiB < {need / 2**20:.0f} MiB "
-                                        "for the second buffer")
+                self.stats.fell_back = (
+                    f"free VRAM {free / 2**20:.0f} MiB < {need / 2**20:.0f} MiB for the second buffer"
+                )
             else:
                 free -= need
         if attention_keep_bytes > 0:
             # At most half of what is free: the rest stays for the step's own working memory.
             need = 2 * attention_keep_bytes + DOUBLE_BUFFER_MARGIN
             if self.cuda and free < need:
-                self.stats.attention_kept = (f"not kept: free VRAM {free / 2**20:.0f} MiB < "
-                                             f"{need / 2**20:.0f} MiB")
+                self.stats.attention_kept = f"not kept: free VRAM {free / 2**20:.0f} MiB < {need / 2**20:.0f} MiB"
             else:
                 self._keep_attention = True
                 self.stats.attention_kept = "kept"

@@ -80,8 +80,9 @@ class Defaults:
 
     def explain(self) -> list[str]:
         lines = [f"{path} = {_show(value)}: {reason}" for path, (value, reason) in self.choices.items()]
-        lines += [f"{path} = {_show(value)} (no config field): {reason}"
-                  for path, (value, reason) in self.notes.items()]
+        lines += [
+            f"{path} = {_show(value)} (no config field): {reason}" for path, (value, reason) in self.notes.items()
+        ]
         lines += [f"warning: {w}" for w in self.warnings]
         return lines
 
@@ -120,8 +121,9 @@ class Sizer:
     ce_chunk_tokens: int
 
     def __call__(self, mode: str, tokens: int, ckpt: bool, offload: str) -> int:
-        return est.estimate_vram(self.info, self.seq, self.r, mode, tokens, ckpt, offload=offload,
-                                 ce_chunk_tokens=self.ce_chunk_tokens)
+        return est.estimate_vram(
+            self.info, self.seq, self.r, mode, tokens, ckpt, offload=offload, ce_chunk_tokens=self.ce_chunk_tokens
+        )
 
 
 def training_mode(load_in_4bit: Any, dtype: str) -> str:
@@ -178,9 +180,11 @@ def ce_chunk_default(info: est.ModelInfo | None, budget: Budget) -> Decision:
     vocab = info.vocab_size if info else DEFAULT_VOCAB
     budget_bytes = min(CE_BUDGET_FRACTION * budget.free, CE_BUDGET_CAP)
     chunk = max(128, min(8192, _pow2_floor(budget_bytes / (vocab * 4))))
-    return chunk, (f"{chunk} x {vocab} vocab x 4 B = {chunk * vocab * 4 / MiB:.0f} MiB of fp32 logits per chunk, "
-                   f"within {CE_BUDGET_FRACTION:.0%} of free {budget.where} ({_gib(budget.free)}), "
-                   f"capped at {_gib(CE_BUDGET_CAP)}")
+    return chunk, (
+        f"{chunk} x {vocab} vocab x 4 B = {chunk * vocab * 4 / MiB:.0f} MiB of fp32 logits per chunk, "
+        f"within {CE_BUDGET_FRACTION:.0%} of free {budget.where} ({_gib(budget.free)}), "
+        f"capped at {_gib(CE_BUDGET_CAP)}"
+    )
 
 
 def load_in_4bit_default(profile: HardwareProfile, budget: Budget, size: Sizer) -> Decision:
@@ -191,10 +195,14 @@ def load_in_4bit_default(profile: HardwareProfile, budget: Budget, size: Sizer) 
     seq = size.seq
     lean = size("lora16", seq, True, "off" if profile.integrated_memory else "single")
     if lean > budget.plan:
-        return True, (f"16-bit LoRA needs ~{_gib(lean)} even at one {seq}-token row, over "
-                      f"{PLAN_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}")
-    return False, (f"16-bit LoRA at one {seq}-token row needs ~{_gib(lean)}, within "
-                   f"{PLAN_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}")
+        return True, (
+            f"16-bit LoRA needs ~{_gib(lean)} even at one {seq}-token row, over "
+            f"{PLAN_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}"
+        )
+    return False, (
+        f"16-bit LoRA at one {seq}-token row needs ~{_gib(lean)}, within "
+        f"{PLAN_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}"
+    )
 
 
 def _token_target(memory: int) -> int:
@@ -228,10 +236,14 @@ def checkpointing_default(budget: Budget, size: Sizer, mode: str, target: int, i
         return False, "CPU with the small bundled demo model: recomputing would only cost time"
     full = size(mode, target, False, "off")
     if full <= NO_CHECKPOINT_FRACTION * budget.memory:
-        return False, (f"without it a {target}-token micro-batch needs ~{_gib(full)}, under "
-                       f"{NO_CHECKPOINT_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}: skip the recompute")
-    return True, (f"without it a {target}-token micro-batch needs ~{_gib(full)}, over "
-                  f"{NO_CHECKPOINT_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}")
+        return False, (
+            f"without it a {target}-token micro-batch needs ~{_gib(full)}, under "
+            f"{NO_CHECKPOINT_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}: skip the recompute"
+        )
+    return True, (
+        f"without it a {target}-token micro-batch needs ~{_gib(full)}, over "
+        f"{NO_CHECKPOINT_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}"
+    )
 
 
 def offload_off_reason(profile: HardwareProfile, budget: Budget, ckpt: bool) -> str | None:
@@ -239,8 +251,10 @@ def offload_off_reason(profile: HardwareProfile, budget: Budget, ckpt: bool) -> 
     if not budget.on_gpu:
         return "CPU: activations already live in host memory"
     if profile.integrated_memory:
-        return ("unified memory: the host and the GPU share it, so moving "
-                "activations saves nothing (and no double buffering)")
+        return (
+            "unified memory: the host and the GPU share it, so moving "
+            "activations saves nothing (and no double buffering)"
+        )
     if not ckpt:
         return "offload moves checkpointed activations; checkpointing is off"
     return None
@@ -268,8 +282,9 @@ def rows_default(budget: Budget, size: Sizer, mode: str, target: int, ckpt: bool
     return rows, f"{rows} x {seq} = {rows * seq} tokens per micro-batch; {why}{fits_note}"
 
 
-def offload_default(profile: HardwareProfile, budget: Budget, size: Sizer, mode: str, tokens: int, ckpt: bool,
-                    wide: bool) -> Decision:
+def offload_default(
+    profile: HardwareProfile, budget: Budget, size: Sizer, mode: str, tokens: int, ckpt: bool, wide: bool
+) -> Decision:
     """Activation offload: off where it cannot help, else double-buffered when free memory
     leaves room for the second buffer beside the run, else single."""
     off = offload_off_reason(profile, budget, ckpt)
@@ -286,10 +301,13 @@ def offload_default(profile: HardwareProfile, budget: Budget, size: Sizer, mode:
     margin = int(0.05 * profile.total_vram)
     headroom = budget.free - need
     if headroom >= extra + margin:
-        return "double", (f"free VRAM leaves {_gib(headroom)} beside the run; the second buffer needs "
-                          f"~{extra / MiB:.0f} MiB and hides the copies behind compute")
-    return "single", (f"free VRAM leaves only {_gib(max(headroom, 0))} beside the run: one buffer, "
-                      "no room for the second")
+        return "double", (
+            f"free VRAM leaves {_gib(headroom)} beside the run; the second buffer needs "
+            f"~{extra / MiB:.0f} MiB and hides the copies behind compute"
+        )
+    return "single", (
+        f"free VRAM leaves only {_gib(max(headroom, 0))} beside the run: one buffer, no room for the second"
+    )
 
 
 def kernels_default(profile: HardwareProfile, budget: Budget) -> Decision:
@@ -299,21 +317,27 @@ def kernels_default(profile: HardwareProfile, budget: Budget) -> Decision:
     if not profile.triton_available:
         return False, "Triton is not installed: the plain-torch reference paths run"
     if profile.compute_capability and tuple(profile.compute_capability) < MIN_FAST_PATH_CAPABILITY:
-        return False, (f"compute capability {_cap(profile)} is older than the Triton kernels support: "
-                       "the plain-torch reference paths run")
+        return False, (
+            f"compute capability {_cap(profile)} is older than the Triton kernels support: "
+            "the plain-torch reference paths run"
+        )
     return True, "CUDA with Triton: the fused kernels apply"
 
 
 def packed_attention_default(kernels_usable: bool) -> Decision:
     # It is also what keeps packed documents apart, so it is on everywhere: the Triton
     # varlen kernel where the fast paths run, per-document SDPA (the reference) elsewhere.
-    return True, ("Triton varlen kernel" if kernels_usable
-                  else "per-document SDPA reference; documents never attend to each other")
+    return True, (
+        "Triton varlen kernel"
+        if kernels_usable
+        else "per-document SDPA reference; documents never attend to each other"
+    )
 
 
 def moe_grouping_default() -> Decision:
-    return True, ("plain torch (a stable sort by expert, group offsets by searchsorted, no host sync): "
-                  "helps on any device")
+    return True, (
+        "plain torch (a stable sort by expert, group offsets by searchsorted, no host sync): helps on any device"
+    )
 
 
 def num_workers_default(profile: HardwareProfile, budget: Budget) -> Decision:
@@ -322,20 +346,28 @@ def num_workers_default(profile: HardwareProfile, budget: Budget) -> Decision:
         return 0, "CPU training uses every core; packing stays on the main thread"
     if profile.os == "Windows":
         return 0, "Windows spawns workers by re-importing torch, which costs more than packing"
-    return (min(4, max(0, profile.cpu_count // 2 - 1)),
-            f"{profile.cpu_count} CPUs: tokenize and pack ahead of the GPU, leaving cores for the main loop")
+    return (
+        min(4, max(0, profile.cpu_count // 2 - 1)),
+        f"{profile.cpu_count} CPUs: tokenize and pack ahead of the GPU, leaving cores for the main loop",
+    )
 
 
-def fit_check(size: Sizer, mode: str, tokens: int, ckpt: bool, offload: str,
-              budget: Budget) -> tuple[int, str, str | None]:
+def fit_check(
+    size: Sizer, mode: str, tokens: int, ckpt: bool, offload: str, budget: Budget
+) -> tuple[int, str, str | None]:
     """The estimate for the settled config, its verdict, and a warning unless it fits."""
     estimate = size(mode, tokens, ckpt, offload)
     verdict = est.fit_verdict(estimate, budget.memory)
     if verdict == "fits":
         return estimate, verdict, None
-    return estimate, verdict, (
-        f"{size.info.summary()}: ~{_gib(estimate)} estimated in {_gib(budget.memory)} {budget.where}: {verdict}"
-        + ("; try a shorter data.max_seq_len or a smaller model" if verdict == "will not fit" else ""))
+    return (
+        estimate,
+        verdict,
+        (
+            f"{size.info.summary()}: ~{_gib(estimate)} estimated in {_gib(budget.memory)} {budget.where}: {verdict}"
+            + ("; try a shorter data.max_seq_len or a smaller model" if verdict == "will not fit" else "")
+        ),
+    )
 
 
 # -- the policy --------------------------------------------------------------------------------
@@ -369,8 +401,10 @@ def resolve_defaults(config: RunConfig, profile: HardwareProfile, model_info: es
     sized_with = t.offload if t.offload != AUTO else planned_offload(profile, budget, ckpt)
     out.fill("training.rows_per_micro_batch", lambda: rows_default(budget, size, mode, target, ckpt, sized_with))
     tokens = t.rows_per_micro_batch * seq
-    out.fill("training.offload",
-             lambda: offload_default(profile, budget, size, mode, tokens, ckpt, wide=m.dtype == "float32"))
+    out.fill(
+        "training.offload",
+        lambda: offload_default(profile, budget, size, mode, tokens, ckpt, wide=m.dtype == "float32"),
+    )
     kernels = kernels_default(profile, budget)
     for name in ("kernels", "lora_autograd", "fused_ce"):
         out.fill(f"fast_paths.{name}", lambda: kernels)
@@ -436,8 +470,9 @@ def _demo_config() -> RunConfig:
         return RunConfig()
 
 
-def format_profile(profile: HardwareProfile, config: RunConfig | None = None,
-                   model_info: est.ModelInfo | None = None) -> str:
+def format_profile(
+    profile: HardwareProfile, config: RunConfig | None = None, model_info: est.ModelInfo | None = None
+) -> str:
     """The report `tunesmith hw` prints: the machine, then the defaults for `config` (default:
     the demo config) with their reasons."""
     p = profile
@@ -447,8 +482,10 @@ def format_profile(profile: HardwareProfile, config: RunConfig | None = None,
         lines.append(f"  GPU        {p.gpu_name}{count}, compute {_cap(p)}, bf16 {'yes' if p.bf16_supported else 'no'}")
         memory_kind = "unified with the host" if p.integrated_memory else "dedicated"
         lines.append(f"  memory     {_gib(p.total_vram)} total, {_gib(p.free_vram)} free ({memory_kind})")
-    lines.append(f"  host       {p.os} {p.arch}, {p.cpu_count} CPUs, RAM {_gib(p.ram_total)} total, "
-                 f"{_gib(p.ram_available)} available")
+    lines.append(
+        f"  host       {p.os} {p.arch}, {p.cpu_count} CPUs, RAM {_gib(p.ram_total)} total, "
+        f"{_gib(p.ram_available)} available"
+    )
     software = f"torch {p.torch_version or 'missing'}, CUDA {p.cuda_version or 'none'}"
     if p.driver_version:
         software += f", driver {p.driver_version}"

@@ -105,19 +105,22 @@ _DATACENTER_CAPS = {(8, 0), (9, 0), (10, 0), (10, 3)}
 def classify(gpu: GpuProperties | None, *, backend: str = "cuda", arch: str = "x86_64") -> tuple[str, str]:
     """(kind, reason) for a device, from its properties alone."""
     if backend == "mps":
-        return "cpu", ("Apple MPS found, but the engine needs CUDA for 4-bit loading and its Triton "
-                       "kernels; training runs on the CPU for now")
+        return "cpu", (
+            "Apple MPS found, but the engine needs CUDA for 4-bit loading and its Triton "
+            "kernels; training runs on the CPU for now"
+        )
     if backend == "rocm":
-        return "cpu", (f"{gpu.name} is a ROCm GPU; the engine's kernels and 4-bit path target CUDA "
-                       "for now, so training runs on the CPU")
+        return "cpu", (
+            f"{gpu.name} is a ROCm GPU; the engine's kernels and 4-bit path target CUDA "
+            "for now, so training runs on the CPU"
+        )
     if gpu is None or backend == "none":
         return "cpu", "no GPU found by torch"
     name = gpu.name
     if _SPARK.search(name):
         return "dgx_spark", f"{name}: DGX Spark (GB10, unified memory, {arch})"
     if gpu.integrated:
-        return "dgx_spark", (f"{name} shares system memory ({arch}); treated like DGX Spark "
-                             "(unified-memory policy)")
+        return "dgx_spark", (f"{name} shares system memory ({arch}); treated like DGX Spark (unified-memory policy)")
     if _DATACENTER.search(name):
         return "datacenter", f"{name}: datacenter part by name"
     if _LAPTOP.search(name):
@@ -154,11 +157,26 @@ def profile_from_properties(
     ram_available = ram_total if ram_available is None else ram_available
     if gpu is None:
         return HardwareProfile(
-            kind=kind, kind_reason=reason, gpu_name=None, compute_capability=None, total_vram=0,
-            free_vram=0, integrated_memory=False, gpu_count=0, bf16_supported=False,
-            ram_total=ram_total, ram_available=ram_available, cpu_count=cpu_count, os=os_name,
-            arch=arch, torch_version=torch_version, cuda_version=cuda_version, backend=backend,
-            driver_version=driver_version, triton_available=triton_available, note=note,
+            kind=kind,
+            kind_reason=reason,
+            gpu_name=None,
+            compute_capability=None,
+            total_vram=0,
+            free_vram=0,
+            integrated_memory=False,
+            gpu_count=0,
+            bf16_supported=False,
+            ram_total=ram_total,
+            ram_available=ram_available,
+            cpu_count=cpu_count,
+            os=os_name,
+            arch=arch,
+            torch_version=torch_version,
+            cuda_version=cuda_version,
+            backend=backend,
+            driver_version=driver_version,
+            triton_available=triton_available,
+            note=note,
         )
     free = gpu.total_memory if gpu.free_memory is None else gpu.free_memory
     if gpu.integrated:
@@ -168,12 +186,26 @@ def profile_from_properties(
     if bf16_supported is None:
         bf16_supported = backend == "cuda" and tuple(gpu.capability) >= (8, 0)
     return HardwareProfile(
-        kind=kind, kind_reason=reason, gpu_name=gpu.name, compute_capability=tuple(gpu.capability),
-        total_vram=gpu.total_memory, free_vram=free, integrated_memory=gpu.integrated,
-        gpu_count=1 if gpu_count is None else gpu_count, bf16_supported=bool(bf16_supported),
-        ram_total=ram_total, ram_available=ram_available, cpu_count=cpu_count, os=os_name, arch=arch,
-        torch_version=torch_version, cuda_version=cuda_version, backend=backend,
-        driver_version=driver_version, triton_available=triton_available, note=note,
+        kind=kind,
+        kind_reason=reason,
+        gpu_name=gpu.name,
+        compute_capability=tuple(gpu.capability),
+        total_vram=gpu.total_memory,
+        free_vram=free,
+        integrated_memory=gpu.integrated,
+        gpu_count=1 if gpu_count is None else gpu_count,
+        bf16_supported=bool(bf16_supported),
+        ram_total=ram_total,
+        ram_available=ram_available,
+        cpu_count=cpu_count,
+        os=os_name,
+        arch=arch,
+        torch_version=torch_version,
+        cuda_version=cuda_version,
+        backend=backend,
+        driver_version=driver_version,
+        triton_available=triton_available,
+        note=note,
     )
 
 
@@ -200,8 +232,11 @@ def detect() -> HardwareProfile:
 
     vm = psutil.virtual_memory()
     host = dict(
-        arch=platform.machine() or "unknown", os_name=platform.system() or "unknown",
-        cpu_count=os.cpu_count() or 1, ram_total=int(vm.total), ram_available=int(vm.available),
+        arch=platform.machine() or "unknown",
+        os_name=platform.system() or "unknown",
+        cpu_count=os.cpu_count() or 1,
+        ram_total=int(vm.total),
+        ram_available=int(vm.available),
         triton_available=importlib.util.find_spec("triton") is not None,
     )
     try:
@@ -223,7 +258,9 @@ def detect() -> HardwareProfile:
         except TypeError:  # older torch without the keyword
             bf16 = torch.cuda.is_bf16_supported()
         gpu = GpuProperties(
-            name=props.name, total_memory=int(props.total_memory), capability=(props.major, props.minor),
+            name=props.name,
+            total_memory=int(props.total_memory),
+            capability=(props.major, props.minor),
             integrated=bool(getattr(props, "is_integrated", False)),
             free_memory=None if free is None else int(free),
         )
@@ -232,8 +269,14 @@ def detect() -> HardwareProfile:
         if count > 1:
             note = f"{count} GPUs found; the engine trains on one (cuda:0)"
         return profile_from_properties(
-            gpu, gpu_count=count, backend="rocm" if hip else "cuda", bf16_supported=bool(bf16) and not hip,
-            driver_version=None if hip else _nvml_driver_version(), note=note, **versions, **host,
+            gpu,
+            gpu_count=count,
+            backend="rocm" if hip else "cuda",
+            bf16_supported=bool(bf16) and not hip,
+            driver_version=None if hip else _nvml_driver_version(),
+            note=note,
+            **versions,
+            **host,
         )
     mps = getattr(torch.backends, "mps", None)
     if mps is not None and mps.is_available():
@@ -242,4 +285,3 @@ def detect() -> HardwareProfile:
     if torch.version.cuda is None and not hip:
         note = "this torch build has no CUDA support (CPU-only wheel)"
     return profile_from_properties(None, note=note, **versions, **host)
-

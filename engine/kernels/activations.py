@@ -29,6 +29,7 @@ _BLOCK = 2048  # values per program along a row; several programs split a long r
 SILU, GELU, GELU_TANH = 0, 1, 2
 _ACTS = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH}
 
+
 @jit
 def _act_and_grad(g, ACT: tl.constexpr, NEED_GRAD: tl.constexpr):
     """Returns (act(g), act'(g)) in fp32; the derivative is zeros when NEED_GRAD is off."""
@@ -61,8 +62,15 @@ def _act_and_grad(g, ACT: tl.constexpr, NEED_GRAD: tl.constexpr):
 
 @jit
 def _gated_fwd_kernel(
-    G, U, H, n_cols, stride_g, stride_u, stride_h,
-    ACT: tl.constexpr, BLOCK: tl.constexpr,
+    G,
+    U,
+    H,
+    n_cols,
+    stride_g,
+    stride_u,
+    stride_h,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -75,9 +83,19 @@ def _gated_fwd_kernel(
 
 @jit
 def _gated_bwd_kernel(
-    DH, G, U, DG, DU, n_cols,
-    stride_dh, stride_g, stride_u, stride_dg, stride_du,
-    ACT: tl.constexpr, BLOCK: tl.constexpr,
+    DH,
+    G,
+    U,
+    DG,
+    DU,
+    n_cols,
+    stride_dh,
+    stride_g,
+    stride_u,
+    stride_dg,
+    stride_du,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -117,14 +135,23 @@ def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -
     if h.numel():
         grid, block = _grid(n_rows, n_cols)
         _gated_fwd_kernel[grid](
-            g2, u2, h, n_cols, g2.stride(0), u2.stride(0), h.stride(0),
-            ACT=code, BLOCK=block, num_warps=warps_for(block),
+            g2,
+            u2,
+            h,
+            n_cols,
+            g2.stride(0),
+            u2.stride(0),
+            h.stride(0),
+            ACT=code,
+            BLOCK=block,
+            num_warps=warps_for(block),
         )
     return h.view(gate.shape)
 
 
-def gated_act_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str = "silu",
-                       inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_act_backward(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str = "silu", inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up) of act(gate) * up in one pass (no autograd).
 
     inplace=True writes d_gate over gate and d_up over up (their old values are gone after).
@@ -140,9 +167,20 @@ def gated_act_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, a
     if dg.numel():
         grid, block = _grid(n_rows, n_cols)
         _gated_bwd_kernel[grid](
-            dh2, g2, u2, dg, du, n_cols,
-            dh2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), du.stride(0),
-            ACT=code, BLOCK=block, num_warps=warps_for(block),
+            dh2,
+            g2,
+            u2,
+            dg,
+            du,
+            n_cols,
+            dh2.stride(0),
+            g2.stride(0),
+            u2.stride(0),
+            dg.stride(0),
+            du.stride(0),
+            ACT=code,
+            BLOCK=block,
+            num_warps=warps_for(block),
         )
     return dg.view(gate.shape), du.view(up.shape)
 
@@ -179,8 +217,9 @@ def _geglu_act(approximate: str) -> str:
     raise ValueError(f"geglu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
-def gated_act_reference(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", *,
-                        upcast: bool = True) -> torch.Tensor:
+def gated_act_reference(
+    gate: torch.Tensor, up: torch.Tensor, act: str = "silu", *, upcast: bool = True
+) -> torch.Tensor:
     """act(gate) * up in plain torch (autograd-capable; not counted). act: "silu", "gelu" (erf
     form) or "gelu_tanh".
 
@@ -219,8 +258,9 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: boo
     return GatedActFunction.apply(gate, up, "silu", inplace_backward)
 
 
-def geglu_triton(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none", *,
-                 inplace_backward: bool = False) -> torch.Tensor:
+def geglu_triton(
+    gate: torch.Tensor, up: torch.Tensor, approximate: str = "none", *, inplace_backward: bool = False
+) -> torch.Tensor:
     """The Triton path regardless of device (CPU tensors need TRITON_INTERPRET=1)."""
     _check(gate, up, "geglu")
     return GatedActFunction.apply(gate, up, _geglu_act(approximate), inplace_backward)
@@ -237,8 +277,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
     return swiglu_reference(gate, up)
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none", *,
-          inplace_backward: bool = False) -> torch.Tensor:
+def geglu(
+    gate: torch.Tensor, up: torch.Tensor, approximate: str = "none", *, inplace_backward: bool = False
+) -> torch.Tensor:
     """gelu(gate) * up (approximate "none" or "tanh"); Triton on CUDA, the torch reference elsewhere."""
     if on_cuda(gate, up):
         return geglu_triton(gate, up, approximate, inplace_backward=inplace_backward)

@@ -39,9 +39,17 @@ _GRAD_W_SLICE = 16384
 
 @triton.jit
 def _ce_rows_kernel(
-    LOGITS, stride_row, TARGETS, LOSS,
-    n_cols, ignore_index, logit_scale, softcap,
-    HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    LOGITS,
+    stride_row,
+    TARGETS,
+    LOSS,
+    n_cols,
+    ignore_index,
+    logit_scale,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     ptr = LOGITS + row.to(tl.int64) * stride_row
@@ -102,22 +110,38 @@ def default_chunk_tokens(vocab_size: int, element_size: int) -> int:
     return int(min(max(p, 256), 8192))
 
 
-def _ce_rows(logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, ignore_index: int,
-             logit_scale: float, softcap: float | None, compute_grad: bool) -> None:
+def _ce_rows(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    loss_rows: torch.Tensor,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: float | None,
+    compute_grad: bool,
+) -> None:
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
     block = min(CE_BLOCK_V, next_pow2(n_cols))
     _ce_rows_kernel[(n_rows,)](
-        logits, logits.stride(0), targets, loss_rows,
-        n_cols, int(ignore_index), float(logit_scale), float(softcap) if softcap else 1.0,
-        HAS_SOFTCAP=bool(softcap), COMPUTE_GRAD=compute_grad, BLOCK=block,
+        logits,
+        logits.stride(0),
+        targets,
+        loss_rows,
+        n_cols,
+        int(ignore_index),
+        float(logit_scale),
+        float(softcap) if softcap else 1.0,
+        HAS_SOFTCAP=bool(softcap),
+        COMPUTE_GRAD=compute_grad,
+        BLOCK=block,
         num_warps=min(CE_NUM_WARPS, max(2, block // 512)),
     )
 
 
-def _chunked_forward(hidden, weight, targets, bias, ignore_index, softcap, logit_scale, chunk_tokens,
-                     need_h, need_w, need_b):
+def _chunked_forward(
+    hidden, weight, targets, bias, ignore_index, softcap, logit_scale, chunk_tokens, need_h, need_w, need_b
+):
     """Sum of row losses (fp32 0-dim) and the unnormalized gradients that were asked for."""
     n, h_dim = hidden.shape
     v = weight.shape[0]
@@ -166,11 +190,33 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Loss and all gradients in the forward; the backward rescales the stored gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, normalizer, ignore_index, softcap, logit_scale,
-                chunk_tokens, need_h, need_w, need_b):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        bias,
+        normalizer,
+        ignore_index,
+        softcap,
+        logit_scale,
+        chunk_tokens,
+        need_h,
+        need_w,
+        need_b,
+    ):
         total, grad_h, grad_w, grad_b = _chunked_forward(
-            hidden, weight, targets, bias, ignore_index, softcap, logit_scale, chunk_tokens,
-            need_h, need_w, need_b,
+            hidden,
+            weight,
+            targets,
+            bias,
+            ignore_index,
+            softcap,
+            logit_scale,
+            chunk_tokens,
+            need_h,
+            need_w,
+            need_b,
         )
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -207,9 +253,7 @@ def _prepare(hidden, weight, targets, bias, ignore_index, normalizer):
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = targets.reshape(-1)
     if t1.shape[0] != h2.shape[0]:
-        raise ValueError(
-            f"fused_linear_cross_entropy: {t1.shape[0]} targets for {h2.shape[0]} hidden rows"
-        )
+        raise ValueError(f"fused_linear_cross_entropy: {t1.shape[0]} targets for {h2.shape[0]} hidden rows")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"fused_linear_cross_entropy: bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
     if normalizer is None:
@@ -222,8 +266,18 @@ def _prepare(hidden, weight, targets, bias, ignore_index, normalizer):
     return h2, t1, normalizer
 
 
-def fused_linear_cross_entropy_reference(hidden, weight, targets, *, bias=None, ignore_index=-100,
-                                         softcap=None, logit_scale=1.0, normalizer=None, chunk_tokens=None):
+def fused_linear_cross_entropy_reference(
+    hidden,
+    weight,
+    targets,
+    *,
+    bias=None,
+    ignore_index=-100,
+    softcap=None,
+    logit_scale=1.0,
+    normalizer=None,
+    chunk_tokens=None,
+):
     """Plain torch in fp32 with the full logits: sum of token losses / normalizer."""
     COUNTERS["fused_ce:torch"] += 1
     h2, t1, normalizer = _prepare(hidden, weight, targets, bias, ignore_index, normalizer)
@@ -237,8 +291,18 @@ def fused_linear_cross_entropy_reference(hidden, weight, targets, *, bias=None, 
     return total / normalizer
 
 
-def fused_linear_cross_entropy_triton(hidden, weight, targets, *, bias=None, ignore_index=-100,
-                                      softcap=None, logit_scale=1.0, normalizer=None, chunk_tokens=None):
+def fused_linear_cross_entropy_triton(
+    hidden,
+    weight,
+    targets,
+    *,
+    bias=None,
+    ignore_index=-100,
+    softcap=None,
+    logit_scale=1.0,
+    normalizer=None,
+    chunk_tokens=None,
+):
     """The chunked Triton path regardless of device (CPU tensors need TRITON_INTERPRET=1)."""
     COUNTERS["fused_ce:triton"] += 1
     h2, t1, normalizer = _prepare(hidden, weight, targets, bias, ignore_index, normalizer)
@@ -252,21 +316,49 @@ def fused_linear_cross_entropy_triton(hidden, weight, targets, *, bias=None, ign
     need_w = grad_on and weight.requires_grad
     need_b = grad_on and bias is not None and bias.requires_grad
     loss = FusedLinearCrossEntropyFunction.apply(
-        h2, weight, t1, bias, normalizer, int(ignore_index), softcap, float(logit_scale), chunk_tokens,
-        need_h, need_w, need_b,
+        h2,
+        weight,
+        t1,
+        bias,
+        normalizer,
+        int(ignore_index),
+        softcap,
+        float(logit_scale),
+        chunk_tokens,
+        need_h,
+        need_w,
+        need_b,
     )
     return loss
 
 
-def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, softcap=None,
-                               logit_scale=1.0, normalizer=None, chunk_tokens=None):
+def fused_linear_cross_entropy(
+    hidden,
+    weight,
+    targets,
+    *,
+    bias=None,
+    ignore_index=-100,
+    softcap=None,
+    logit_scale=1.0,
+    normalizer=None,
+    chunk_tokens=None,
+):
     """sum over non-ignored tokens of CE(softcap(logit_scale * (hidden @ weight.T + bias)), target)
     / normalizer, as an fp32 scalar. hidden [N, H], weight [V, H], targets [N] int64 (already
     shifted). normalizer: float or 0-dim tensor; default the count of non-ignored targets (>= 1).
 
     Triton on CUDA (never materializes [N, V] logits), the fp32 torch reference elsewhere.
     """
-    fn = fused_linear_cross_entropy_triton if on_cuda(hidden, weight, targets) else \
-        fused_linear_cross_entropy_reference
-    return fn(hidden, weight, targets, bias=bias, ignore_index=ignore_index, softcap=softcap,
-              logit_scale=logit_scale, normalizer=normalizer, chunk_tokens=chunk_tokens)
+    fn = fused_linear_cross_entropy_triton if on_cuda(hidden, weight, targets) else fused_linear_cross_entropy_reference
+    return fn(
+        hidden,
+        weight,
+        targets,
+        bias=bias,
+        ignore_index=ignore_index,
+        softcap=softcap,
+        logit_scale=logit_scale,
+        normalizer=normalizer,
+        chunk_tokens=chunk_tokens,
+    )

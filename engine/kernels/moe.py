@@ -56,8 +56,16 @@ def _biased(gu: torch.Tensor, eid, bias) -> torch.Tensor:
     return gu32
 
 
-def glu_forward_reference(gu: torch.Tensor, eid: Optional[torch.Tensor], bias: Optional[torch.Tensor], *,
-                          layout: str, act: str, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
+def glu_forward_reference(
+    gu: torch.Tensor,
+    eid: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    *,
+    layout: str,
+    act: str,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+) -> torch.Tensor:
     """act(gate) * up of gate/up products [rows, 2I] -> [rows, I] in fp32, cast once.
 
     bias [E, 2I] (or None) is added first, row r taking expert eid[r]'s."""
@@ -71,9 +79,19 @@ def glu_forward_reference(gu: torch.Tensor, eid: Optional[torch.Tensor], bias: O
     return h.to(gu.dtype)
 
 
-def glu_backward_reference(gd: torch.Tensor, w_s: torch.Tensor, gu: torch.Tensor, eid, bias, *,
-                           layout: str, act: str, alpha: float = 0.0, limit: float = 0.0,
-                           need_dot: bool = True):
+def glu_backward_reference(
+    gd: torch.Tensor,
+    w_s: torch.Tensor,
+    gu: torch.Tensor,
+    eid,
+    bias,
+    *,
+    layout: str,
+    act: str,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+    need_dot: bool = True,
+):
     """(d gate_up [rows, 2I] for the output gradient gd * w_s[:, None], per-row <gd, h> in fp32
     or None). New tensors; `gu` is left as it is."""
     g, u = split_gate_up(_biased(gu, eid, bias), layout)
@@ -98,8 +116,15 @@ def glu_backward_reference(gd: torch.Tensor, w_s: torch.Tensor, gu: torch.Tensor
     return g_gu.to(gu.dtype), ((gd32 * h).sum(-1) if need_dot else None)
 
 
-def combine_reference(src: torch.Tensor, inv: torch.Tensor, w: Optional[torch.Tensor],
-                      base: Optional[torch.Tensor], n_tok: int, k: int, out_dtype) -> torch.Tensor:
+def combine_reference(
+    src: torch.Tensor,
+    inv: torch.Tensor,
+    w: Optional[torch.Tensor],
+    base: Optional[torch.Tensor],
+    n_tok: int,
+    k: int,
+    out_dtype,
+) -> torch.Tensor:
     """out[t] = base[t] + sum_j w[t, j] * src[inv[t*k + j]] (w None: a plain sum); fp32 sums."""
     rows = src.index_select(0, inv).view(n_tok, k, -1)
     if w is None:
@@ -115,8 +140,9 @@ def combine_reference(src: torch.Tensor, inv: torch.Tensor, w: Optional[torch.Te
 if triton is not None:
 
     @triton.jit
-    def _act_load(GU, B, EID, row, cols, mask, n_inter, stride_gu, stride_b,
-                  LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def _act_load(
+        GU, B, EID, row, cols, mask, n_inter, stride_gu, stride_b, LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr
+    ):
         if LAYOUT == 0:
             g_off = cols
             u_off = cols + n_inter
@@ -132,14 +158,26 @@ if triton is not None:
         return g, u, g_off, u_off
 
     @triton.jit
-    def _moe_act_fwd_kernel(GU, B, EID, H, n_inter, stride_gu, stride_b, stride_h, alpha, limit,
-                            LAYOUT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            BLOCK: tl.constexpr):
+    def _moe_act_fwd_kernel(
+        GU,
+        B,
+        EID,
+        H,
+        n_inter,
+        stride_gu,
+        stride_b,
+        stride_h,
+        alpha,
+        limit,
+        LAYOUT: tl.constexpr,
+        ACT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_inter
-        g, u, g_off, u_off = _act_load(GU, B, EID, row, cols, mask, n_inter, stride_gu, stride_b,
-                                       LAYOUT, HAS_BIAS)
+        g, u, g_off, u_off = _act_load(GU, B, EID, row, cols, mask, n_inter, stride_gu, stride_b, LAYOUT, HAS_BIAS)
         if ACT == 0:  # silu(g) * u
             h = g / (1.0 + tl.exp(-g)) * u
         else:  # GPT-OSS: (clamp(u) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)
@@ -149,9 +187,25 @@ if triton is not None:
         tl.store(H + row * stride_h + cols, h.to(H.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _moe_act_bwd_kernel(GD, WS, GU, B, EID, DOT, n_inter, stride_gd, stride_gu, stride_b,
-                            alpha, limit, LAYOUT: tl.constexpr, ACT: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, NEED_DOT: tl.constexpr, BLOCK: tl.constexpr):
+    def _moe_act_bwd_kernel(
+        GD,
+        WS,
+        GU,
+        B,
+        EID,
+        DOT,
+        n_inter,
+        stride_gd,
+        stride_gu,
+        stride_b,
+        alpha,
+        limit,
+        LAYOUT: tl.constexpr,
+        ACT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        NEED_DOT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # One row per program: reads gd, the row's routing weight and gate/up once, writes
         # d gate/up over gate/up (the program owns the row, so in place is race-free) and,
         # for the scores' gradient, the row dot <gd, h> without ever storing h.
@@ -161,8 +215,7 @@ if triton is not None:
         for c0 in range(0, n_inter, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < n_inter
-            g, u, g_off, u_off = _act_load(GU, B, EID, row, cols, mask, n_inter, stride_gu, stride_b,
-                                           LAYOUT, HAS_BIAS)
+            g, u, g_off, u_off = _act_load(GU, B, EID, row, cols, mask, n_inter, stride_gu, stride_b, LAYOUT, HAS_BIAS)
             gd = tl.load(GD + row * stride_gd + cols, mask=mask, other=0.0).to(tl.float32)
             dh = gd * ws
             if ACT == 0:
@@ -187,8 +240,21 @@ if triton is not None:
             tl.store(DOT + row, tl.sum(dot, axis=0))
 
     @triton.jit
-    def _combine_kernel(SRC, INV, W, BASE, OUT, n_cols, stride_src, stride_base, stride_out,
-                        K: tl.constexpr, HAS_W: tl.constexpr, HAS_BASE: tl.constexpr, BLOCK: tl.constexpr):
+    def _combine_kernel(
+        SRC,
+        INV,
+        W,
+        BASE,
+        OUT,
+        n_cols,
+        stride_src,
+        stride_base,
+        stride_out,
+        K: tl.constexpr,
+        HAS_W: tl.constexpr,
+        HAS_BASE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # One token's k rows gathered and reduced in registers: the [T*k, H] unsorted copy
         # a torch gather would write (and the reduction read back) never exists.
         t = tl.program_id(0).to(tl.int64)
@@ -216,8 +282,16 @@ def _codes(layout: str, act: str) -> tuple[int, int]:
     return 0 if layout == "concat" else 1, 0 if act == "silu" else 1
 
 
-def glu_forward_triton(gu: torch.Tensor, eid: Optional[torch.Tensor], bias: Optional[torch.Tensor], *,
-                       layout: str, act: str, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
+def glu_forward_triton(
+    gu: torch.Tensor,
+    eid: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    *,
+    layout: str,
+    act: str,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+) -> torch.Tensor:
     """`glu_forward_reference` by the Triton kernel (a new [rows, I] tensor)."""
     rows, inter = gu.shape[0], gu.shape[1] // 2
     h = torch.empty(rows, inter, device=gu.device, dtype=gu.dtype)
@@ -225,16 +299,38 @@ def glu_forward_triton(gu: torch.Tensor, eid: Optional[torch.Tensor], bias: Opti
         block, warps = _blocks(inter)
         layout_code, act_code = _codes(layout, act)
         _moe_act_fwd_kernel[(rows, triton.cdiv(inter, block))](
-            gu, bias if bias is not None else gu, eid if eid is not None else gu, h, inter,
-            gu.stride(0), bias.stride(0) if bias is not None else 0, h.stride(0), alpha, limit,
-            LAYOUT=layout_code, ACT=act_code,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=warps)
+            gu,
+            bias if bias is not None else gu,
+            eid if eid is not None else gu,
+            h,
+            inter,
+            gu.stride(0),
+            bias.stride(0) if bias is not None else 0,
+            h.stride(0),
+            alpha,
+            limit,
+            LAYOUT=layout_code,
+            ACT=act_code,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=warps,
+        )
     return h
 
 
-def glu_backward_triton(gd: torch.Tensor, w_s: torch.Tensor, gu: torch.Tensor, eid, bias, *,
-                        layout: str, act: str, alpha: float = 0.0, limit: float = 0.0,
-                        need_dot: bool = True):
+def glu_backward_triton(
+    gd: torch.Tensor,
+    w_s: torch.Tensor,
+    gu: torch.Tensor,
+    eid,
+    bias,
+    *,
+    layout: str,
+    act: str,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+    need_dot: bool = True,
+):
     """`glu_backward_reference` by the one-pass kernel, which writes d gate_up over `gu` and
     returns it (gu's unit last stride is assumed: the caller's own GEMM output)."""
     rows, inter = gu.shape[0], gu.shape[1] // 2
@@ -244,11 +340,25 @@ def glu_backward_triton(gd: torch.Tensor, w_s: torch.Tensor, gu: torch.Tensor, e
         layout_code, act_code = _codes(layout, act)
         gd = gd if gd.stride(-1) == 1 else gd.contiguous()
         _moe_act_bwd_kernel[(rows,)](
-            gd, w_s, gu, bias if bias is not None else gu, eid if eid is not None else gu,
-            dot if dot is not None else gu, inter, gd.stride(0), gu.stride(0),
-            bias.stride(0) if bias is not None else 0, alpha, limit,
-            LAYOUT=layout_code, ACT=act_code,
-            HAS_BIAS=bias is not None, NEED_DOT=need_dot, BLOCK=block, num_warps=warps)
+            gd,
+            w_s,
+            gu,
+            bias if bias is not None else gu,
+            eid if eid is not None else gu,
+            dot if dot is not None else gu,
+            inter,
+            gd.stride(0),
+            gu.stride(0),
+            bias.stride(0) if bias is not None else 0,
+            alpha,
+            limit,
+            LAYOUT=layout_code,
+            ACT=act_code,
+            HAS_BIAS=bias is not None,
+            NEED_DOT=need_dot,
+            BLOCK=block,
+            num_warps=warps,
+        )
         # The kernel overwrote a saved tensor behind autograd's back: bump its version so a
         # second backward over a retained graph fails loudly instead of reading gradients.
         bump = getattr(torch.autograd.graph, "increment_version", None)
@@ -257,8 +367,15 @@ def glu_backward_triton(gd: torch.Tensor, w_s: torch.Tensor, gu: torch.Tensor, e
     return gu, dot
 
 
-def combine_triton(src: torch.Tensor, inv: torch.Tensor, w: Optional[torch.Tensor],
-                   base: Optional[torch.Tensor], n_tok: int, k: int, out_dtype) -> torch.Tensor:
+def combine_triton(
+    src: torch.Tensor,
+    inv: torch.Tensor,
+    w: Optional[torch.Tensor],
+    base: Optional[torch.Tensor],
+    n_tok: int,
+    k: int,
+    out_dtype,
+) -> torch.Tensor:
     """`combine_reference` by the Triton kernel (base, when given, is fp32 [n_tok, cols])."""
     n_cols = src.shape[1]
     out = torch.empty(n_tok, n_cols, device=src.device, dtype=out_dtype)
@@ -267,24 +384,49 @@ def combine_triton(src: torch.Tensor, inv: torch.Tensor, w: Optional[torch.Tenso
         w = w.contiguous() if w is not None else None
         block, warps = _blocks(n_cols)
         _combine_kernel[(n_tok, triton.cdiv(n_cols, block))](
-            src, inv, w if w is not None else src, base if base is not None else src, out, n_cols,
-            src.stride(0), base.stride(0) if base is not None else 0, out.stride(0),
-            K=k, HAS_W=w is not None, HAS_BASE=base is not None, BLOCK=block, num_warps=warps)
+            src,
+            inv,
+            w if w is not None else src,
+            base if base is not None else src,
+            out,
+            n_cols,
+            src.stride(0),
+            base.stride(0) if base is not None else 0,
+            out.stride(0),
+            K=k,
+            HAS_W=w is not None,
+            HAS_BASE=base is not None,
+            BLOCK=block,
+            num_warps=warps,
+        )
     return out
 
 
 # -- entry points -----------------------------------------------------------------------------------
 
 
-def glu_forward(gu, eid, bias, *, layout: str, act: str, alpha: float = 0.0, limit: float = 0.0,
-                use_triton: bool = False) -> torch.Tensor:
+def glu_forward(
+    gu, eid, bias, *, layout: str, act: str, alpha: float = 0.0, limit: float = 0.0, use_triton: bool = False
+) -> torch.Tensor:
     """The gated activation of gate/up products [rows, 2I] -> [rows, I] (bias added first)."""
     fn = glu_forward_triton if use_triton else glu_forward_reference
     return fn(gu, eid, bias, layout=layout, act=act, alpha=alpha, limit=limit)
 
 
-def glu_backward(gd, w_s, gu, eid, bias, *, layout: str, act: str, alpha: float = 0.0, limit: float = 0.0,
-                 need_dot: bool = True, use_triton: bool = False):
+def glu_backward(
+    gd,
+    w_s,
+    gu,
+    eid,
+    bias,
+    *,
+    layout: str,
+    act: str,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+    need_dot: bool = True,
+    use_triton: bool = False,
+):
     """(d gate_up for the output gradient gd * w_s, per-row <gd, h> in fp32 or None).
 
     The Triton path writes d gate_up over `gu` (saved products, not needed afterwards)."""

@@ -27,10 +27,18 @@ _ELEMS_PER_PROGRAM = 4096
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, W, Y, RSTD,
-    n_rows, n_cols, stride_x, stride_y,
-    eps, offset,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    X,
+    W,
+    Y,
+    RSTD,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_y,
+    eps,
+    offset,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -51,10 +59,22 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DX, DW_PARTIAL,
-    n_rows, n_cols, stride_dy, stride_x, stride_dx,
-    offset, rows_per_program,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    DY,
+    X,
+    W,
+    RSTD,
+    DX,
+    DW_PARTIAL,
+    n_rows,
+    n_cols,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    offset,
+    rows_per_program,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
 ):
     # Each program walks a contiguous range of rows, so the dW partial sums stay in registers
     # and only one [n_programs, n_cols] fp32 partial buffer is written.
@@ -114,16 +134,24 @@ def _fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
     if n_rows:
         block_r, block_c = _blocks(n_rows, n_cols)
         _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-            x2, weight, y, rstd,
-            n_rows, n_cols, x2.stride(0), y.stride(0),
-            float(eps), float(offset),
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps_for(block_r * block_c),
+            x2,
+            weight,
+            y,
+            rstd,
+            n_rows,
+            n_cols,
+            x2.stride(0),
+            y.stride(0),
+            float(eps),
+            float(offset),
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=warps_for(block_r * block_c),
         )
     return y_full, x2, rstd
 
 
-def _bwd(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-         offset: float, need_dw: bool):
+def _bwd(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float, need_dw: bool):
     dy2 = as_rows(dy)
     n_rows, n_cols = x2.shape
     dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
@@ -132,7 +160,9 @@ def _bwd(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.T
     if need_dw:
         # Enough programs to fill the GPU a few times over; each reduces its rows' dW in registers.
         if x2.is_cuda:
-            max_programs = 4 * _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device())
+            max_programs = 4 * _sm_count(
+                x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+            )
         else:
             max_programs = 4
         n_programs = max(1, min(row_blocks, max_programs))
@@ -144,10 +174,22 @@ def _bwd(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.T
         dw_partial = rstd  # unused placeholder pointer
     if n_rows:
         _rms_norm_bwd_kernel[(n_programs,)](
-            dy2, x2, weight, rstd, dx, dw_partial,
-            n_rows, n_cols, dy2.stride(0), x2.stride(0), dx.stride(0),
-            float(offset), rows_per_program,
-            BLOCK_R=block_r, BLOCK_C=block_c, COMPUTE_DW=need_dw,
+            dy2,
+            x2,
+            weight,
+            rstd,
+            dx,
+            dw_partial,
+            n_rows,
+            n_cols,
+            dy2.stride(0),
+            x2.stride(0),
+            dx.stride(0),
+            float(offset),
+            rows_per_program,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            COMPUTE_DW=need_dw,
             num_warps=warps_for(block_r * block_c),
         )
     dw = None
@@ -177,8 +219,7 @@ class RMSNormFunction(torch.autograd.Function):
         return (dx.view(ctx.x_shape) if need_dx else None), dw, None, None
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                       offset: float = 0.0) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
     """Plain torch: normalize in fp32, multiply by (offset + weight) in fp32, cast to x.dtype."""
     COUNTERS["rmsnorm:torch"] += 1
     xf = x.float()
@@ -186,8 +227,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     return (y * (offset + weight.float())).to(x.dtype)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                    offset: float = 0.0) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
     """The Triton path regardless of device (CPU tensors need TRITON_INTERPRET=1)."""
     _check(x, weight)
     COUNTERS["rmsnorm:triton"] += 1

@@ -26,8 +26,7 @@ _TILE_ELEMS = 2048
 
 
 @jit
-def _rotate_heads(X, stride_h, n_heads, base, c1, c2, sa, sb, d_offs, d_mask, half,
-                  BLOCK_H: tl.constexpr):
+def _rotate_heads(X, stride_h, n_heads, base, c1, c2, sa, sb, d_offs, d_mask, half, BLOCK_H: tl.constexpr):
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         mask = (heads < n_heads)[:, None] & d_mask[None, :]
@@ -42,12 +41,28 @@ def _rotate_heads(X, stride_h, n_heads, base, c1, c2, sa, sb, d_offs, d_mask, ha
 
 @jit
 def _rope_kernel(
-    Q, K, COS, SIN,
-    seq_len, n_q_heads, n_k_heads, half,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_cb, stride_ct, stride_sb, stride_st,
-    BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BACKWARD: tl.constexpr,
+    Q,
+    K,
+    COS,
+    SIN,
+    seq_len,
+    n_q_heads,
+    n_k_heads,
+    half,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_cb,
+    stride_ct,
+    stride_sb,
+    stride_st,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     tok = tl.program_id(0)
     b = (tok // seq_len).to(tl.int64)
@@ -69,10 +84,12 @@ def _rope_kernel(
     else:
         sa = s1
         sb = s2
-    _rotate_heads(Q, stride_qh, n_q_heads, b * stride_qb + t * stride_qt, c1, c2, sa, sb,
-                  d_offs, d_mask, half, BLOCK_H=BLOCK_HQ)
-    _rotate_heads(K, stride_kh, n_k_heads, b * stride_kb + t * stride_kt, c1, c2, sa, sb,
-                  d_offs, d_mask, half, BLOCK_H=BLOCK_HK)
+    _rotate_heads(
+        Q, stride_qh, n_q_heads, b * stride_qb + t * stride_qt, c1, c2, sa, sb, d_offs, d_mask, half, BLOCK_H=BLOCK_HQ
+    )
+    _rotate_heads(
+        K, stride_kh, n_k_heads, b * stride_kb + t * stride_kt, c1, c2, sa, sb, d_offs, d_mask, half, BLOCK_H=BLOCK_HK
+    )
 
 
 def _head_block(n_heads: int, block_d: int) -> int:
@@ -111,12 +128,28 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
     block_hq, block_hk = _head_block(Hq, block_d), _head_block(Hk, block_d)
     tile = max(block_hq, block_hk) * block_d
     _rope_kernel[(B * T,)](
-        q, k, cos, sin,
-        T, Hq, Hk, half,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        cb, cos.stride(1), sb, sin.stride(1),
-        BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward,
+        q,
+        k,
+        cos,
+        sin,
+        T,
+        Hq,
+        Hk,
+        half,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        cb,
+        cos.stride(1),
+        sb,
+        sin.stride(1),
+        BLOCK_D=block_d,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        BACKWARD=backward,
         num_warps=4 if tile >= 1024 else 2,
     )
 

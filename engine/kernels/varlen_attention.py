@@ -43,6 +43,7 @@ TableFn = Callable[[str, int], "tuple[torch.Tensor, int]"]
 # Reference (also the CPU path of the engine)
 # --------------------------------------------------------------------------------------------
 
+
 def _doc_mask(n: int, causal: bool, sliding_window: Optional[int], device) -> Optional[torch.Tensor]:
     if not causal and sliding_window is None:
         return None
@@ -56,8 +57,9 @@ def _doc_mask(n: int, causal: bool, sliding_window: Optional[int], device) -> Op
     return keep
 
 
-def varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, causal=True,
-                               sliding_window=None, softcap=None, dropout_p=0.0):
+def varlen_attention_reference(
+    q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, causal=True, sliding_window=None, softcap=None, dropout_p=0.0
+):
     """Per-document attention in plain torch: SDPA where it can, explicit softmax for softcap.
 
     Reads `cu_seqlens` on the host (a sync on CUDA, counted in COUNTERS["host_syncs"] on every
@@ -79,8 +81,14 @@ def varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen=None, *, scale=No
         if softcap is None:
             mask = _doc_mask(e - s, causal, sliding_window, q.device)
             od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=mask if sliding_window is not None else None,
-                is_causal=causal and sliding_window is None, dropout_p=dropout_p, scale=scale)
+                qd,
+                kd,
+                vd,
+                attn_mask=mask if sliding_window is not None else None,
+                is_causal=causal and sliding_window is None,
+                dropout_p=dropout_p,
+                scale=scale,
+            )
         else:
             scores = (qd.float() @ kd.float().transpose(-1, -2)) * scale
             scores = softcap * torch.tanh(scores / softcap)
@@ -98,6 +106,7 @@ def varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen=None, *, scale=No
 # --------------------------------------------------------------------------------------------
 # Block tables
 # --------------------------------------------------------------------------------------------
+
 
 def host_block_table(lengths, block: int, kind: str) -> torch.Tensor:
     """(document, first token) per block of `block` tokens, on the host, heaviest blocks first.
@@ -146,6 +155,7 @@ def device_block_table(cu_seqlens: torch.Tensor, total_tokens: int, block: int) 
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _tanh(x):
     # tanh through exp2: available in every Triton version and in the interpreter; saturates to
@@ -166,10 +176,30 @@ def _scores(qk, mul_a, mul_b, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, offs_d, lo, hi,
-               doc_end, mul_a, mul_b, window,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    sk_t,
+    sv_t,
+    offs_m,
+    offs_d,
+    lo,
+    hi,
+    doc_end,
+    mul_a,
+    mul_b,
+    window,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     offs_n0 = tl.arange(0, BLOCK_N)
     # Addresses are built once and advanced per step (int64: T * stride may pass 2**31).
     rows0 = (lo + offs_n0).to(tl.int64)
@@ -206,9 +236,16 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, offs_d, lo,
 
 
 @triton.jit
-def _key_range(m0, doc_start, doc_end, window,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr):
+def _key_range(
+    m0,
+    doc_start,
+    doc_end,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
     # Keys a block of queries [m0, m0 + BLOCK_M) must visit: [lo, hi), of which [lo, mid) needs no
     # mask (every key is before every query and inside the document); [mid, hi) is masked.
     if CAUSAL:
@@ -228,12 +265,37 @@ def _key_range(m0, doc_start, doc_end, window,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, CU, TBL_A, TBL_B,
-              sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, s_lse,
-              mul_a, mul_b, window,
-              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
-              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_fwd(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    CU,
+    TBL_A,
+    TBL_B,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    so_t,
+    so_h,
+    s_lse,
+    mul_a,
+    mul_b,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     head = tl.program_id(0)
     pid = tl.program_id(1)
     # Autotuning may pick either block size; the launcher passes a table for each.
@@ -263,22 +325,62 @@ def _attn_fwd(Q, K, V, O, LSE, CU, TBL_A, TBL_B,
     k_base = K + kvh * sk_h
     v_base = V + kvh * sv_h
     lo, mid, hi = _key_range(m0, doc_start, doc_end, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, offs_d, lo, mid,
-                               doc_end, mul_a, mul_b, window, BLOCK_N, False, CAUSAL, HAS_WINDOW,
-                               HAS_SOFTCAP, DOT_PREC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, offs_m, offs_d, mid, hi,
-                               doc_end, mul_a, mul_b, window, BLOCK_N, True, CAUSAL, HAS_WINDOW,
-                               HAS_SOFTCAP, DOT_PREC)
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        sk_t,
+        sv_t,
+        offs_m,
+        offs_d,
+        lo,
+        mid,
+        doc_end,
+        mul_a,
+        mul_b,
+        window,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        HAS_WINDOW,
+        HAS_SOFTCAP,
+        DOT_PREC,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        sk_t,
+        sv_t,
+        offs_m,
+        offs_d,
+        mid,
+        hi,
+        doc_end,
+        mul_a,
+        mul_b,
+        window,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        HAS_WINDOW,
+        HAS_SOFTCAP,
+        DOT_PREC,
+    )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    tl.store(O + head * so_h + rows[:, None] * so_t + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=m_ok[:, None])
+    tl.store(O + head * so_h + rows[:, None] * so_t + offs_d[None, :], o.to(O.dtype.element_ty), mask=m_ok[:, None])
     tl.store(LSE + head * s_lse + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
 
 
 @triton.jit
-def _bwd_delta(O, DO, DELTA, T, so_t, so_h, sdo_t, sdo_h, s_delta,
-               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_delta(O, DO, DELTA, T, so_t, so_h, sdo_t, sdo_h, s_delta, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     head = tl.program_id(0)
     offs_t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -290,10 +392,32 @@ def _bwd_delta(O, DO, DELTA, T, so_t, so_h, sdo_t, sdo_h, s_delta,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sq_t, sdo_t, offs_n, offs_d,
-                lo, hi, doc_end, mul_a, mul_b, window,
-                BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    sq_t,
+    sdo_t,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    doc_end,
+    mul_a,
+    mul_b,
+    window,
+    BLOCK_M: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     offs_m0 = tl.arange(0, BLOCK_M)
     rows0 = (lo + offs_m0).to(tl.int64)
     q_ptrs = q_base + rows0[:, None] * sq_t + offs_d[None, :]
@@ -334,13 +458,45 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sq_t, sdo_t
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, CU, TBL_A, TBL_B,
-                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h,
-                   sdk_t, sdk_h, sdv_t, sdv_h, s_lse,
-                   sm_scale, mul_a, mul_b, window,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
-                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    LSE,
+    DELTA,
+    CU,
+    TBL_A,
+    TBL_B,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    sdo_t,
+    sdo_h,
+    sdk_t,
+    sdk_h,
+    sdv_t,
+    sdv_h,
+    s_lse,
+    sm_scale,
+    mul_a,
+    mul_b,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     kvh = tl.program_id(0)
     pid = tl.program_id(1)
     if BLOCK_N == BLOCK_A:
@@ -387,27 +543,115 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, CU, TBL_A, TBL_B,
         do_base = DO + head * sdo_h
         lse_base = LSE + head * s_lse
         delta_base = DELTA + head * s_lse
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sq_t, sdo_t,
-                             offs_n, offs_d, q_lo, diag_end, doc_end, mul_a, mul_b, window,
-                             BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sq_t, sdo_t,
-                             offs_n, offs_d, diag_end, full_end, doc_end, mul_a, mul_b, window,
-                             BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sq_t, sdo_t,
-                             offs_n, offs_d, full_end, q_hi, doc_end, mul_a, mul_b, window,
-                             BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            sq_t,
+            sdo_t,
+            offs_n,
+            offs_d,
+            q_lo,
+            diag_end,
+            doc_end,
+            mul_a,
+            mul_b,
+            window,
+            BLOCK_M,
+            True,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            DOT_PREC,
+        )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            sq_t,
+            sdo_t,
+            offs_n,
+            offs_d,
+            diag_end,
+            full_end,
+            doc_end,
+            mul_a,
+            mul_b,
+            window,
+            BLOCK_M,
+            False,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            DOT_PREC,
+        )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            sq_t,
+            sdo_t,
+            offs_n,
+            offs_d,
+            full_end,
+            q_hi,
+            doc_end,
+            mul_a,
+            mul_b,
+            window,
+            BLOCK_M,
+            True,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            DOT_PREC,
+        )
     dk = dk * sm_scale
-    tl.store(DK + kvh * sdk_h + rows[:, None] * sdk_t + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=n_ok[:, None])
-    tl.store(DV + kvh * sdv_h + rows[:, None] * sdv_t + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=n_ok[:, None])
+    tl.store(DK + kvh * sdk_h + rows[:, None] * sdk_t + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(DV + kvh * sdv_h + rows[:, None] * sdv_t + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, offs_d, lo, hi, doc_end,
-              mul_a, mul_b, window,
-              BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    sk_t,
+    sv_t,
+    offs_m,
+    offs_d,
+    lo,
+    hi,
+    doc_end,
+    mul_a,
+    mul_b,
+    window,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     offs_n0 = tl.arange(0, BLOCK_N)
     rows0 = (lo + offs_n0).to(tl.int64)
     k_ptrs = k_base + rows0[:, None] * sk_t + offs_d[None, :]
@@ -442,12 +686,42 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, offs_d,
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, CU, TBL_A, TBL_B,
-                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdq_t, sdq_h, s_lse,
-                 sm_scale, mul_a, mul_b, window,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    CU,
+    TBL_A,
+    TBL_B,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    sdo_t,
+    sdo_h,
+    sdq_t,
+    sdq_h,
+    s_lse,
+    sm_scale,
+    mul_a,
+    mul_b,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     head = tl.program_id(0)
     pid = tl.program_id(1)
     if BLOCK_M == BLOCK_A:
@@ -474,13 +748,60 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, CU, TBL_A, TBL_B,
     k_base = K + kvh * sk_h
     v_base = V + kvh * sv_h
     lo, mid, hi = _key_range(m0, doc_start, doc_end, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, offs_d, lo, mid, doc_end,
-                   mul_a, mul_b, window, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, offs_m, offs_d, mid, hi, doc_end,
-                   mul_a, mul_b, window, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_base,
+        v_base,
+        sk_t,
+        sv_t,
+        offs_m,
+        offs_d,
+        lo,
+        mid,
+        doc_end,
+        mul_a,
+        mul_b,
+        window,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        HAS_WINDOW,
+        HAS_SOFTCAP,
+        DOT_PREC,
+    )
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_base,
+        v_base,
+        sk_t,
+        sv_t,
+        offs_m,
+        offs_d,
+        mid,
+        hi,
+        doc_end,
+        mul_a,
+        mul_b,
+        window,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        HAS_WINDOW,
+        HAS_SOFTCAP,
+        DOT_PREC,
+    )
     dq = dq * sm_scale
-    tl.store(DQ + head * sdq_h + rows[:, None] * sdq_t + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=m_ok[:, None])
+    tl.store(
+        DQ + head * sdq_h + rows[:, None] * sdq_t + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=m_ok[:, None]
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -521,6 +842,7 @@ def _prune(table):
     def prune(configs, named_args, **kwargs):
         d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
         return table[min(table, key=lambda x: abs(x - d))] if d not in table else table[d]
+
     return prune
 
 
@@ -533,8 +855,7 @@ def _tuned(kernel, table):
     every = [c for cs in table.values() for c in cs]
     prune = {"early_config_prune": _prune(table)}
     try:
-        return triton.autotune(configs=every, key=_ALL_KEY, prune_configs_by=prune,
-                               do_bench=_short_bench)(kernel)
+        return triton.autotune(configs=every, key=_ALL_KEY, prune_configs_by=prune, do_bench=_short_bench)(kernel)
     except TypeError:  # a Triton without the do_bench hook
         return triton.autotune(configs=every, key=_ALL_KEY, prune_configs_by=prune)(kernel)
 
@@ -576,8 +897,7 @@ def _fixed(kind: str, d: int, blocks: Optional[tuple[int, int]], fp32: bool = Fa
 class _Launch:
     """Shared arguments of one attention call (shapes, flags, tables)."""
 
-    def __init__(self, q, k, cu_seqlens, tables: TableFn, scale, causal, sliding_window, softcap,
-                 blocks, covers_all):
+    def __init__(self, q, k, cu_seqlens, tables: TableFn, scale, causal, sliding_window, softcap, blocks, covers_all):
         t, hq, d = q.shape
         hkv = k.shape[1]
         if hq % hkv:
@@ -607,9 +927,14 @@ class _Launch:
         # use Triton's default.
         self.fp32 = q.dtype == torch.float32
         self.dot_prec = "ieee" if self.fp32 else None
-        self.flags = dict(GROUP=self.group, HEAD_DIM=d, CAUSAL=self.causal,
-                          HAS_WINDOW=self.has_window, HAS_SOFTCAP=self.has_softcap,
-                          DOT_PREC=self.dot_prec)
+        self.flags = dict(
+            GROUP=self.group,
+            HEAD_DIM=d,
+            CAUSAL=self.causal,
+            HAS_WINDOW=self.has_window,
+            HAS_SOFTCAP=self.has_softcap,
+            DOT_PREC=self.dot_prec,
+        )
 
     def run(self, kind, tuned, plain, heads, head_args, tail_args):
         """Launch one kernel: `tuned` (autotuned) or `plain` with a fixed config. The block table
@@ -626,8 +951,18 @@ class _Launch:
         bm, bn, warps, stages = _fixed(kind, self.d, self.blocks, self.fp32)
         tblock = bn if kind == "dkdv" else bm
         ta, na = self.tables(table_kind, tblock)
-        plain[(heads, max(na, 1))](*head_args, ta, ta, *tail_args, BLOCK_A=tblock, **self.flags,
-                                    BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        plain[(heads, max(na, 1))](
+            *head_args,
+            ta,
+            ta,
+            *tail_args,
+            BLOCK_A=tblock,
+            **self.flags,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=warps,
+            num_stages=stages,
+        )
 
 
 def _forward(q, k, v, L: _Launch):
@@ -635,8 +970,20 @@ def _forward(q, k, v, L: _Launch):
     lse = torch.empty((L.hq, max(L.t, 1)), dtype=torch.float32, device=q.device)
     if L.t == 0:
         return o, lse
-    tail = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            o.stride(0), o.stride(1), lse.stride(0), L.mul_a, L.mul_b, L.window)
+    tail = (
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        o.stride(0),
+        o.stride(1),
+        lse.stride(0),
+        L.mul_a,
+        L.mul_b,
+        L.window,
+    )
     L.run("fwd", _attn_fwd_tuned, _attn_fwd, L.hq, (q, k, v, o, lse, L.cu), tail)
     return o, lse
 
@@ -650,19 +997,36 @@ def _backward(do, q, k, v, o, lse, L: _Launch):
     delta = torch.empty_like(lse)
     block = 64
     _bwd_delta[(L.hq, triton.cdiv(L.t, block))](
-        o, do, delta, L.t, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
-        HEAD_DIM=L.d, BLOCK=block)
+        o,
+        do,
+        delta,
+        L.t,
+        o.stride(0),
+        o.stride(1),
+        do.stride(0),
+        do.stride(1),
+        delta.stride(0),
+        HEAD_DIM=L.d,
+        BLOCK=block,
+    )
     if not L.covers_all:
         # Tokens no document covers get no dK/dV program; zero them (skipped when the caller
         # knows cu_seqlens spans the whole stream, which saves two memsets per layer).
         dk.zero_()
         dv.zero_()
-    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-              do.stride(0), do.stride(1))
-    dkdv_rest = common + (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-                          L.scale, L.mul_a, L.mul_b, L.window)
-    L.run("dkdv", _attn_bwd_dkdv_tuned, _attn_bwd_dkdv, L.hkv,
-          (q, k, v, do, dk, dv, lse, delta, L.cu), dkdv_rest)
+    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1))
+    dkdv_rest = common + (
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        lse.stride(0),
+        L.scale,
+        L.mul_a,
+        L.mul_b,
+        L.window,
+    )
+    L.run("dkdv", _attn_bwd_dkdv_tuned, _attn_bwd_dkdv, L.hkv, (q, k, v, do, dk, dv, lse, delta, L.cu), dkdv_rest)
     dq_rest = common + (dq.stride(0), dq.stride(1), lse.stride(0), L.scale, L.mul_a, L.mul_b, L.window)
     L.run("dq", _attn_bwd_dq_tuned, _attn_bwd_dq, L.hq, (q, k, v, do, dq, lse, delta, L.cu), dq_rest)
     return dq, dk, dv
@@ -721,8 +1085,9 @@ class _VarlenAttention(torch.autograd.Function):
 
 def _check(q, k, v, cu_seqlens):
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q/k/v shapes disagree: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -734,10 +1099,22 @@ def _check(q, k, v, cu_seqlens):
             raise ValueError(f"{name} needs unit stride on head_dim")
 
 
-def varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, causal=True,
-                            sliding_window=None, softcap=None, tables: Optional[TableFn] = None,
-                            blocks: Optional[tuple[int, int]] = None, covers_all_tokens: bool = False,
-                            kept: Optional[KeptAttention] = None):
+def varlen_attention_triton(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    max_seqlen=None,
+    *,
+    scale=None,
+    causal=True,
+    sliding_window=None,
+    softcap=None,
+    tables: Optional[TableFn] = None,
+    blocks: Optional[tuple[int, int]] = None,
+    covers_all_tokens: bool = False,
+    kept: Optional[KeptAttention] = None,
+):
     """Triton varlen attention (differentiable). `tables` supplies block tables (see module
     doc); without it they are built on the device from `cu_seqlens` (sync-free, a few tiny
     launches per call). `blocks` pins (table block, step block) for every kernel (tests).
@@ -754,6 +1131,6 @@ def varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None,
             if block not in cache:
                 cache[block] = device_block_table(cu_seqlens, t, block)
             return cache[block]
-    launch = _Launch(q, k, cu_seqlens, tables, scale, causal, sliding_window, softcap, blocks,
-                     covers_all_tokens)
+
+    launch = _Launch(q, k, cu_seqlens, tables, scale, causal, sliding_window, softcap, blocks, covers_all_tokens)
     return _VarlenAttention.apply(q, k, v, launch, kept)

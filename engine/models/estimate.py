@@ -112,12 +112,13 @@ class ModelInfo:
                 return f"{n / 1e9:.2f}B"
             return f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.1f}M"
 
-        text = (f"{self.model_type}: {billions(self.num_params)} parameters, {self.num_layers} layers, "
-                f"hidden {self.hidden_size}, heads {self.num_heads}/{self.num_kv_heads} (q/kv), "
-                f"vocab {self.vocab_size}")
+        text = (
+            f"{self.model_type}: {billions(self.num_params)} parameters, {self.num_layers} layers, "
+            f"hidden {self.hidden_size}, heads {self.num_heads}/{self.num_kv_heads} (q/kv), "
+            f"vocab {self.vocab_size}"
+        )
         if self.is_moe:
-            text += (f", {self.num_experts} experts top-{self.experts_per_token} "
-                     f"({billions(self.active_params)} active)")
+            text += f", {self.num_experts} experts top-{self.experts_per_token} ({billions(self.active_params)} active)"
         return text
 
 
@@ -200,8 +201,9 @@ def model_info(config: Any) -> ModelInfo:
         sparse_step = int(get("decoder_sparse_step", default=1) or 1)
         mlp_only = set(get("mlp_only_layers", default=[]) or [])
         first_dense = int(get("first_k_dense_replace", default=0) or 0)
-        moe_layers = sum(1 for i in range(layers)
-                         if i not in mlp_only and i >= first_dense and (i + 1) % sparse_step == 0)
+        moe_layers = sum(
+            1 for i in range(layers) if i not in mlp_only and i >= first_dense and (i + 1) % sparse_step == 0
+        )
 
     expert_bias = model_type == "gpt_oss"  # GPT-OSS experts and router carry biases
     per_expert = mlp(expert_inter, bias=expert_bias)
@@ -224,25 +226,42 @@ def model_info(config: Any) -> ModelInfo:
     # Linear weights inside the decoder (no biases, norms or embeddings): what NF4 quantizes.
     lin_attn = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
     lin_mlp = (3 if gated else 2) * hidden
-    quantizable = (layers * lin_attn + dense_layers * lin_mlp * inter
-                   + moe_layers * (lin_mlp * shared_inter + n_experts * lin_mlp * expert_inter))
-    largest = max(hidden * q_dim, hidden * inter if dense_layers else 0,
-                  hidden * expert_inter * (n_experts if n_experts else 0))
+    quantizable = (
+        layers * lin_attn
+        + dense_layers * lin_mlp * inter
+        + moe_layers * (lin_mlp * shared_inter + n_experts * lin_mlp * expert_inter)
+    )
+    largest = max(
+        hidden * q_dim, hidden * inter if dense_layers else 0, hidden * expert_inter * (n_experts if n_experts else 0)
+    )
 
     return ModelInfo(
         model_type=model_type,
         architecture=archs[0] if archs else None,
-        hidden_size=hidden, intermediate_size=inter if dense_layers else 0,
-        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        vocab_size=vocab, tied_embeddings=tied,
+        hidden_size=hidden,
+        intermediate_size=inter if dense_layers else 0,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        tied_embeddings=tied,
         context_length=int(context) if context else None,
-        num_experts=n_experts, experts_per_token=top_k if n_experts else 0,
+        num_experts=n_experts,
+        experts_per_token=top_k if n_experts else 0,
         expert_intermediate_size=expert_inter if n_experts else 0,
-        shared_intermediate_size=shared_inter, num_moe_layers=moe_layers,
-        embedding_params=embedding, lm_head_params=lm_head, attention_params=attention_params,
-        mlp_params=mlp_params, expert_params=expert_params, norm_params=norm_params,
-        num_params=total, active_params=active,
-        quantizable_params=quantizable, largest_linear_params=largest,
+        shared_intermediate_size=shared_inter,
+        num_moe_layers=moe_layers,
+        embedding_params=embedding,
+        lm_head_params=lm_head,
+        attention_params=attention_params,
+        mlp_params=mlp_params,
+        expert_params=expert_params,
+        norm_params=norm_params,
+        num_params=total,
+        active_params=active,
+        quantizable_params=quantizable,
+        largest_linear_params=largest,
     )
 
 
@@ -336,8 +355,9 @@ def estimate_breakdown(
 
     subtotal = weights + lora + activations + working + logits
     overhead = FIXED_OVERHEAD + int(FRAGMENTATION * subtotal)
-    return VramEstimate(weights=weights, lora=lora, activations=activations, working=working,
-                        logits=logits, overhead=overhead)
+    return VramEstimate(
+        weights=weights, lora=lora, activations=activations, working=working, logits=logits, overhead=overhead
+    )
 
 
 def estimate_vram(
@@ -359,12 +379,20 @@ def estimate_vram(
     the tokens of the micro-batch, not with seq_len squared. ce_chunk_tokens: chunk of the
     fused cross-entropy, or None for a plain loss that materializes all logits.
     """
-    return estimate_breakdown(info, seq_len, lora_r, mode, tokens_per_micro_batch, gradient_checkpointing,
-                              offload=offload, ce_chunk_tokens=ce_chunk_tokens).total
+    return estimate_breakdown(
+        info,
+        seq_len,
+        lora_r,
+        mode,
+        tokens_per_micro_batch,
+        gradient_checkpointing,
+        offload=offload,
+        ce_chunk_tokens=ce_chunk_tokens,
+    ).total
 
 
 def fit_verdict(estimate: int, total_vram: int) -> Literal["fits", "tight", "will not fit"]:
-    """"fits" within 85% of the device, "tight" up to all of it, else "will not fit"."""
+    """ "fits" within 85% of the device, "tight" up to all of it, else "will not fit"."""
     if total_vram <= 0:
         return "will not fit"
     if estimate <= FIT_FRACTION * total_vram:

@@ -108,8 +108,8 @@ def load_model(cfg: ModelConfig, device, dtype_name: str):
         if device.type != "cuda":
             raise ModelLoadError("4-bit (QLoRA) loading needs a CUDA GPU; set model.load_in_4bit: false")
         try:
-            from transformers import BitsAndBytesConfig
             import bitsandbytes  # noqa: F401
+            from transformers import BitsAndBytesConfig
         except ImportError as exc:
             raise ModelLoadError(f"4-bit loading needs bitsandbytes, which does not import: {exc}") from exc
         kwargs["quantization_config"] = BitsAndBytesConfig(

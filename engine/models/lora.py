@@ -15,8 +15,13 @@ def all_linear_names(model) -> list[str]:
     from torch import nn
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
-                   if isinstance(mod, nn.Linear) and mod is not head and name})
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, mod in model.named_modules()
+            if isinstance(mod, nn.Linear) and mod is not head and name
+        }
+    )
 
 
 def peft_lora_config(cfg: LoraConfig, model=None):

@@ -276,9 +276,7 @@ def _stock_attention_reason(args, cache, hidden_states) -> str:
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
     plan: _AttnPlan = self._tunesmith_plan
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if args or cache is not None or position_embeddings is None or torch.is_autocast_enabled(
-        hidden_states.device.type
-    ):
+    if args or cache is not None or position_embeddings is None or torch.is_autocast_enabled(hidden_states.device.type):
         # Generation with a KV cache (or an unforeseen call shape): the stock forward knows
         # this transformers version's cache API.
         count_fallback("attention", _stock_attention_reason(args, cache, hidden_states))
@@ -397,11 +395,7 @@ def _stock_signature_names(forward: Callable) -> frozenset:
         params = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):
         params = []
-    named = {
-        p.name
-        for p in params
-        if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
-    }
+    named = {p.name for p in params if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)}
     # Both names of the KV cache argument (5.24 renamed past_key_values -> cache).
     named |= {"cache", "past_key_values"}
     return frozenset(named - {"self", "hidden_states", "position_embeddings", "attention_mask"})

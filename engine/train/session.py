@@ -97,8 +97,9 @@ class TrainingSession:
     def log(self, message: str, level: str = "info") -> None:
         self._emit(LogLine(message, level))
 
-    def _say_what_did_not_run(self, fast: dict, calls: dict, fallbacks: dict, device: str, step: int,
-                              said: set) -> None:
+    def _say_what_did_not_run(
+        self, fast: dict, calls: dict, fallbacks: dict, device: str, step: int, said: set
+    ) -> None:
         """Log each distinct fallback reason and each requested fast path that did not run (or
         ran on some layers only) once per run: a warning on a GPU, where it costs speed or
         memory; a note elsewhere."""
@@ -144,10 +145,17 @@ class TrainingSession:
         self._setup_model()
         self._setup_optimizer()
         self._restore()
-        self._emit(RunStarted(
-            str(self.run_dir), self.config.to_dict(), self._profile.to_dict(), self._total, self._fast,
-            self._summary, self._start_step,
-        ))
+        self._emit(
+            RunStarted(
+                str(self.run_dir),
+                self.config.to_dict(),
+                self._profile.to_dict(),
+                self._total,
+                self._fast,
+                self._summary,
+                self._start_step,
+            )
+        )
         step, stopped = self._train_loop()
         return self._finish(step, stopped)
 
@@ -202,8 +210,10 @@ class TrainingSession:
         if len(data.skipped) > 20:
             self.log(f"... and {len(data.skipped) - 20} more rows skipped", "warning")
         if data.truncated:
-            self.log(f"{data.truncated} examples were longer than {config.data.max_seq_len} tokens "
-                     "and were truncated", "warning")
+            self.log(
+                f"{data.truncated} examples were longer than {config.data.max_seq_len} tokens and were truncated",
+                "warning",
+            )
         self.log(
             f"{summary['examples']} examples packed into {summary['packed_rows']} rows of "
             f"{summary['row_tokens']} tokens ({summary['packing_efficiency']:.1%} full)"
@@ -231,8 +241,10 @@ class TrainingSession:
         model.train()
         self._params = lora_parameters(model)
         n_train = sum(p.numel() for p in self._params)
-        self.log(f"LoRA: {n_train:,} trainable parameters; fast paths: "
-                 + ", ".join(f"{k}={v}" for k, v in self._fast.items()))
+        self.log(
+            f"LoRA: {n_train:,} trainable parameters; fast paths: "
+            + ", ".join(f"{k}={v}" for k, v in self._fast.items())
+        )
 
     def _setup_optimizer(self) -> None:
         """Optimizer, the step plan (which rows each step reads) and the LR schedule."""
@@ -246,7 +258,8 @@ class TrainingSession:
         self._plan = StepPlan(len(self._data.packing.rows), int(t.rows_per_micro_batch), t.grad_accum, t.seed)
         self._total = total = self._plan.total_steps(t.max_steps, t.epochs)
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self._optimizer, lr_lambda(t.scheduler, t.warmup_steps, total))
+            self._optimizer, lr_lambda(t.scheduler, t.warmup_steps, total)
+        )
 
     def _restore(self) -> None:
         """Resuming: adapter, optimizer, scheduler and RNG states from the checkpoint."""
@@ -267,8 +280,13 @@ class TrainingSession:
         from engine.train import checkpoint as ckpt
 
         path = ckpt.save_checkpoint(
-            self._folder.checkpoint(step), self._model, self._optimizer, self._scheduler, step,
-            {"total_steps": self._total, "epoch": self._plan.epoch_at(step)}, self._tokenizer,
+            self._folder.checkpoint(step),
+            self._model,
+            self._optimizer,
+            self._scheduler,
+            step,
+            {"total_steps": self._total, "epoch": self._plan.epoch_at(step)},
+            self._tokenizer,
         )
         self.last_checkpoint = path
         self._emit(CheckpointSaved(step, str(path)))
@@ -316,8 +334,9 @@ class TrainingSession:
         micro = []
         for row_ids in self._plan.micro_batches(step):
             doc_ids = [d for r in row_ids for d in rows[r]]
-            micro.append(PackedBatch.from_documents([data.docs[d] for d in doc_ids],
-                                                    [data.trained[d] for d in doc_ids]))
+            micro.append(
+                PackedBatch.from_documents([data.docs[d] for d in doc_ids], [data.trained[d] for d in doc_ids])
+            )
         return micro
 
     def _train_step(self, step: int) -> int:
@@ -350,8 +369,12 @@ class TrainingSession:
         for batch in micro:
             batch = batch.to(device)
             loss = self._forward_loss(
-                self._model, batch, normalizer, fused_ce=self._use_fused,
-                cached_metadata=self.config.fast_paths.cached_metadata, ce_chunk_tokens=self._chunk,
+                self._model,
+                batch,
+                normalizer,
+                fused_ce=self._use_fused,
+                cached_metadata=self.config.fast_paths.cached_metadata,
+                ce_chunk_tokens=self._chunk,
                 offloader=self._offloader,
             )
             loss.backward()
@@ -375,8 +398,10 @@ class TrainingSession:
             offloader.stop_keeping_attention()
             if self._is_cuda:
                 torch.cuda.empty_cache()
-            self.log(f"Step {step + 1} ran out of GPU memory with attention outputs kept for the "
-                     "recompute; they are no longer kept in this run, and the step runs again.")
+            self.log(
+                f"Step {step + 1} ran out of GPU memory with attention outputs kept for the "
+                "recompute; they are no longer kept in this run, and the step runs again."
+            )
             return self._forward_backward(micro, normalizer)
 
     def _report_step(self, step: int, micro: list, normalizer: int, grad_norm, dt: float) -> None:
@@ -391,20 +416,38 @@ class TrainingSession:
         if step % t.log_every == 0 or step == self._total:
             self._tok_per_s.append(ntok / dt)
             if self._is_cuda:
-                mem = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
-                       torch.cuda.max_memory_allocated(device))
+                mem = (
+                    torch.cuda.memory_allocated(device),
+                    torch.cuda.memory_reserved(device),
+                    torch.cuda.max_memory_allocated(device),
+                )
             else:
                 rss = _rss()
                 mem = (rss, rss, rss)
-            self._emit(StepMetrics(
-                step=step, total_steps=self._total, epoch=self._plan.epoch_at(step), loss=self._last_loss,
-                lr=self._scheduler.get_last_lr()[0], grad_norm=float(grad_norm), tokens=ntok,
-                trained_tokens=normalizer, step_seconds=dt, tokens_per_second=ntok / dt,
-                mem_allocated=mem[0], mem_reserved=mem[1], mem_peak=mem[2], mem_total=self._mem_total,
-                device=str(device), metadata_builds=counters.get("metadata_builds", 0),
-                host_syncs=counters.get("host_syncs", 0),
-                offload=_offload_note(self._offloader), fast_path_calls=calls, fallbacks=fallbacks,
-            ))
+            self._emit(
+                StepMetrics(
+                    step=step,
+                    total_steps=self._total,
+                    epoch=self._plan.epoch_at(step),
+                    loss=self._last_loss,
+                    lr=self._scheduler.get_last_lr()[0],
+                    grad_norm=float(grad_norm),
+                    tokens=ntok,
+                    trained_tokens=normalizer,
+                    step_seconds=dt,
+                    tokens_per_second=ntok / dt,
+                    mem_allocated=mem[0],
+                    mem_reserved=mem[1],
+                    mem_peak=mem[2],
+                    mem_total=self._mem_total,
+                    device=str(device),
+                    metadata_builds=counters.get("metadata_builds", 0),
+                    host_syncs=counters.get("host_syncs", 0),
+                    offload=_offload_note(self._offloader),
+                    fast_path_calls=calls,
+                    fallbacks=fallbacks,
+                )
+            )
 
     # -- the end --------------------------------------------------------------------------------
     def _finish(self, step: int, stopped: bool) -> Event:
@@ -447,7 +490,7 @@ def prepare_flag(status: str) -> bool:
 
 
 def _offload_note(offloader) -> str:
-    """"double", "single" or "single (why double was not possible)"; "" without offload."""
+    """ "double", "single" or "single (why double was not possible)"; "" without offload."""
     if offloader is None:
         return ""
     return offloader.stats.note()

@@ -36,8 +36,9 @@ class PreparedModel:
     report: dict[str, str] = field(default_factory=dict)
 
 
-def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpointing: bool,
-                  offload: str = "off") -> PreparedModel:
+def prepare_model(
+    model, fast_paths: FastPathConfig, device, gradient_checkpointing: bool, offload: str = "off"
+) -> PreparedModel:
     """Apply the fast paths to a PEFT-wrapped causal LM; return a PreparedModel whose report
     says {fast path: "on" | why off}.
 
@@ -68,8 +69,7 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
     else:
         from engine.fastpath.moe import apply_moe_grouping
 
-        report["moe_grouping"] = apply_moe_grouping(
-            model, kernels="torch" if fast_paths.kernels is False else "auto")
+        report["moe_grouping"] = apply_moe_grouping(model, kernels="torch" if fast_paths.kernels is False else "auto")
 
     report["fused_ce"] = "on" if _wanted(fast_paths.fused_ce) else "off: disabled in config"
     report["cached_metadata"] = "on" if fast_paths.cached_metadata else "off: rebuilt in every layer"
@@ -79,13 +79,13 @@ def prepare_model(model, fast_paths: FastPathConfig, device, gradient_checkpoint
     if gradient_checkpointing:
         # Non-reentrant checkpointing needs no input grads and works with frozen embeddings.
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    offloader, report["offload"] = _install_offload(base, offload, device, gradient_checkpointing,
-                                                    bool(fast_paths.keep_attention))
+    offloader, report["offload"] = _install_offload(
+        base, offload, device, gradient_checkpointing, bool(fast_paths.keep_attention)
+    )
     return PreparedModel(model, offloader, report)
 
 
-def _install_offload(base, mode: str, device: torch.device, gradient_checkpointing: bool,
-                     keep_attention: bool):
+def _install_offload(base, mode: str, device: torch.device, gradient_checkpointing: bool, keep_attention: bool):
     """(the installed ActivationOffloader or None, its report line)."""
     from engine.fastpath.offload import ActivationOffloader, decoder_layers
 

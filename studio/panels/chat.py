@@ -132,8 +132,16 @@ class ChatPanel(QWidget):
         self._set_busy(True, "Generating…")
         self.tuned.setPlainText("…")
         self.base.setPlainText("…" if self.with_base.isChecked() else "")
-        run_task(chat_backend.compare, self.model, prompt, self.max_tokens.value(), self.with_base.isChecked(),
-                 owner=self, on_done=self._replied, on_error=self._failed)
+        run_task(
+            chat_backend.compare,
+            self.model,
+            prompt,
+            self.max_tokens.value(),
+            self.with_base.isChecked(),
+            owner=self,
+            on_done=self._replied,
+            on_error=self._failed,
+        )
 
     def _replied(self, result: dict) -> None:
         self._set_busy(False, f"Loaded {self.model.base_name} + adapter {self.model.adapter_dir}.")

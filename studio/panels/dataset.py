@@ -214,7 +214,9 @@ class DataPanel(QWidget):
         source = self.state.get("data.source")
         if source == "demo":
             self.demo.setChecked(True)
-        elif Path(source).suffix.lower() in (".json", ".jsonl", ".csv", ".parquet") or Path(source).expanduser().exists():
+        elif (
+            Path(source).suffix.lower() in (".json", ".jsonl", ".csv", ".parquet") or Path(source).expanduser().exists()
+        ):
             self.file.setChecked(True)
             self.path.setText(source)
         else:
@@ -243,9 +245,13 @@ class DataPanel(QWidget):
         self.banner.clear()
         self.summary.setText(f"Loading {source}…")
         self.load_button.setEnabled(False)
-        run_task(data_bridge.load_preview, dict(self.state.get("data")),
-                 owner=self, on_done=lambda p: self._preview_done(gen, p),
-                 on_error=lambda m, d: self._failed(gen, f"Cannot load the data set: {m}", d))
+        run_task(
+            data_bridge.load_preview,
+            dict(self.state.get("data")),
+            owner=self,
+            on_done=lambda p: self._preview_done(gen, p),
+            on_error=lambda m, d: self._failed(gen, f"Cannot load the data set: {m}", d),
+        )
 
     def _failed(self, gen: int, message: str, detail: str = "") -> None:
         if gen != self._gen:
@@ -272,7 +278,9 @@ class DataPanel(QWidget):
         n = int(_get(preview, "num_rows", default=0))
         spec = _get(preview, "format", "detected_format", default=None)
         kind = _get(spec, "kind", default=spec if isinstance(spec, str) else "")
-        mapping = dict(_get(preview, "mapping", "column_mapping", default=None) or _get(spec, "mapping", default={}) or {})
+        mapping = dict(
+            _get(preview, "mapping", "column_mapping", default=None) or _get(spec, "mapping", default={}) or {}
+        )
         columns = list(_get(preview, "columns", default=[]))
         self.mapping.set_detected(columns, kind or "", mapping, self.state.get("data.format"))
         source = self.state.get("data.source")
@@ -326,8 +334,13 @@ class DataPanel(QWidget):
             self.tokenizer, self._tokenizer_for = tok, name
             self._with_tokenizer(gen, tok)
 
-        run_task(data_bridge.load_tokenizer, model, owner=self, on_done=done,
-                 on_error=lambda m, d: self._tokenizer_failed(gen, m))
+        run_task(
+            data_bridge.load_tokenizer,
+            model,
+            owner=self,
+            on_done=done,
+            on_error=lambda m, d: self._tokenizer_failed(gen, m),
+        )
 
     def _tokenizer_failed(self, gen: int, message: str) -> None:
         if gen != self._gen:
@@ -349,9 +362,14 @@ class DataPanel(QWidget):
             return
         self.show_example(self.example_index.value())
         self.packing_stats.setText("Packing…")
-        run_task(data_bridge.packing_layout, tok, dict(self.state.get("data")),
-                 owner=self, on_done=lambda lay: self._packing_done(gen, lay),
-                 on_error=lambda m, d: self._packing_failed(gen, m))
+        run_task(
+            data_bridge.packing_layout,
+            tok,
+            dict(self.state.get("data")),
+            owner=self,
+            on_done=lambda lay: self._packing_done(gen, lay),
+            on_error=lambda m, d: self._packing_failed(gen, m),
+        )
 
     def show_example(self, index: int) -> None:
         if self.tokenizer is None or self.preview is None:
@@ -361,17 +379,28 @@ class DataPanel(QWidget):
             self.example_index.setValue(index)
             self.example_index.blockSignals(False)
         gen = self._gen
-        run_task(data_bridge.render_example, self.tokenizer, dict(self.state.get("data")), int(index),
-                 owner=self, on_done=lambda ex: self._example_done(gen, index, ex),
-                 on_error=lambda m, d: self._example_failed(gen, index, m))
+        run_task(
+            data_bridge.render_example,
+            self.tokenizer,
+            dict(self.state.get("data")),
+            int(index),
+            owner=self,
+            on_done=lambda ex: self._example_done(gen, index, ex),
+            on_error=lambda m, d: self._example_failed(gen, index, m),
+        )
 
     def _example_done(self, gen: int, index: int, ex) -> None:
         if gen != self._gen or index != self.example_index.value():
             return
         self.example = ex
         pieces = _get(ex, "pieces", "tokens", default=[]) or []
-        pairs = [(_get(p, "text", default=p[0] if isinstance(p, (tuple, list)) else str(p)),
-                  _get(p, "trained", default=p[1] if isinstance(p, (tuple, list)) else False)) for p in pieces]
+        pairs = [
+            (
+                _get(p, "text", default=p[0] if isinstance(p, (tuple, list)) else str(p)),
+                _get(p, "trained", default=p[1] if isinstance(p, (tuple, list)) else False),
+            )
+            for p in pieces
+        ]
         note = []
         if _get(ex, "truncated", default=False):
             note.append("truncated to max seq len")

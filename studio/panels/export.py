@@ -102,7 +102,9 @@ class ExportPanel(QWidget):
         out_lay.addWidget(self.result, 1)
 
         lay = QVBoxLayout(self)
-        lay.addWidget(title("Export", "Write the adapter for PEFT / transformers, or a merged model that needs no adapter."))
+        lay.addWidget(
+            title("Export", "Write the adapter for PEFT / transformers, or a merged model that needs no adapter.")
+        )
         lay.addWidget(self.banner)
         cols = QHBoxLayout()
         cols.addWidget(runs, 3)
@@ -185,8 +187,16 @@ class ExportPanel(QWidget):
         self.export_button.setEnabled(False)
         self.progress.setRange(0, 0)
         self.stage.setText("Starting…")
-        run_task(do_export, src, dst, kinds, owner=self, on_done=self._done, on_error=self._failed,
-                 on_progress=lambda msg: self.stage.setText(str(msg)))
+        run_task(
+            do_export,
+            src,
+            dst,
+            kinds,
+            owner=self,
+            on_done=self._done,
+            on_error=self._failed,
+            on_progress=lambda msg: self.stage.setText(str(msg)),
+        )
 
     def chosen_kinds(self) -> list[str]:
         return [name for name, box in self.wants.items() if box.isChecked()]

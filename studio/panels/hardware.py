@@ -20,8 +20,14 @@ class HardwarePanel(QWidget):
         prof, prof_lay = card()
         prof_lay.addWidget(QLabel("<b>This machine</b>"))
         form = QFormLayout()
-        for key, label in (("kind", "Class"), ("gpu", "GPU"), ("memory", "Memory"), ("host", "Host"),
-                           ("software", "Software"), ("note", "Note")):
+        for key, label in (
+            ("kind", "Class"),
+            ("gpu", "GPU"),
+            ("memory", "Memory"),
+            ("host", "Host"),
+            ("software", "Software"),
+            ("note", "Note"),
+        ):
             form.addRow(label, self.fields[key])
         prof_lay.addLayout(form)
         again = QPushButton("Detect again")
@@ -53,16 +59,26 @@ class HardwarePanel(QWidget):
             return
         cap = f"compute {p.compute_capability[0]}.{p.compute_capability[1]}" if p.compute_capability else ""
         self.fields["kind"].setText(f"<b>{p.kind}</b> — {p.kind_reason}")
-        self.fields["gpu"].setText(f"{p.gpu_name} ×{p.gpu_count}, {cap}, bf16 {'yes' if p.bf16_supported else 'no'}"
-                                   if p.gpu_name else "none (training runs on the CPU)")
+        self.fields["gpu"].setText(
+            f"{p.gpu_name} ×{p.gpu_count}, {cap}, bf16 {'yes' if p.bf16_supported else 'no'}"
+            if p.gpu_name
+            else "none (training runs on the CPU)"
+        )
         self.fields["memory"].setText(
-            (f"{fmt_bytes(p.total_vram)} VRAM ({fmt_bytes(p.free_vram)} free){' unified' if p.integrated_memory else ''}; "
-             if p.gpu_name else "") + f"RAM {fmt_bytes(p.ram_total)} ({fmt_bytes(p.ram_available)} available)")
+            (
+                f"{fmt_bytes(p.total_vram)} VRAM ({fmt_bytes(p.free_vram)} free)"
+                f"{' unified' if p.integrated_memory else ''}; "
+                if p.gpu_name
+                else ""
+            )
+            + f"RAM {fmt_bytes(p.ram_total)} ({fmt_bytes(p.ram_available)} available)"
+        )
         self.fields["host"].setText(f"{p.os} {p.arch}, {p.cpu_count} CPUs")
         self.fields["software"].setText(
             f"torch {p.torch_version or 'missing'}, CUDA {p.cuda_version or 'none'}"
             + (f", driver {p.driver_version}" if p.driver_version else "")
-            + f", Triton {'yes' if p.triton_available else 'no'}")
+            + f", Triton {'yes' if p.triton_available else 'no'}"
+        )
         self.fields["note"].setText(p.note or "—")
         try:
             from engine.api import format_profile

@@ -94,10 +94,18 @@ class ModelPanel(QWidget):
         info, info_lay = card()
         info_lay.addWidget(QLabel("<b>Model</b>"))
         form = QFormLayout()
-        self.fields = {k: value_label() for k in ("name", "architecture", "params", "layers", "context", "shape", "lora")}
-        for key, label in (("name", "Model"), ("architecture", "Architecture"), ("params", "Parameters"),
-                           ("layers", "Layers"), ("context", "Context length"), ("shape", "Shape"),
-                           ("lora", "LoRA parameters")):
+        self.fields = {
+            k: value_label() for k in ("name", "architecture", "params", "layers", "context", "shape", "lora")
+        }
+        for key, label in (
+            ("name", "Model"),
+            ("architecture", "Architecture"),
+            ("params", "Parameters"),
+            ("layers", "Layers"),
+            ("context", "Context length"),
+            ("shape", "Shape"),
+            ("lora", "LoRA parameters"),
+        ):
             form.addRow(label, self.fields[key])
         info_lay.addLayout(form)
         info_lay.addStretch(1)
@@ -122,11 +130,15 @@ class ModelPanel(QWidget):
         fp_lay.addWidget(QLabel("<b>Fast paths for this architecture</b>"))
         self.fast_paths = value_label("—")
         fp_lay.addWidget(self.fast_paths)
-        fp_lay.addWidget(caption("Whether each one runs on this machine is the hardware policy's call: see Train and Hardware."))
+        fp_lay.addWidget(
+            caption("Whether each one runs on this machine is the hardware policy's call: see Train and Hardware.")
+        )
         fp_lay.addStretch(1)
 
         lay = QVBoxLayout(self)
-        lay.addWidget(title("Model", "Pick the base model to fine-tune. Nothing is loaded yet: the numbers come from its config."))
+        lay.addWidget(
+            title("Model", "Pick the base model to fine-tune. Nothing is loaded yet: the numbers come from its config.")
+        )
         lay.addWidget(self.banner)
         lay.addWidget(src)
         cols = QHBoxLayout()
@@ -216,8 +228,16 @@ class ModelPanel(QWidget):
             seq = int(self.state.get("data.max_seq_len"))
         except (TypeError, ValueError):
             r, seq = 16, 512
-        run_task(model_report, name, seq, max(1, r), self.state.profile,
-                 owner=self, on_done=lambda rep: self._show(gen, rep), on_error=lambda msg, _d: self._fail(gen, name, msg))
+        run_task(
+            model_report,
+            name,
+            seq,
+            max(1, r),
+            self.state.profile,
+            owner=self,
+            on_done=lambda rep: self._show(gen, rep),
+            on_error=lambda msg, _d: self._fail(gen, name, msg),
+        )
 
     def _fail(self, gen: int, name: str, message: str) -> None:
         if gen != self._generation:
@@ -241,13 +261,19 @@ class ModelPanel(QWidget):
         self.fields["architecture"].setText(f"{info.architecture or '—'}  ({info.model_type})")
         params = fmt_count(info.num_params)
         if info.is_moe:
-            params += f"  ({fmt_count(info.active_params)} active per token, {info.num_experts} experts, top-{info.experts_per_token})"
+            params += (
+                f"  ({fmt_count(info.active_params)} active per token, {info.num_experts} experts, "
+                f"top-{info.experts_per_token})"
+            )
         self.fields["params"].setText(params)
         self.fields["layers"].setText(str(info.num_layers))
         self.fields["context"].setText(f"{info.context_length:,} tokens" if info.context_length else "—")
         self.fields["shape"].setText(
-            f"hidden {info.hidden_size}, heads {info.num_heads}/{info.num_kv_heads} (q/kv), vocab {info.vocab_size:,}")
-        self.fields["lora"].setText(f"{fmt_count(rep['lora_params'])} at rank {self.state.get('lora.r')} (all linear layers)")
+            f"hidden {info.hidden_size}, heads {info.num_heads}/{info.num_kv_heads} (q/kv), vocab {info.vocab_size:,}"
+        )
+        self.fields["lora"].setText(
+            f"{fmt_count(rep['lora_params'])} at rank {self.state.get('lora.r')} (all linear layers)"
+        )
         self.mem_title.setText(f"<b>Memory estimate</b> at {rep['seq_len']} tokens per row")
         for row in rep["vram"]:
             need, verdict = self.vram_labels[row["mode"]]
@@ -259,8 +285,10 @@ class ModelPanel(QWidget):
         if self.state.profile is None:
             self.device_label.setText("Detecting hardware…")
         elif "CPU" in rep["device"]:
-            self.device_label.setText(f"vs {rep['device']}: {fmt_bytes(rep['device_total'])} available. "
-                                      "Training runs on the CPU, slowly: fine for the demo model.")
+            self.device_label.setText(
+                f"vs {rep['device']}: {fmt_bytes(rep['device_total'])} available. "
+                "Training runs on the CPU, slowly: fine for the demo model."
+            )
         else:
             self.device_label.setText(f"vs {rep['device']}: {fmt_bytes(rep['device_total'])}")
         self._show_fast_paths(rep)

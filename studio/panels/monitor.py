@@ -78,8 +78,10 @@ class MonitorPanel(QWidget):
         self.step_time.add_series("seconds", "#b03a2e")
         # Always GiB and a fixed title: changing either mid-run re-lays out the plot.
         self.memory = LiveChart("Memory", "GiB")
-        self.memory.setToolTip("GPU: torch allocated / reserved / peak against the card's total. "
-                               "CPU: the process's resident memory (all three curves).")
+        self.memory.setToolTip(
+            "GPU: torch allocated / reserved / peak against the card's total. "
+            "CPU: the process's resident memory (all three curves)."
+        )
         self.memory.add_series("allocated", "#2874a6")
         self.memory.add_series("reserved", "#85c1e9", dashed=True)
         self.memory.add_series("peak", "#cb4335")
@@ -219,8 +221,10 @@ class MonitorPanel(QWidget):
                 self.append_log(f"fast path {path} was requested but in step {m.step} {what}", "warning")
         if new or not self.fast_path_warning:
             lines = "; ".join(f"{path} {what}" for path, what in missing.items())
-            self.fast_path_warning = (f"Step {m.step}: requested fast paths did not all run: {lines}. "
-                                      "Those layers ran the slower stock path (see the log).")
+            self.fast_path_warning = (
+                f"Step {m.step}: requested fast paths did not all run: {lines}. "
+                "Those layers ran the slower stock path (see the log)."
+            )
             self.banner.show_message(self.fast_path_warning, "warning")
 
     def _update_eta(self, m) -> None:
@@ -232,15 +236,18 @@ class MonitorPanel(QWidget):
         # Packing metadata should be built once per micro-batch and never synced per layer.
         packing = f" · packing meta {m.metadata_builds}×, {m.host_syncs} syncs"
         offload = f" · offload {m.offload}" if getattr(m, "offload", "") else ""
-        self.eta.setText(f"loss {m.loss:.3f} · {m.tokens_per_second:,.0f} tok/s · ETA {fmt_seconds(left)}"
-                         f"{packing}{offload}")
+        self.eta.setText(
+            f"loss {m.loss:.3f} · {m.tokens_per_second:,.0f} tok/s · ETA {fmt_seconds(left)}{packing}{offload}"
+        )
         calls = getattr(m, "fast_path_calls", None) or {}
         ran = ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "nothing counted"
-        self.eta.setToolTip("Per step: how often the packed-sequence metadata was built (once per "
-                            "micro-batch is ideal) and how many device-to-host syncs it cost (0 is ideal on a "
-                            "GPU; on a CPU the reference attention's reads of the document bounds count); "
-                            "with offloaded checkpointing, the buffering used (double hides the copies).\n"
-                            f"Ran in the last step: {ran}.")
+        self.eta.setToolTip(
+            "Per step: how often the packed-sequence metadata was built (once per "
+            "micro-batch is ideal) and how many device-to-host syncs it cost (0 is ideal on a "
+            "GPU; on a CPU the reference attention's reads of the document bounds count); "
+            "with offloaded checkpointing, the buffering used (double hides the copies).\n"
+            f"Ran in the last step: {ran}."
+        )
 
     def paused(self, step: int) -> None:
         self.set_controls("paused")
@@ -261,8 +268,10 @@ class MonitorPanel(QWidget):
         what = "Stopped" if ev.stopped else "Finished"
         loss = summary.get("final_loss", summary.get("loss"))
         extra = f", final loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
-        self.status.setText(f"✓ {what} at step {summary.get('steps', self.last_step)}{extra}. Run folder: {ev.run_dir}. "
-                            "Export it on the Export page, or try it on the Chat page.")
+        self.status.setText(
+            f"✓ {what} at step {summary.get('steps', self.last_step)}{extra}. Run folder: {ev.run_dir}. "
+            "Export it on the Export page, or try it on the Chat page."
+        )
         self.progress.setRange(0, max(1, self.total_steps))
 
     def failed(self, ev) -> None:

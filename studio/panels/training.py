@@ -88,7 +88,9 @@ class TrainingPanel(QWidget):
         split.setStretchFactor(1, 2)
 
         lay = QVBoxLayout(self)
-        lay.addWidget(title("Train", "Set the hyperparameters, or start from a preset. Hover a field for what it does."))
+        lay.addWidget(
+            title("Train", "Set the hyperparameters, or start from a preset. Hover a field for what it does.")
+        )
         lay.addWidget(self.banner)
         lay.addLayout(top)
         lay.addWidget(split, 1)

@@ -81,8 +81,10 @@ class LiveChart(pg.PlotWidget):
             return
         if self._limit is None:
             self._limit = pg.InfiniteLine(
-                angle=0, pen=pg.mkPen("#c0392b", width=1, style=Qt.PenStyle.DotLine),
-                label=label, labelOpts={"position": 0.1, "color": "#c0392b"},
+                angle=0,
+                pen=pg.mkPen("#c0392b", width=1, style=Qt.PenStyle.DotLine),
+                label=label,
+                labelOpts={"position": 0.1, "color": "#c0392b"},
             )
             self.addItem(self._limit)
         self._limit.setValue(value)

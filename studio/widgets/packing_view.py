@@ -15,8 +15,20 @@ from PySide6.QtWidgets import QScrollArea, QToolTip, QWidget
 ROW_H = 14
 GAP = 3
 LEFT = 44
-PALETTE = ["#5dade2", "#58d68d", "#f5b041", "#af7ac5", "#ec7063", "#48c9b0", "#f4d03f", "#85929e",
-           "#5499c7", "#52be80", "#eb984e", "#a569bd"]
+PALETTE = [
+    "#5dade2",
+    "#58d68d",
+    "#f5b041",
+    "#af7ac5",
+    "#ec7063",
+    "#48c9b0",
+    "#f4d03f",
+    "#85929e",
+    "#5499c7",
+    "#52be80",
+    "#eb984e",
+    "#a569bd",
+]
 
 
 class _Canvas(QWidget):
@@ -43,13 +55,17 @@ class _Canvas(QWidget):
         p.setPen(QPen(QColor("#78848f")))
         for r in range(first, last):
             y = r * (ROW_H + GAP)
-            p.drawText(QRect(0, y, LEFT - 6, ROW_H), Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter, str(r))
+            p.drawText(
+                QRect(0, y, LEFT - 6, ROW_H), Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter, str(r)
+            )
             full = QRect(LEFT, y, round(self.row_len * scale), ROW_H)
             p.fillRect(full, QColor("#e5e8e8"))  # padding (what packing leaves over)
             x = 0.0
             for length in self.rows[r]:
                 w = length * scale
-                p.fillRect(QRect(round(LEFT + x), y, max(1, round(w) - 1), ROW_H), QColor(PALETTE[doc_id % len(PALETTE)]))
+                p.fillRect(
+                    QRect(round(LEFT + x), y, max(1, round(w) - 1), ROW_H), QColor(PALETTE[doc_id % len(PALETTE)])
+                )
                 x += w
                 doc_id += 1
         p.end()
@@ -64,10 +80,15 @@ class _Canvas(QWidget):
         acc = 0
         for k, length in enumerate(self.rows[r]):
             if acc <= offset < acc + length:
-                QToolTip.showText(event.globalPosition().toPoint(), f"row {r}, document {k + 1} of {len(self.rows[r])}: {length} tokens")
+                QToolTip.showText(
+                    event.globalPosition().toPoint(),
+                    f"row {r}, document {k + 1} of {len(self.rows[r])}: {length} tokens",
+                )
                 return
             acc += length
-        QToolTip.showText(event.globalPosition().toPoint(), f"row {r}: padding ({self.row_len - sum(self.rows[r])} tokens)")
+        QToolTip.showText(
+            event.globalPosition().toPoint(), f"row {r}: padding ({self.row_len - sum(self.rows[r])} tokens)"
+        )
 
 
 class PackingView(QScrollArea):

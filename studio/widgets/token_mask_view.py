@@ -58,9 +58,7 @@ class TokenMaskView(QWidget):
             parts.append(_piece_html(text, bool(is_trained), bool(i % 2)))
         self.num_tokens, self.num_trained = total, trained
         self.text.setHtml(
-            '<div style="font-family: monospace; font-size: 10pt; line-height: 150%;">'
-            + "".join(parts)
-            + "</div>"
+            '<div style="font-family: monospace; font-size: 10pt; line-height: 150%;">' + "".join(parts) + "</div>"
         )
         masked = total - trained
         summary = f"{total} tokens: {trained} trained, {masked} masked"

@@ -15,8 +15,7 @@ import torch
 from bench.__main__ import main
 from bench.batches import MAX_LEN, MIN_LEN, chain, make_batches, make_step
 from bench.memcap import search_longest
-from bench.report import (DEFAULT_RESULTS, best_peer_same_run, learning_check, learning_verdict,
-                                 read_records)
+from bench.report import DEFAULT_RESULTS, best_peer_same_run, learning_check, learning_verdict, read_records
 from bench.workloads import WORKLOADS, ceiling_tokens_per_s, count_matmul_params, make_config, matmul_params
 
 
@@ -49,9 +48,26 @@ def test_cpu_smoke_end_to_end(tmp_path, capsys):
         assert r["data"]["ids"] == "markov" and r["lr"] == 1e-2  # CPU-tiny's learning rate
         opt = r["options"]["optimizer"]
         assert (opt["name"], opt["lr"], opt["weight_decay"], opt["betas"], opt["eps"]) == (
-            "AdamW", r["lr"], 0.0, [0.9, 0.999], 1e-8)
-        for key in ("date", "commit", "gpu", "versions", "options", "step_s", "peak_gib", "reserved_gib",
-                    "first_loss", "last_loss", "ceiling_fraction", "run_id"):
+            "AdamW",
+            r["lr"],
+            0.0,
+            [0.9, 0.999],
+            1e-8,
+        )
+        for key in (
+            "date",
+            "commit",
+            "gpu",
+            "versions",
+            "options",
+            "step_s",
+            "peak_gib",
+            "reserved_gib",
+            "first_loss",
+            "last_loss",
+            "ceiling_fraction",
+            "run_id",
+        ):
             assert key in r, key
     assert bench["ours"]["run_id"] == bench["hf_sdpa"]["run_id"]
     assert bench["ours"]["options"]["optimizer"]["source"] == "engine.train.optim.make_optimizer"
@@ -134,8 +150,18 @@ def test_learning_check_rejects_a_flat_curve_and_accepts_a_matching_one():
 
 
 def _rec(impl, run, tps, curve=None, date="2026-12-01T10:00:00+00:00", **kw):
-    r = {"mode": "bench", "workload": "W1", "impl": impl, "status": "ok", "gpu": "G", "commit": "c" + run,
-         "run_id": run, "date": date, "tokens_per_s": tps, "options": {"variant": "all-on"} if impl == "ours" else {}}
+    r = {
+        "mode": "bench",
+        "workload": "W1",
+        "impl": impl,
+        "status": "ok",
+        "gpu": "G",
+        "commit": "c" + run,
+        "run_id": run,
+        "date": date,
+        "tokens_per_s": tps,
+        "options": {"variant": "all-on"} if impl == "ours" else {},
+    }
     if curve is not None:
         r["loss_curve"] = curve
     return dict(r, **kw)
@@ -145,7 +171,8 @@ def test_summary_never_takes_ratios_or_references_across_runs(tmp_path):
     matching = [x * 1.001 for x in STOCK]
     recs = [
         # Run A: ours learns like stock HF + PEFT of its own run and is 5x faster than it.
-        _rec("ours", "A", 50_000.0, matching), _rec("hf_sdpa", "A", 10_000.0, STOCK),
+        _rec("ours", "A", 50_000.0, matching),
+        _rec("hf_sdpa", "A", 10_000.0, STOCK),
         # Run B, later: a faster peer and no ours; a ratio across runs would read 2.00x.
         _rec("hf_flex", "B", 25_000.0, STOCK, date="2026-12-01T11:00:00+00:00"),
         # Run C: ours with a good-looking curve but no stock curve of its own run.
@@ -223,16 +250,24 @@ def test_batches_are_learnable():
 
 def test_batches_are_rebuilt_identically_in_another_process():
     # The Unsloth child rebuilds the batches from the same numbers in its own process.
-    code = ("import hashlib; from bench.batches import make_batches; "
-            "bs = make_batches(3, 4096, 151936); "
-            "print(hashlib.sha256(b''.join(b.ids.numpy().tobytes() + bytes(str(b.lengths), 'ascii') "
-            "for b in bs)).hexdigest())")
+    code = (
+        "import hashlib; from bench.batches import make_batches; "
+        "bs = make_batches(3, 4096, 151936); "
+        "print(hashlib.sha256(b''.join(b.ids.numpy().tobytes() + bytes(str(b.lengths), 'ascii') "
+        "for b in bs)).hexdigest())"
+    )
     import hashlib
 
-    here = hashlib.sha256(b"".join(b.ids.numpy().tobytes() + bytes(str(b.lengths), "ascii")
-                                   for b in make_batches(3, 4096, 151_936))).hexdigest()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "PYTHONHASHSEED": "123"})
+    here = hashlib.sha256(
+        b"".join(b.ids.numpy().tobytes() + bytes(str(b.lengths), "ascii") for b in make_batches(3, 4096, 151_936))
+    ).hexdigest()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONHASHSEED": "123"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == here
 
@@ -283,7 +318,10 @@ def test_variants_and_unsupported_switches():
     assert variant_fields("all-on") == {"offload": "double"}
     assert variant_fields("no-fused-ce") == {"offload": "double", "fused_ce": False}
     assert variant_fields("kernels=false+ce_chunk_tokens=4096") == {
-        "offload": "double", "kernels": False, "ce_chunk_tokens": 4096}
+        "offload": "double",
+        "kernels": False,
+        "ce_chunk_tokens": 4096,
+    }
     assert fast_path_config(variant_fields("rebuilt-metadata")).cached_metadata is False
     with pytest.raises(NotYetSupported):
         fast_path_config(variant_fields("no-such-switch=1"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,14 @@ def _lint(tree: Path) -> subprocess.CompletedProcess:
     """lint-imports on the packages under `tree` (importable from there, first on the path)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     exe = shutil.which("lint-imports") or "lint-imports"
-    return subprocess.run([exe, "--no-cache", str(tree / "pyproject.toml")], cwd=tree, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [exe, "--no-cache", str(tree / "pyproject.toml")],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture()
@@ -47,15 +52,18 @@ def test_the_tree_keeps_every_contract(tree):
     assert "broken" not in out.stdout.lower().replace("0 broken", "")
 
 
-@pytest.mark.parametrize("module,line,contract", [
-    ("engine/config.py", "import PySide6.QtCore", "The engine never imports Qt"),
-    ("engine/fastpath/packed.py", "import engine.train.session", "Layers"),
-    ("studio/app.py", "import engine.train.session", "only through engine.api"),
-    ("engine/train/optim.py", "import bench.report", "Nothing shipped imports the benchmark"),
-])
+@pytest.mark.parametrize(
+    "module,line,contract",
+    [
+        ("engine/config.py", "import PySide6.QtCore", "The engine never imports Qt"),
+        ("engine/fastpath/packed.py", "import engine.train.session", "Layers"),
+        ("studio/app.py", "import engine.train.session", "only through engine.api"),
+        ("engine/train/optim.py", "import bench.report", "Nothing shipped imports the benchmark"),
+    ],
+)
 def test_a_forbidden_import_breaks_its_contract(tree, module, line, contract):
     _add_import(tree / module, line)
     out = _lint(tree)
     assert out.returncode != 0, out.stdout[-3000:]
-    broken = out.stdout[out.stdout.find("Broken contracts"):]
+    broken = out.stdout[out.stdout.find("Broken contracts") :]
     assert contract in broken, out.stdout[-3000:]

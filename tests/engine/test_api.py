@@ -16,11 +16,7 @@ HEAVY = ("torch", "transformers", "datasets", "peft", "triton", "PySide6")
 
 
 def test_importing_the_api_imports_no_torch():
-    code = (
-        "import json, sys\n"
-        "import engine.api\n"
-        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
-    )
+    code = f"import json, sys\nimport engine.api\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []

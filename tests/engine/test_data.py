@@ -41,7 +41,9 @@ def test_sharegpt_openai_and_text_shapes():
     assert spec.kind == "conversations"
     assert row_to_messages(share, spec)[1] == {"role": "assistant", "content": "hello"}
     spec = detect_format(["messages", "id"])
-    msgs = row_to_messages({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, spec)
+    msgs = row_to_messages(
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, spec
+    )
     assert [m["role"] for m in msgs] == ["user", "assistant"]
     assert detect_format(["text"]).kind == "text"
     assert detect_format(["question", "answer"]).mapping == {"instruction": "question", "output": "answer"}
@@ -94,11 +96,14 @@ def test_csv_and_parquet(tmp_path, tokenizer):
 
 
 def test_unusable_rows_are_skipped_with_reasons(tmp_path, tokenizer):
-    p = write_jsonl(tmp_path / "d.jsonl", [
-        {"instruction": "q1", "output": "Answer: 1"},
-        {"instruction": "q2", "output": ""},
-        {"instruction": 5, "output": "x"},
-    ])
+    p = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"instruction": "q1", "output": "Answer: 1"},
+            {"instruction": "q2", "output": ""},
+            {"instruction": 5, "output": "x"},
+        ],
+    )
     data = prepare_dataset(DataConfig(source=str(p), max_seq_len=64), tokenizer)
     assert len(data.docs) == 1
     reasons = dict(data.skipped)
@@ -113,10 +118,13 @@ def test_all_rows_unusable_is_an_error(tmp_path, tokenizer):
 
 def test_overlong_examples_truncated_or_dropped(tmp_path, tokenizer):
     long = " ".join(["apple"] * 200)
-    p = write_jsonl(tmp_path / "d.jsonl", [
-        {"instruction": "short", "output": "Answer: 1"},
-        {"instruction": "long", "output": long},
-    ])
+    p = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"instruction": "short", "output": "Answer: 1"},
+            {"instruction": "long", "output": long},
+        ],
+    )
     cut = prepare_dataset(DataConfig(source=str(p), max_seq_len=32), tokenizer)
     assert cut.truncated == 1 and len(cut.docs) == 2 and max(map(len, cut.docs)) == 32
     drop = prepare_dataset(DataConfig(source=str(p), max_seq_len=32, overlong="drop"), tokenizer)

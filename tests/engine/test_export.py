@@ -46,8 +46,10 @@ def test_registry_shape():
 
 def test_destinations_one_kind_in_the_folder_several_in_subfolders(tmp_path):
     assert destinations(tmp_path, ["adapter"]) == {"adapter": tmp_path}
-    assert destinations(tmp_path, ["adapter", "merged"]) == {"adapter": tmp_path / "adapter",
-                                                              "merged": tmp_path / "merged"}
+    assert destinations(tmp_path, ["adapter", "merged"]) == {
+        "adapter": tmp_path / "adapter",
+        "merged": tmp_path / "merged",
+    }
 
 
 def test_adapter_export_copies_checks_and_reports(tmp_path):
@@ -124,10 +126,15 @@ def test_cli_options_come_from_the_registry(tmp_path):
     options = {a.dest for a in export._actions}
     assert set(EXPORTERS) <= options
     run = _fake_run(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "engine", "export", str(run), "--adapter", str(tmp_path / "o")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "engine", "export", str(run), "--adapter", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "adapter written to" in out.stdout
-    none = subprocess.run([sys.executable, "-m", "engine", "export", str(run)], capture_output=True, text=True,
-                          timeout=120)
+    none = subprocess.run(
+        [sys.executable, "-m", "engine", "export", str(run)], capture_output=True, text=True, timeout=120
+    )
     assert none.returncode == 2 and "say what to export: --adapter DIR and/or --merged DIR" in none.stderr

@@ -16,10 +16,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import counters
 from engine.config import FastPathConfig, LoraConfig
 from engine.counters import (
-    BASE_KEYS, COUNTERS, count_fallback, requested_but_not_run, reset_counters, split_counts,
+    BASE_KEYS,
+    COUNTERS,
+    count_fallback,
+    requested_but_not_run,
+    reset_counters,
+    split_counts,
 )
 from engine.data.collate import PackedBatch
 from engine.models.lora import attach_lora
@@ -27,14 +31,21 @@ from engine.train.step import forward_loss, prepare_model
 
 CPU = torch.device("cpu")
 LAYERS = 2
-ON = FastPathConfig(kernels=True, lora_autograd=True, fused_ce=True, packed_attention=True,
-                    moe_grouping=True)
+ON = FastPathConfig(kernels=True, lora_autograd=True, fused_ce=True, packed_attention=True, moe_grouping=True)
 LENGTHS = (9, 6, 13)
 
 
 def tiny(model_type="llama", dropout=0.0, **extra):
-    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256)
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=256,
+    )
     kw.update(extra)
     cfg = AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(0)
@@ -68,17 +79,30 @@ def test_reset_keeps_base_keys_and_drops_zero_and_fallback_entries():
     count_fallback("attention", "KV cache")
     count_fallback("attention", "KV cache")
     snap = reset_counters()
-    assert snap == {"metadata_builds": 0, "host_syncs": 0, "moe_calls": 0, "lora_mlp": 3,
-                    "fallback:attention: KV cache": 2}
+    assert snap == {
+        "metadata_builds": 0,
+        "host_syncs": 0,
+        "moe_calls": 0,
+        "lora_mlp": 3,
+        "fallback:attention: KV cache": 2,
+    }
     assert split_counts(snap) == ({"lora_mlp": 3}, {"attention: KV cache": 2})
     assert not any(k.startswith("fallback:") for k in COUNTERS) and not any(COUNTERS.values())
     assert reset_counters() == {k: 0 for k in BASE_KEYS}
 
 
 def test_requested_but_not_run():
-    report = {"lora_qkv": "on", "lora_o": "on", "lora_mlp": "partial 1/2: lora dropout 0.1 > 0",
-              "rmsnorm": "on", "rope": "off: fast_paths.kernels is false", "packed_attention": "on",
-              "fused_ce": "on", "offload": "on: single buffer, 2 layers", "cached_metadata": "on"}
+    report = {
+        "lora_qkv": "on",
+        "lora_o": "on",
+        "lora_mlp": "partial 1/2: lora dropout 0.1 > 0",
+        "rmsnorm": "on",
+        "rope": "off: fast_paths.kernels is false",
+        "packed_attention": "on",
+        "fused_ce": "on",
+        "offload": "on: single buffer, 2 layers",
+        "cached_metadata": "on",
+    }
     calls = {"lora_linears": 4, "rmsnorm:torch": 5, "attention:reference": 2, "fused_ce:torch": 1}
     # lora_mlp was requested (partial) and never ran; rope was off; offload is not observable.
     assert requested_but_not_run(report, calls) == {"lora_mlp": "did not run"}
@@ -86,8 +110,11 @@ def test_requested_but_not_run():
     assert list(got) == ["lora_o"] and got["lora_o"].startswith("ran on some layers only")
     assert "adapters disabled (2x)" in got["lora_o"]
     # A whole-attention fallback takes q/k/v and o with it.
-    got = requested_but_not_run(report, {"lora_mlp": 2, "rmsnorm:torch": 5, "attention:reference": 2,
-                                         "fused_ce:torch": 1}, {"attention: autocast": 2})
+    got = requested_but_not_run(
+        report,
+        {"lora_mlp": 2, "rmsnorm:torch": 5, "attention:reference": 2, "fused_ce:torch": 1},
+        {"attention: autocast": 2},
+    )
     assert got == {"lora_qkv": "did not run: autocast (2x)", "lora_o": "did not run: autocast (2x)"}
     # On a GPU, a kernel path that ran only its torch reference is named.
     ran = {**calls, "lora_mlp": 1}
@@ -103,8 +130,10 @@ def test_requested_but_not_run():
 def test_cpu_step_runs_fused_lora_and_kernel_references_without_fallbacks(host_reads):
     model = tiny()
     report = prepare_model(model, ON, CPU, gradient_checkpointing=False).report
-    assert all(report[k] == "on" for k in ("lora_qkv", "lora_o", "lora_mlp", "rmsnorm", "rope",
-                                           "activations", "packed_attention", "fused_ce"))
+    assert all(
+        report[k] == "on"
+        for k in ("lora_qkv", "lora_o", "lora_mlp", "rmsnorm", "rope", "activations", "packed_attention", "fused_ce")
+    )
     model.train()
     b = batch()  # built on the host before the step, as the collator does
     host_reads.clear()
@@ -158,8 +187,7 @@ def test_triton_kernels_through_the_interpreter_read_nothing_on_the_host(host_re
     assert calls["rmsnorm:triton"] == 1 + 2 + 2  # layer norms + final norm, Qwen3's q/k norms
     assert calls["rope:triton"] == 1 and calls["attention:varlen_triton"] == 1
     assert calls["activations:triton"] == 2  # the fused MLP's forward and its backward rebuild
-    assert not any(k in calls for k in ("rmsnorm:torch", "rope:torch", "activations:torch",
-                                        "attention:reference"))
+    assert not any(k in calls for k in ("rmsnorm:torch", "rope:torch", "activations:torch", "attention:reference"))
     # The GPU's path: no host read at all in the decoder layers.
     assert snap["host_syncs"] == 0 and host_reads == []
 
@@ -277,8 +305,11 @@ def test_session_logs_a_fallback_once(tmp_path, monkeypatch):
     monkeypatch.setattr(lora_group, "runtime_ok", lambda parts, x: False)
     steps, logs = _run(_session_config(tmp_path, steps=3))
     for m in steps:
-        assert set(m.fallbacks) == {"lora_qkv: runtime check failed", "lora_o: runtime check failed",
-                                    "lora_mlp: runtime check failed"}
+        assert set(m.fallbacks) == {
+            "lora_qkv: runtime check failed",
+            "lora_o: runtime check failed",
+            "lora_mlp: runtime check failed",
+        }
         assert "lora_linears" not in m.fast_path_calls
     said = [e for e in logs if e.message.startswith("Fast path")]
     # Three fallback reasons and three requested paths that did not run: each said once, as
@@ -288,9 +319,8 @@ def test_session_logs_a_fallback_once(tmp_path, monkeypatch):
 
 
 def test_fallback_on_a_gpu_is_a_warning():
-    from engine.train.session import TrainingSession
-
     from engine.config import RunConfig
+    from engine.train.session import TrainingSession
 
     logs = []
     session = TrainingSession(RunConfig(), logs.append)
@@ -316,6 +346,7 @@ def host_reads(monkeypatch):
         def wrapper(*args, **kwargs):
             calls.append(name)
             return fn(*args, **kwargs)
+
         return wrapper
 
     for name in _READS_HOST:

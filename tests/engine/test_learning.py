@@ -52,8 +52,9 @@ def _assert_learns_like(ours, ref):
 
 
 def _assert_fused_ran(curve):
-    assert curve.fast_report["lora_mlp"].startswith("on") and curve.fast_report["lora_qkv"].startswith("on"), \
+    assert curve.fast_report["lora_mlp"].startswith("on") and curve.fast_report["lora_qkv"].startswith("on"), (
         curve.fast_report
+    )
     for s in curve.steps:
         # Counted per step: the fused Functions and the kernels' references ran, nothing fell back.
         calls = s.fast_path_calls

@@ -20,14 +20,30 @@ IMPLS = [("loop", "torch"), ("grouped_mm", "torch"), ("loop", "triton")]
 
 
 def _config(arch: str, **extra):
-    common = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  num_experts_per_tok=TOP_K, vocab_size=64, num_hidden_layers=2, max_position_embeddings=128)
+    common = dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts_per_tok=TOP_K,
+        vocab_size=64,
+        num_hidden_layers=2,
+        max_position_embeddings=128,
+    )
     if arch == "qwen3_moe":
-        cfg = AutoConfig.for_model(arch, **{**common, "moe_intermediate_size": INTER, "intermediate_size": 48,
-                                            "num_experts": EXPERTS, "norm_topk_prob": True, **extra})
+        cfg = AutoConfig.for_model(
+            arch,
+            **{
+                **common,
+                "moe_intermediate_size": INTER,
+                "intermediate_size": 48,
+                "num_experts": EXPERTS,
+                "norm_topk_prob": True,
+                **extra,
+            },
+        )
     else:
-        cfg = AutoConfig.for_model(arch, intermediate_size=INTER, num_local_experts=EXPERTS,
-                                   **{**common, **extra})
+        cfg = AutoConfig.for_model(arch, intermediate_size=INTER, num_local_experts=EXPERTS, **{**common, **extra})
     cfg._experts_implementation = "eager"
     cfg.use_cache = False
     return cfg
@@ -71,8 +87,7 @@ def _expert_counts(block, x):
 
 
 @pytest.mark.parametrize("impl,kernels", IMPLS)
-@pytest.mark.parametrize("arch,extra", [("qwen3_moe", {}), ("qwen3_moe", {"norm_topk_prob": False}),
-                                        ("gpt_oss", {})])
+@pytest.mark.parametrize("arch,extra", [("qwen3_moe", {}), ("qwen3_moe", {"norm_topk_prob": False}), ("gpt_oss", {})])
 @pytest.mark.parametrize("tokens", [3, 40])
 def test_grouped_block_matches_hf(arch, extra, impl, kernels, tokens):
     if impl == "grouped_mm" and moe._GMM is None:
@@ -135,6 +150,7 @@ def host_reads(monkeypatch):
         def wrapper(*args, **kwargs):
             calls.append(name)
             return fn(*args, **kwargs)
+
         return wrapper
 
     for name in _READS_HOST:
@@ -178,8 +194,9 @@ def test_routing_reads_the_host_at_most_once(arch, host_reads):
 def _model(arch: str, **extra):
     cfg = _config(arch, **extra)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa" if arch != "gpt_oss" else "eager",
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        cfg, attn_implementation="sdpa" if arch != "gpt_oss" else "eager", dtype=torch.float32
+    )
     with torch.no_grad():  # routers start at zero (every expert ties); give them some spread
         for name, p in model.named_parameters():
             if "router" in name or name.endswith("gate.weight"):
@@ -234,10 +251,21 @@ def test_reports_partial_and_off():
     report = apply_moe_grouping(model)
     assert report.startswith("partial 1/2: ") and "trainable" in report
     assert apply_moe_grouping(_model("qwen3_moe", mlp_only_layers=[0, 1])) == "off: no MoE blocks in this model"
-    qwen2 = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "qwen2_moe", hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, shared_expert_intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    qwen2 = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            "qwen2_moe",
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
     assert apply_moe_grouping(qwen2).startswith("off: Qwen2MoeSparseMoeBlock is not a supported MoE block")
 
 
@@ -251,9 +279,21 @@ def test_bench_runs_ours_and_every_hf_experts_impl():
     from bench.workloads import WORKLOADS
 
     w5 = WORKLOADS["W5"]
-    tiny = w5.with_changes(id="W5-tiny", tokens=64, config=dict(
-        w5.config, hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64))
+    tiny = w5.with_changes(
+        id="W5-tiny",
+        tokens=64,
+        config=dict(
+            w5.config,
+            hidden_size=HIDDEN,
+            moe_intermediate_size=INTER,
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=64,
+        ),
+    )
     batches = make_batches(3, tiny.tokens, 64, tiny.packing)
     ctx = Context(tiny, batches, torch.device("cpu"), warmup=1, steps=2, budget=Budget(None))
     plan = plan_impls(tiny, ["ours", "hf"], ["all-on", "no-moe-grouping"])
@@ -296,9 +336,19 @@ def test_default_lora_on_a_moe_model_leaves_experts_frozen_and_grouped():
     from engine.models.lora import all_linear_names, attach_lora
     from engine.train.step import prepare_model
 
-    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg = AutoConfig.for_model(
+        "qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     assert all_linear_names(model) == ["k_proj", "o_proj", "q_proj", "v_proj"]

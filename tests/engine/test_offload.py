@@ -118,8 +118,9 @@ def long_step(keep: bool, monkeypatch):
     monkeypatch.setattr(va, "_forward", counting_forward)
     monkeypatch.setattr(offload, "ATTENTION_KEEP_MIN_SHARE", 0.25 if keep else float("inf"))
     model = tiny("qwen3", attn="sdpa", num_hidden_layers=3)
-    prepared = prepare_model(model, FastPathConfig(), torch.device("cpu"), gradient_checkpointing=True,
-                             offload="single")
+    prepared = prepare_model(
+        model, FastPathConfig(), torch.device("cpu"), gradient_checkpointing=True, offload="single"
+    )
     # The Triton kernel (interpreted here) is the backend that keeps its outputs.
     assert enable_packed_attention(model, backend="triton") == "on"
     model.train()
@@ -167,8 +168,8 @@ def test_out_of_memory_with_kept_attention_reruns_the_step_without_keeping(tmp_p
     # them (and without the failed attempt's partial gradients): the run ends as one that
     # never kept anything. The OOM is injected once, in the second micro-batch's forward, after
     # the first micro-batch's backward has added its LoRA gradients.
-    from engine.fastpath import offload
     from engine.events import StepMetrics
+    from engine.fastpath import offload
     from engine.train import step as step_mod
     from tests.engine.test_session import run, tiny_config
 

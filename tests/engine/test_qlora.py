@@ -181,8 +181,11 @@ def test_fused_step_matches_peft_stock_and_drops_dequantized_weights(monkeypatch
     assert base_calls.n == 0  # the fused Functions ran, not bitsandbytes' matmul
     assert live() == 0
 
-    bases = [(i, n, proj.get_base_layer()) for i, layer in enumerate(layers(model))
-             for n, proj in zip(PROJ, projections(layer))]
+    bases = [
+        (i, n, proj.get_base_layer())
+        for i, layer in enumerate(layers(model))
+        for n, proj in zip(PROJ, projections(layer))
+    ]
     for i, name, base in bases:
         assert calls["forward", id(base)] == 1, (i, name)
         # Once more for dx = dy W, except where no gradient flows into the input: layer 0's

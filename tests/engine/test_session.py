@@ -62,8 +62,8 @@ def test_demo_fine_tune_trains_and_writes_a_run(demo_run):
     assert steps[-1].loss < steps[0].loss * 0.5
     run_dir = session.run_dir
     assert (run_dir / "config.yaml").is_file() and (run_dir / "adapter" / "adapter_model.safetensors").is_file()
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sum(1 for l in lines if l["event"] == "StepMetrics") == len(steps)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(1 for e in lines if e["event"] == "StepMetrics") == len(steps)
     # Packing metadata is built once per micro-batch (one per step here), never per layer.
     assert all(s.metadata_builds == 1 for s in steps)
 
@@ -108,12 +108,14 @@ def test_fine_tuned_model_follows_the_trained_format(demo_run):
     from engine.config import ModelConfig
 
     session, _, _ = demo_run
-    rows = [json.loads(l) for l in DEMO_HELDOUT_FILE.read_text().splitlines()][:16]
+    rows = [json.loads(line) for line in DEMO_HELDOUT_FILE.read_text().splitlines()][:16]
     prompts = [r["instruction"] + (f"\n\n{r['input']}" if r["input"] else "") for r in rows]
 
     def format_rate(adapter):
         model, tok = load_chat_model(ModelConfig(), adapter)
-        return sum(generate_reply(model, tok, p, max_new_tokens=8).startswith("Answer:") for p in prompts) / len(prompts)
+        return sum(generate_reply(model, tok, p, max_new_tokens=8).startswith("Answer:") for p in prompts) / len(
+            prompts
+        )
 
     assert format_rate(None) <= 0.1
     assert format_rate(session.run_dir) >= 0.8
@@ -265,8 +267,16 @@ def test_local_qwen3_folder_trains_same_with_fast_paths_on_and_off(tmp_path):
     from engine.resources import DEMO_MODEL_DIR
 
     folder = tmp_path / "qwen3"
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -12,11 +12,10 @@ import torch
 
 from engine.fastpath import packed
 from engine.fastpath.attention import enable_packed_attention, varlen_attention
-from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
 from engine.fastpath.packed import PackedSeqInfo
+from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 TOKENS = 16384
 
@@ -51,23 +50,31 @@ def _check(lengths, hq, hkv, d, dtype, seed=0, tol=1e-2, backend="auto", **kw):
     qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
     ref = varlen_attention_reference(qr, kr, vr, info.cu_seqlens, info.max_seqlen, **kw)
     ref.backward(do.float())
-    errs = {"out": _rel(out, ref), "dq": _rel(qt.grad, qr.grad), "dk": _rel(kt.grad, kr.grad),
-            "dv": _rel(vt.grad, vr.grad)}
+    errs = {
+        "out": _rel(out, ref),
+        "dq": _rel(qt.grad, qr.grad),
+        "dk": _rel(kt.grad, kr.grad),
+        "dv": _rel(vt.grad, vr.grad),
+    }
     assert torch.isfinite(out).all()
     assert max(errs.values()) < tol, errs
     return errs
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (32, 8, 64), (32, 8, 128)],
-                         ids=["W1-16/8x128", "W2-32/8x64", "W3-32/8x128"])
+@pytest.mark.parametrize(
+    "hq,hkv,d", [(16, 8, 128), (32, 8, 64), (32, 8, 128)], ids=["W1-16/8x128", "W2-32/8x64", "W3-32/8x128"]
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_real_shapes_bf16(hq, hkv, d, seed):
     print(_check(doc_lengths(seed=seed), hq, hkv, d, torch.bfloat16, seed=seed))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kw", [{"sliding_window": 300}, {"softcap": 50.0},
-                                {"sliding_window": 128, "softcap": 30.0}], ids=["window", "softcap", "both"])
+@pytest.mark.parametrize(
+    "kw",
+    [{"sliding_window": 300}, {"softcap": 50.0}, {"sliding_window": 128, "softcap": 30.0}],
+    ids=["window", "softcap", "both"],
+)
 def test_window_softcap_head_dim_256(dtype, kw):
     # Gemma-2-like: head_dim 256, GQA 2, softcap 50, sliding windows shorter than documents.
     _check(doc_lengths(total=4096, seed=3), 8, 4, 256, dtype, **kw)
@@ -107,9 +114,17 @@ def test_device_built_tables_match_host_tables():
 def _tiny_qwen3(layers=4):
     import transformers
 
-    cfg = transformers.Qwen3Config(vocab_size=1024, hidden_size=512, intermediate_size=1024,
-                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                                   head_dim=128, max_position_embeddings=4096, attn_implementation="sdpa")
+    cfg = transformers.Qwen3Config(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     return transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
 
@@ -118,8 +133,9 @@ def _step(model, lengths, seed):
     # One training step's attention side: metadata built once on the host, moved once, then a
     # packed forward + backward of the decoder stack.
     info = PackedSeqInfo.from_lengths(lengths).to("cuda")
-    ids = torch.randint(0, 1024, (1, info.total_tokens), device="cuda",
-                        generator=torch.Generator(device="cuda").manual_seed(seed))
+    ids = torch.randint(
+        0, 1024, (1, info.total_tokens), device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)
+    )
     return info, ids
 
 
@@ -204,18 +220,18 @@ def test_timing_print(hq, hkv, d):
 
     def ours():
         varlen_attention(q, k, v, info.cu_seqlens, info.max_seqlen).backward(do)
+
     results["tunesmith triton"] = _bench(ours)
 
     qb, kb, vb = (x.detach().transpose(0, 1)[None].requires_grad_() for x in (q, k, v))
     dob = do.transpose(0, 1)[None]
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"),
-                                  torch.tensor(lengths, device="cuda"))
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda"))
     pos = torch.arange(t, device="cuda")
     dense = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
 
     def sdpa():
-        torch.nn.functional.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=dense, enable_gqa=True).backward(dob)
+        torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=dense, enable_gqa=True).backward(dob)
+
     try:
         results["sdpa dense mask"] = _bench(sdpa, iters=5)
     except Exception as exc:  # noqa: BLE001 - printed, not asserted
@@ -226,11 +242,13 @@ def test_timing_print(hq, hkv, d):
 
         def mask_mod(b, h, qi, ki):
             return (doc[qi] == doc[ki]) & (ki <= qi)
+
         block_mask = create_block_mask(mask_mod, None, None, t, t, device="cuda")
         flex = torch.compile(flex_attention)
 
         def run_flex():
             flex(qb, kb, vb, block_mask=block_mask, enable_gqa=True).backward(dob)
+
         results["flex_attention"] = _bench(run_flex)
     except Exception as exc:  # noqa: BLE001
         results["flex_attention"] = f"failed: {type(exc).__name__}: {exc}"[:200]

@@ -14,8 +14,7 @@ import torch
 from bench.__main__ import main
 from bench.report import read_records
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_parity_fp32_and_bf16(tmp_path):
@@ -23,8 +22,9 @@ def test_parity_fp32_and_bf16(tmp_path):
     # these random-weight models: stock HF + PEFT bf16 is itself at 4.6e-2 (W1) and 4.1e-2 (W2)
     # on the H200, so bf16 is held to "no worse than stock bf16" (within 1.25x of its error).
     results = tmp_path / "r.jsonl"
-    rc = main(["--parity", "--workloads", "W1,W2", "--parity-layers", "2", "--parity-bf16-vs-hf",
-               "--results", str(results)])
+    rc = main(
+        ["--parity", "--workloads", "W1,W2", "--parity-layers", "2", "--parity-bf16-vs-hf", "--results", str(results)]
+    )
     recs = read_records(results)
     # Many steps: ours learns like stock HF + PEFT on the same learnable batches (bf16, offload on).
     learning = [r for r in recs if r["mode"] == "learning"]
@@ -52,8 +52,9 @@ def test_short_speed_run(tmp_path):
     small = workloads.shrink(w1, 4).with_changes(id="W1")
     workloads.WORKLOADS["W1"] = small
     try:
-        rc = main(["--workloads", "W1", "--impls", "ours,hf_sdpa", "--steps", "2", "--warmup", "1",
-                   "--results", str(results)])
+        rc = main(
+            ["--workloads", "W1", "--impls", "ours,hf_sdpa", "--steps", "2", "--warmup", "1", "--results", str(results)]
+        )
     finally:
         workloads.WORKLOADS["W1"] = w1
     recs = {r["impl"]: r for r in read_records(results)}

@@ -63,11 +63,11 @@ def _gen(seed):
 
 def _report(name, ms_ours, ms_ref, nbytes=None):
     bw = f", {nbytes / ms_ours / 1e6:.0f} GB/s" if nbytes else ""
-    print(f"\n[timing] {name}: triton {ms_ours:.3f} ms, reference {ms_ref:.3f} ms "
-          f"({ms_ref / ms_ours:.2f}x){bw}")
+    print(f"\n[timing] {name}: triton {ms_ours:.3f} ms, reference {ms_ref:.3f} ms ({ms_ref / ms_ours:.2f}x){bw}")
 
 
 # ---------------------------------------------------------------- RMSNorm
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -113,6 +113,7 @@ def test_rmsnorm(shape, offset, weight_grad, dtype):
 
 
 # ---------------------------------------------------------------- RoPE
+
 
 def _cos_sin(T, D, dtype, theta):
     from transformers import LlamaConfig
@@ -165,6 +166,7 @@ def test_rope(hq, hk, d, theta, dtype):
 
 # ---------------------------------------------------------------- SwiGLU / GeGLU
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
@@ -211,6 +213,7 @@ def test_gated_activation(inter, op, dtype):
 
 
 # ---------------------------------------------------------------- fused linear cross-entropy
+
 
 @contextlib.contextmanager
 def _peak_extra():
@@ -260,8 +263,12 @@ def test_fused_ce_frozen_head(hidden_size, vocab, dtype):
         torch.nn.functional.cross_entropy(logits.float(), targets).backward()
 
     ms_ref = _ms(hf_style, iters=3, warmup=1)
-    _report(f"fused CE fwd+bwd N={n} H={hidden_size} V={vocab} {dtype} "
-            f"(peak extra {peak['bytes'] / 2**20:.0f} MiB) vs HF-style full logits", ms, ms_ref)
+    _report(
+        f"fused CE fwd+bwd N={n} H={hidden_size} V={vocab} {dtype} "
+        f"(peak extra {peak['bytes'] / 2**20:.0f} MiB) vs HF-style full logits",
+        ms,
+        ms_ref,
+    )
 
 
 @pytest.mark.gpu

@@ -44,20 +44,64 @@ BF16 = dict(step_rel=0.02, final_rel=0.01, min_fall=0.5, fall_rel=0.10)
 # Layer shapes of public configs (WORKLOADS.md), with fewer layers and the demo tokenizer's
 # vocabulary so each run takes seconds.
 SHAPES = {
-    "qwen3": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                  rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40_960),
-    "llama": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
-                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
-                  rms_norm_eps=1e-5, rope_theta=500_000.0, max_position_embeddings=131_072),
-    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                      num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                      num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[], tie_word_embeddings=False, rms_norm_eps=1e-6,
-                      rope_theta=1_000_000.0, max_position_embeddings=40_960),
-    "gpt_oss": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=2,
-                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
-                    num_experts_per_tok=4, tie_word_embeddings=False, max_position_embeddings=131_072),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40_960,
+    ),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        rope_theta=500_000.0,
+        max_position_embeddings=131_072,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40_960,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=2,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=131_072,
+    ),
 }
 
 _LOG = os.environ.get("TUNESMITH_LEARNING_LOG")
@@ -79,8 +123,9 @@ def _model_folder(root: Path, arch: str) -> Path:
     if (folder / "config.json").exists():
         return folder
     spec = dict(SHAPES[arch])
-    cfg = AutoConfig.for_model(spec.pop("model_type"), vocab_size=1024, bos_token_id=None, eos_token_id=2,
-                               pad_token_id=0, **spec)
+    cfg = AutoConfig.for_model(
+        spec.pop("model_type"), vocab_size=1024, bos_token_id=None, eos_token_id=2, pad_token_id=0, **spec
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -124,8 +169,16 @@ def _reference(cfg):
 def _case(root, data, arch, fast=None, data_kind="short", **training):
     folder = _model_folder(root, arch)
     name = "-".join([arch] + [f"{k}={v}" for k, v in {**(fast or {}), **training}.items()])
-    cfg = make_config(str(folder), data[data_kind], root / "runs" / name, steps=STEPS, seq=SEQ
-                      if data_kind == "short" else 8192, lr=LR, fast=fast, **training)
+    cfg = make_config(
+        str(folder),
+        data[data_kind],
+        root / "runs" / name,
+        steps=STEPS,
+        seq=SEQ if data_kind == "short" else 8192,
+        lr=LR,
+        fast=fast,
+        **training,
+    )
     return name, cfg
 
 
@@ -137,8 +190,7 @@ def _fast_paths_ran(ours, expected: tuple[str, ...]) -> list[str]:
     problems = []
     for s in ours.steps:
         calls, fallbacks = s.fast_path_calls, s.fallbacks
-        missing = [k for k in expected
-                   if not any((c == k or c.split(":")[0] == k) and n > 0 for c, n in calls.items())]
+        missing = [k for k in expected if not any((c == k or c.split(":")[0] == k) and n > 0 for c, n in calls.items())]
         if missing:
             problems.append(f"step {s.step}: {missing} did not run (calls: {calls})")
             break
@@ -191,9 +243,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("arch,fast,training,expected", CASES,
-                         ids=["-".join([a] + [f"{k}={v}" for k, v in {**f, **t}.items()]) or a
-                              for a, f, t, _ in CASES])
+@pytest.mark.parametrize(
+    "arch,fast,training,expected",
+    CASES,
+    ids=["-".join([a] + [f"{k}={v}" for k, v in {**f, **t}.items()]) or a for a, f, t, _ in CASES],
+)
 def test_fast_path_learns_like_stock(root, data, arch, fast, training, expected):
     name, cfg = _case(root, data, arch, fast, **training)
     ours = train(cfg)
@@ -211,8 +265,7 @@ def test_qlora_nf4_learns_like_stock_qlora(root, data):
 
 # GPT-OSS has no attention patch (its attention has sinks): its LoRA projections run PEFT's
 # stock path by design, so only the MoE grouping and the fused CE are expected there.
-@pytest.mark.parametrize("arch,expected", [("qwen3_moe", ("moe", "lora_linears") + CE),
-                                           ("gpt_oss", ("moe",) + CE)])
+@pytest.mark.parametrize("arch,expected", [("qwen3_moe", ("moe", "lora_linears") + CE), ("gpt_oss", ("moe",) + CE)])
 def test_moe_grouping_learns_like_stock(root, data, arch, expected):
     name, cfg = _case(root, data, arch)
     ours = train(cfg)
@@ -220,8 +273,9 @@ def test_moe_grouping_learns_like_stock(root, data, arch, expected):
 
 
 def test_kept_attention_on_long_documents_learns_like_stock(root, data):
-    name, cfg = _case(root, data, "llama", {"keep_attention": True}, data_kind="long",
-                      gradient_checkpointing=True, offload="double")
+    name, cfg = _case(
+        root, data, "llama", {"keep_attention": True}, data_kind="long", gradient_checkpointing=True, offload="double"
+    )
     ours = train(cfg)
     _check(name, ours, _reference(cfg), ALL, cfg)
     notes = [s.offload for s in ours.steps]
@@ -249,8 +303,12 @@ def test_tunesmith_train_on_a_local_folder_learns_like_stock(root, data):
     out = root / "cli-run"
     cfg_file = root / "cli.yaml"
     cfg.save(cfg_file)
-    proc = subprocess.run([sys.executable, "-m", "engine", "train", str(cfg_file), "--output", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "train", str(cfg_file), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [e["loss"] for e in events if e["event"] == "StepMetrics"]

@@ -16,8 +16,8 @@ import copy
 import pytest
 import torch
 
-from engine.fastpath import moe
 from bench.workloads import WORKLOADS, build_moe_block
+from engine.fastpath import moe
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,8 +26,6 @@ pytestmark = [
 
 CUDA = torch.device("cuda")
 TOKENS = 16_384
-
-
 
 
 def _blocks(wid: str, dtype, experts_impl: str = "eager"):
@@ -39,8 +37,10 @@ def _blocks(wid: str, dtype, experts_impl: str = "eager"):
 def _inputs(wid: str, dtype, tokens: int = TOKENS, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     h = WORKLOADS[wid].config["hidden_size"]
-    return (torch.randn(1, tokens, h, generator=g).to(device=CUDA, dtype=dtype),
-            torch.randn(1, tokens, h, generator=g).to(device=CUDA, dtype=dtype))
+    return (
+        torch.randn(1, tokens, h, generator=g).to(device=CUDA, dtype=dtype),
+        torch.randn(1, tokens, h, generator=g).to(device=CUDA, dtype=dtype),
+    )
 
 
 def _run(block, x, g):
@@ -111,8 +111,10 @@ def test_bf16_block_matches_hf_without_host_syncs(wid):
     e_out, e_gx = _rel(out, out_ref), _rel(gx, gx_ref)
     out32, gx32 = _same_routing_fp32(ref, x, g)
     errs = {name: (_rel(o, out32), _rel(gr, gx32)) for name, o, gr in (("ours", out, gx), ("hf", out_ref, gx_ref))}
-    print(f"\n{wid} bf16 vs HF eager bf16: output {e_out:.2e}, input grad {e_gx:.2e}; vs fp32 same-routing: "
-          + ", ".join(f"{n} output {a:.2e} grad {b:.2e}" for n, (a, b) in errs.items()))
+    print(
+        f"\n{wid} bf16 vs HF eager bf16: output {e_out:.2e}, input grad {e_gx:.2e}; vs fp32 same-routing: "
+        + ", ".join(f"{n} output {a:.2e} grad {b:.2e}" for n, (a, b) in errs.items())
+    )
     assert e_out < 1e-2 and e_gx < 1e-2
     # No accuracy traded: ours is no worse than stock bf16 against the fp32 reference.
     for mine, stock in zip(errs["ours"], errs["hf"]):

@@ -51,8 +51,15 @@ def run(offload: str, sync_check: bool = False):
         torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / GIB
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
-    out = dict(loss=loss.item(), grads=grads, peak=peak, report=report, model=model, offloader=prepared.offloader,
-               layer_bytes=batch.num_tokens * wl.config["hidden_size"] * 2)
+    out = dict(
+        loss=loss.item(),
+        grads=grads,
+        peak=peak,
+        report=report,
+        model=model,
+        offloader=prepared.offloader,
+        layer_bytes=batch.num_tokens * wl.config["hidden_size"] * 2,
+    )
     return out
 
 
@@ -82,8 +89,10 @@ def test_offload_matches_checkpointing_without_syncs(reference, mode):
     # peak moments differ (CE gradient, last layer's recompute), so allow two layers of slack:
     # seen on the H200: 0.36 GiB (single) and 0.24 GiB (double) saved of 0.75 GiB held.
     kept = 1 if mode == "single" else 2
-    print(f"offload {mode}: peak {out['peak']:.3f} GiB vs {reference['peak']:.3f} GiB without; "
-          f"saved {saved:.3f} GiB; layer input {out['layer_bytes'] / GIB:.3f} GiB")
+    print(
+        f"offload {mode}: peak {out['peak']:.3f} GiB vs {reference['peak']:.3f} GiB without; "
+        f"saved {saved:.3f} GiB; layer input {out['layer_bytes'] / GIB:.3f} GiB"
+    )
     assert saved >= (LAYERS - kept - 3) * out["layer_bytes"] / GIB
     torch.cuda.empty_cache()
 

@@ -29,17 +29,24 @@ ALL_ON = {k: "on" for k in FAST_PATHS}
 ARCH_EXTRA = {
     "mistral": dict(sliding_window=512),
     "qwen2": dict(use_sliding_window=True, sliding_window=512, max_window_layers=1),
-    "gemma2": dict(sliding_window=512, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                   query_pre_attn_scalar=128),
+    "gemma2": dict(
+        sliding_window=512, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=128
+    ),
 }
 
 
-
-
 def build(model_type, dtype, attn="sdpa", layers=2, seed=0):
-    kw = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers, num_attention_heads=16,
-              num_key_value_heads=8, head_dim=128, vocab_size=8192, max_position_embeddings=8192,
-              tie_word_embeddings=True)
+    kw = dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=8192,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
     if model_type == "qwen2":
         kw["attention_bias"] = True
     kw.update(ARCH_EXTRA.get(model_type, {}))
@@ -122,6 +129,7 @@ def test_packed_attention_and_checkpointing_qwen3():
     """The training configuration: varlen attention with collator metadata, non-reentrant
     checkpointing, bf16. Compared with stock HF + PEFT (sdpa, positions only)."""
     from engine.fastpath import attention, packed
+
     model16 = build("qwen3", torch.bfloat16, layers=4)
     model32 = copy.deepcopy(model16).float()
     ids, pos, lengths = packed_row()
@@ -163,6 +171,7 @@ def test_no_host_sync_in_patched_decoder():
     """With collator metadata and the varlen attention, the patched decoder (forward and
     backward) never synchronizes with the host."""
     from engine.fastpath import attention, packed
+
     model = build("qwen3", torch.bfloat16)
     attention.enable_packed_attention(model)
     apply_fast_paths(model, FastPathConfig(), CUDA)

@@ -36,17 +36,26 @@ VOCAB = 8192
 LIMIT = 5e-2
 
 
-
-
 def build(layers=2, seed=0):
     """The quantized bf16 model with LoRA attached (PEFT's bnb Linear4bit layers), B nonzero."""
     from bench.workloads import quantize_nf4
     from engine.models.lora import attach_lora
 
     cfg = AutoConfig.for_model(
-        "llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
-        num_key_value_heads=4, head_dim=64, vocab_size=VOCAB, max_position_embeddings=8192,
-        tie_word_embeddings=True, rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False, mlp_bias=False,
+        "llama",
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
     )
     cfg.use_cache = False
     torch.manual_seed(seed)

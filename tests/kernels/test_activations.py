@@ -24,8 +24,7 @@ TOL = {
 OPS = {
     "swiglu": (swiglu_triton, lambda g, u: F.silu(g) * u),
     "geglu": (lambda g, u, **kw: geglu_triton(g, u, "none", **kw), lambda g, u: F.gelu(g) * u),
-    "geglu_tanh": (lambda g, u, **kw: geglu_triton(g, u, "tanh", **kw),
-                   lambda g, u: F.gelu(g, approximate="tanh") * u),
+    "geglu_tanh": (lambda g, u, **kw: geglu_triton(g, u, "tanh", **kw), lambda g, u: F.gelu(g, approximate="tanh") * u),
 }
 
 
@@ -42,7 +41,7 @@ def _inputs(shape, dtype, seed):
     "shape,dtype,inplace,seed",
     [
         ((3, 5, 300), torch.float32, False, 1),
-        ((4, 2500), torch.float32, True, 2),   # a row split over two programs, last one masked
+        ((4, 2500), torch.float32, True, 2),  # a row split over two programs, last one masked
         ((37, 300), torch.float16, True, 3),
         ((7, 100), torch.bfloat16, False, 4),
     ],
@@ -87,10 +86,15 @@ def test_halves_of_fused_gate_up_projection():
 
 def test_references_are_fp32_then_cast():
     gate, up, _ = _inputs((8, 64), torch.bfloat16, 6)
-    torch.testing.assert_close(swiglu_reference(gate, up), (F.silu(gate.float()) * up.float()).bfloat16(),
-                               rtol=0, atol=0)
-    torch.testing.assert_close(geglu_reference(gate, up, "tanh"),
-                               (F.gelu(gate.float(), approximate="tanh") * up.float()).bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        swiglu_reference(gate, up), (F.silu(gate.float()) * up.float()).bfloat16(), rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        geglu_reference(gate, up, "tanh"),
+        (F.gelu(gate.float(), approximate="tanh") * up.float()).bfloat16(),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_stock_numerics_are_transformers_mlp_bit_for_bit():

@@ -140,7 +140,7 @@ def test_backward_twice_is_refused():
 
 
 def test_default_chunk_tokens():
-    assert default_chunk_tokens(151936, 2) == 512     # 155 MB of bf16 logits
+    assert default_chunk_tokens(151936, 2) == 512  # 155 MB of bf16 logits
     assert default_chunk_tokens(128256, 2) == 1024
     assert default_chunk_tokens(151936, 4) == 256
     assert default_chunk_tokens(1000, 2) == 8192
@@ -152,8 +152,9 @@ def test_dispatcher_uses_reference_on_cpu():
     h = hidden.requires_grad_()
     loss = fused_linear_cross_entropy(h, weight, targets, bias=bias)
     assert "FusedLinearCrossEntropy" not in type(loss.grad_fn).__name__
-    torch.testing.assert_close(loss, fused_linear_cross_entropy_reference(h, weight, targets, bias=bias),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        loss, fused_linear_cross_entropy_reference(h, weight, targets, bias=bias), rtol=0, atol=0
+    )
     assert "FusedLinearCrossEntropy" in type(fused_linear_cross_entropy_triton(h, weight, targets).grad_fn).__name__
 
 

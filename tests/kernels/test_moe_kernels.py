@@ -99,15 +99,16 @@ def test_combine_matches_reference(dtype, n_tok, k, cols):
         ref = K.combine_reference(src, inv, ww, bb, n_tok, k, dtype)
         assert got.dtype == ref.dtype == dtype
         torch.testing.assert_close(got, ref, **TOL[dtype])
-        torch.testing.assert_close(K.combine(src, inv, ww, bb, n_tok, k, dtype, use_triton=True), got,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(K.combine(src, inv, ww, bb, n_tok, k, dtype, use_triton=True), got, rtol=0, atol=0)
 
 
 def test_combine_reads_a_strided_source_and_handles_no_tokens():
     src = torch.randn(6, 32)[:, ::2]  # non-unit last stride: copied before the launch
     inv = torch.randperm(6)
-    torch.testing.assert_close(K.combine_triton(src, inv, None, None, 3, 2, torch.float32),
-                               K.combine_reference(src, inv, None, None, 3, 2, torch.float32))
+    torch.testing.assert_close(
+        K.combine_triton(src, inv, None, None, 3, 2, torch.float32),
+        K.combine_reference(src, inv, None, None, 3, 2, torch.float32),
+    )
     empty = torch.empty(0, 8)
     assert K.combine_triton(empty, torch.empty(0, dtype=torch.int64), None, None, 0, 2, torch.float32).shape == (0, 8)
     assert K.glu_forward_triton(torch.empty(0, 8), None, None, layout="concat", act="silu").shape == (0, 4)

@@ -33,8 +33,8 @@ def _run(fn, x, w, dy, offset):
 @pytest.mark.parametrize(
     "shape,dtype,offset,weight_grad,seed",
     [
-        ((3, 37, 100), torch.float32, 0.0, True, 1),    # 111 rows, several row blocks, H not 2^k
-        ((300, 100), torch.float32, 1.0, True, 2),      # dW partials span several row blocks each
+        ((3, 37, 100), torch.float32, 0.0, True, 1),  # 111 rows, several row blocks, H not 2^k
+        ((300, 100), torch.float32, 1.0, True, 2),  # dW partials span several row blocks each
         ((2, 5, 8, 128), torch.float32, 0.0, False, 3),  # q/k-norm layout, frozen weight
         ((70, 1000), torch.float16, 0.0, True, 4),
         ((9, 3000), torch.float16, 1.0, False, 5),

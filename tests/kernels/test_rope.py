@@ -33,9 +33,9 @@ def _hf(q, k, cos, sin):
 @pytest.mark.parametrize(
     "B,T,Hq,Hk,D,dtype,packed,seed",
     [
-        (2, 7, 4, 2, 16, torch.float32, False, 1),    # per-row cos/sin [B, T, D]
-        (1, 21, 40, 8, 64, torch.float32, True, 2),   # packed positions, 40 heads in blocks of 8
-        (1, 13, 5, 1, 24, torch.float16, True, 3),    # odd heads, half dim 12 (masked lanes)
+        (2, 7, 4, 2, 16, torch.float32, False, 1),  # per-row cos/sin [B, T, D]
+        (1, 21, 40, 8, 64, torch.float32, True, 2),  # packed positions, 40 heads in blocks of 8
+        (1, 13, 5, 1, 24, torch.float16, True, 3),  # odd heads, half dim 12 (masked lanes)
         (3, 6, 6, 3, 32, torch.bfloat16, False, 4),
     ],
 )

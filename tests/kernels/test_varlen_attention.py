@@ -7,8 +7,8 @@ interpreter here computes tl.dot on bf16 operands wrongly.
 import pytest
 import torch
 
-from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
 from engine.fastpath.packed import PackedSeqInfo
+from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3)}
 
@@ -23,9 +23,17 @@ def _compare(lengths, hq, hkv, d, dtype, *, blocks=None, use_info=True, seed=0, 
 
     q, k, v, do = rnd(t, hq, d), rnd(t, hkv, d), rnd(t, hkv, d), rnd(t, hq, d)
     qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
-    out = varlen_attention_triton(qt, kt, vt, info.cu_seqlens, info.max_seqlen, blocks=blocks,
-                                  tables=info.block_table if use_info else None,
-                                  covers_all_tokens=use_info, **kw)
+    out = varlen_attention_triton(
+        qt,
+        kt,
+        vt,
+        info.cu_seqlens,
+        info.max_seqlen,
+        blocks=blocks,
+        tables=info.block_table if use_info else None,
+        covers_all_tokens=use_info,
+        **kw,
+    )
     out.backward(do)
     # The reference runs in fp32 on the same (rounded) inputs: it is the truth for both dtypes.
     qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
@@ -33,8 +41,12 @@ def _compare(lengths, hq, hkv, d, dtype, *, blocks=None, use_info=True, seed=0, 
     ref.backward(do.float())
     atol, rtol = TOL[dtype]
     assert out.dtype == dtype and out.shape == (t, hq, d)
-    for name, got, want in (("out", out, ref), ("dq", qt.grad, qr.grad), ("dk", kt.grad, kr.grad),
-                            ("dv", vt.grad, vr.grad)):
+    for name, got, want in (
+        ("out", out, ref),
+        ("dq", qt.grad, qr.grad),
+        ("dk", kt.grad, kr.grad),
+        ("dv", vt.grad, vr.grad),
+    ):
         scale = max(want.abs().max().item(), 1.0)
         err = (got.float() - want).abs().max().item()
         assert err <= atol * scale + rtol * scale, f"{name}: max error {err:.3e} (scale {scale:.2f})"
@@ -42,7 +54,7 @@ def _compare(lengths, hq, hkv, d, dtype, *, blocks=None, use_info=True, seed=0, 
 
 CASES = [
     # lengths, hq, hkv, d, extra kwargs
-    pytest.param([37], 2, 2, 16, {}, id="one-doc"),                     # not a block multiple
+    pytest.param([37], 2, 2, 16, {}, id="one-doc"),  # not a block multiple
     pytest.param([5, 1, 20, 1, 37], 4, 2, 16, {}, id="one-token-docs-gqa2"),
     pytest.param([1] * 9 + [3, 2, 4], 2, 1, 16, {}, id="tiny-docs-mqa"),
     pytest.param([17, 33, 8], 4, 1, 32, {"scale": 0.3}, id="gqa4-scale-d32"),
@@ -101,5 +113,4 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple"):
         varlen_attention_triton(q, torch.randn(4, 2, 16), torch.randn(4, 2, 16), info.cu_seqlens)
     with pytest.raises(ValueError, match="power of two"):
-        varlen_attention_triton(torch.randn(4, 2, 24), torch.randn(4, 2, 24), torch.randn(4, 2, 24),
-                                info.cu_seqlens)
+        varlen_attention_triton(torch.randn(4, 2, 24), torch.randn(4, 2, 24), torch.randn(4, 2, 24), info.cu_seqlens)

@@ -11,8 +11,9 @@ def test_column_mapping_editor_fixes_an_unknown_shape(window, qtbot, tmp_path):
     dp = window.data_panel
     qtbot.waitUntil(lambda: dp.preview is not None, timeout=60_000)
     path = tmp_path / "pairs.csv"
-    pd.DataFrame({"q": [f"What is {i} plus 1?" for i in range(50)],
-                  "a": [f"Answer: {i + 1}" for i in range(50)]}).to_csv(path, index=False)
+    pd.DataFrame(
+        {"q": [f"What is {i} plus 1?" for i in range(50)], "a": [f"Answer: {i + 1}" for i in range(50)]}
+    ).to_csv(path, index=False)
     with qtbot.waitSignal(dp.preview_ready, timeout=60_000):
         dp.load_source(str(path))
     assert dp.rows_model.total_rows == 50  # browsable even though the shape is unknown
@@ -32,8 +33,14 @@ def test_parquet_loads_like_jsonl(window, qtbot, tmp_path):
     dp = window.data_panel
     qtbot.waitUntil(lambda: dp.preview is not None, timeout=60_000)
     path = tmp_path / "chat.parquet"
-    pd.DataFrame({"messages": [[{"role": "user", "content": f"hi {i}"},
-                                {"role": "assistant", "content": f"hello {i}"}] for i in range(20)]}).to_parquet(path)
+    pd.DataFrame(
+        {
+            "messages": [
+                [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]
+                for i in range(20)
+            ]
+        }
+    ).to_parquet(path)
     with qtbot.waitSignal(dp.packing_ready, timeout=60_000):
         dp.load_source(str(path))
     assert dp.preview.format.kind == "conversations"
@@ -47,8 +54,11 @@ def test_local_model_folder_reports_like_the_demo(window, qtbot):
     mp = window.model_panel
     mp.folder.setText(str(DEMO_MODEL_DIR))
     mp.local.setChecked(True)
-    with qtbot.waitSignal(mp.report_ready, timeout=60_000, check_params_cb=lambda rep: rep is not None
-                          and rep["name"] == str(DEMO_MODEL_DIR)):
+    with qtbot.waitSignal(
+        mp.report_ready,
+        timeout=60_000,
+        check_params_cb=lambda rep: rep is not None and rep["name"] == str(DEMO_MODEL_DIR),
+    ):
         mp.use.click()
     assert mp.fields["layers"].text() == "4"
     assert window.state.get("model.name_or_path") == str(DEMO_MODEL_DIR)

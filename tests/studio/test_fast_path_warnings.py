@@ -6,19 +6,49 @@ from __future__ import annotations
 
 import pytest
 
-REPORT = {"packed_attention": "on", "rmsnorm": "on", "rope": "on", "activations": "on", "lora_qkv": "on",
-          "lora_o": "on", "lora_mlp": "on", "moe_grouping": "off: no MoE blocks in this model",
-          "fused_ce": "on", "cached_metadata": "on", "offload": "off: disabled in config"}
-ALL_RAN = {"lora_linears": 16, "lora_mlp": 8, "rmsnorm:triton": 18, "rope:triton": 8,
-           "activations:triton": 16, "attention:varlen_triton": 8, "fused_ce:triton": 2}
+REPORT = {
+    "packed_attention": "on",
+    "rmsnorm": "on",
+    "rope": "on",
+    "activations": "on",
+    "lora_qkv": "on",
+    "lora_o": "on",
+    "lora_mlp": "on",
+    "moe_grouping": "off: no MoE blocks in this model",
+    "fused_ce": "on",
+    "cached_metadata": "on",
+    "offload": "off: disabled in config",
+}
+ALL_RAN = {
+    "lora_linears": 16,
+    "lora_mlp": 8,
+    "rmsnorm:triton": 18,
+    "rope:triton": 8,
+    "activations:triton": 16,
+    "attention:varlen_triton": 8,
+    "fused_ce:triton": 2,
+}
 
 
 def _metrics(step, calls, fallbacks=None, device="cuda:0"):
     from engine.events import StepMetrics
 
-    return StepMetrics(step=step, total_steps=10, epoch=0.1, loss=2.0, lr=1e-4, grad_norm=1.0, tokens=100,
-                       trained_tokens=90, step_seconds=0.1, tokens_per_second=1000.0, device=device,
-                       metadata_builds=2, fast_path_calls=calls, fallbacks=fallbacks or {})
+    return StepMetrics(
+        step=step,
+        total_steps=10,
+        epoch=0.1,
+        loss=2.0,
+        lr=1e-4,
+        grad_norm=1.0,
+        tokens=100,
+        trained_tokens=90,
+        step_seconds=0.1,
+        tokens_per_second=1000.0,
+        device=device,
+        metadata_builds=2,
+        fast_path_calls=calls,
+        fallbacks=fallbacks or {},
+    )
 
 
 @pytest.fixture

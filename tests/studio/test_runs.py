@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from PySide6.QtCore import Qt
-
 from studio_helpers import LatencyProbe, screenshot, short_config
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(code: str, tmp_path) -> subprocess.CompletedProcess:
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_window_constructs_without_importing_torch(tmp_path):
@@ -50,8 +52,12 @@ def test_model_and_hardware_pages_fill_in(window, qtbot):
     from studio.main_window import HARDWARE, MODEL
 
     qtbot.waitUntil(lambda: window.state.profile is not None, timeout=60_000)
-    qtbot.waitUntil(lambda: window.model_panel.report is not None and window.model_panel.device_label.text() != "Detecting hardware…",
-                    timeout=60_000)
+    qtbot.waitUntil(
+        lambda: (
+            window.model_panel.report is not None and window.model_panel.device_label.text() != "Detecting hardware…"
+        ),
+        timeout=60_000,
+    )
     rep = window.model_panel.report
     assert rep["info"].model_type == "llama"
     assert "LlamaForCausalLM" in window.model_panel.fields["architecture"].text()
@@ -95,8 +101,9 @@ def test_offline_hub_model_gives_a_clear_message(window, qtbot):
     # The demo still works afterwards.
     window.model_panel.demo.setChecked(True)
     window.model_panel.use.click()
-    qtbot.waitUntil(lambda: window.model_panel.report is not None and window.model_panel.report["name"] == "demo",
-                    timeout=60_000)
+    qtbot.waitUntil(
+        lambda: window.model_panel.report is not None and window.model_panel.report["name"] == "demo", timeout=60_000
+    )
     assert window.model_panel.banner.isHidden()
 
 

@@ -4,8 +4,6 @@ chosen model and data, automatic values marked, and the resolved config saved an
 from __future__ import annotations
 
 import yaml
-from PySide6.QtCore import Qt
-
 from studio_helpers import screenshot
 
 

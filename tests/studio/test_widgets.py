@@ -186,10 +186,21 @@ def test_monitor_line_shows_packing_counters_and_offload_mode(qtbot):
     panel = MonitorPanel()
     qtbot.addWidget(panel)
     panel.begin()
-    panel.run_started(RunStarted("/tmp/run", {}, {"kind": "datacenter"}, 10,
-                                 {"offload": "on: double buffer, 28 layers"}))
-    common = dict(total_steps=10, epoch=0.1, loss=2.0, lr=1e-4, grad_norm=1.0, tokens=100,
-                  trained_tokens=90, step_seconds=0.1, tokens_per_second=1000.0, metadata_builds=1)
+    panel.run_started(
+        RunStarted("/tmp/run", {}, {"kind": "datacenter"}, 10, {"offload": "on: double buffer, 28 layers"})
+    )
+    common = dict(
+        total_steps=10,
+        epoch=0.1,
+        loss=2.0,
+        lr=1e-4,
+        grad_norm=1.0,
+        tokens=100,
+        trained_tokens=90,
+        step_seconds=0.1,
+        tokens_per_second=1000.0,
+        metadata_builds=1,
+    )
     panel.step(StepMetrics(step=1, offload="single (free VRAM 100 MiB < 384 MiB for the second buffer)", **common))
     text = panel.eta.text()
     assert "packing meta 1×, 0 syncs" in text and "offload single (free VRAM" in text
