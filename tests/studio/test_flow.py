@@ -82,7 +82,8 @@ def test_model_data_train_pause_resume_stop_export_chat(window, qtbot, runs_dir,
     assert "Stopped" in m.status.text()
     assert probe.ticks > 50
     print(f"event-loop latency: worst {probe.worst_ms:.1f} ms over {probe.ticks} ticks")
-    assert probe.worst_ms < 50, f"event loop stalled {probe.worst_ms:.0f} ms during the run"
+    # A step on the UI thread would stall for seconds; 250 ms leaves room for a loaded CI machine.
+    assert probe.worst_ms < 250, f"event loop stalled {probe.worst_ms:.0f} ms during the run"
     m.refresh()
     screenshot(window, "monitor")  # after the probe: a full-window grab is not part of a run
 
