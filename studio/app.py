@@ -50,6 +50,12 @@ def load_style() -> str:
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from studio import system_libs
+
+    libs = system_libs.prepare()  # before QApplication: Qt would abort on a missing xcb library
+    if not libs.ok:
+        print(libs.message(), file=sys.stderr, flush=True)
+        return 1
     from PySide6.QtCore import QEvent, QObject, QTimer
     from PySide6.QtWidgets import QApplication
 
