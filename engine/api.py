@@ -77,7 +77,7 @@ from engine.hardware.profile import HardwareProfile, detect
 from engine.models.estimate import ModelInfo, estimate_vram, fit_verdict, model_info
 
 # -- models and data preview -------------------------------------------------------------------
-from engine.models.loading import ModelLoadError, load_tokenizer, resolve_model_source
+from engine.models.loading import ModelLoadError, check_model_folder, load_tokenizer, resolve_model_source
 
 # -- bundled resources -------------------------------------------------------------------------
 from engine.resources import DEMO_DATA_FILE, DEMO_HELDOUT_FILE, DEMO_MODEL_DIR, DEMO_PRESET, PRESETS_DIR, RESOURCES
@@ -203,6 +203,7 @@ __all__ = [
     # models and data preview
     "ModelLoadError",
     "resolve_model_source",
+    "check_model_folder",
     "load_tokenizer",
     "DataError",
     "DataPreview",

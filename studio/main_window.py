@@ -9,6 +9,8 @@ on screen, on pool threads.
 from __future__ import annotations
 
 import gc
+import time
+from pathlib import Path
 from typing import Callable, Optional
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -29,10 +31,10 @@ from studio.panels.dataset import DataPanel
 from studio.panels.export import ExportPanel
 from studio.panels.hardware import HardwarePanel
 from studio.panels.model import ModelPanel
-from studio.panels.monitor import MonitorPanel
+from studio.panels.monitor import MonitorPanel, one_sentence
 from studio.panels.training import TrainingPanel
 from studio.settings import Settings
-from studio.state import StudioState
+from studio.state import StudioState, model_problems
 from studio.tasks import run_task
 from studio.widgets.step_list import StepList
 from studio.worker import TrainingWorker
@@ -78,6 +80,9 @@ class MainWindow(QMainWindow):
         self.worker: Optional[TrainingWorker] = None
         self.finished_event = None
         self.engine_warm = False
+        self.train_action: Optional[QAction] = None
+        self._run_started_at = 0.0
+        self._run_dir_now: Optional[str] = None  # the folder of the run in progress, once known
         self._close_after_stop = False
         # Asked before closing during a run; tests replace it to answer without a dialog.
         self.confirm: Callable[[str, str], bool] = self._ask
@@ -119,6 +124,7 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.device_label)
         self._build_menu()
         self._wire()
+        self.update_train_gate()
         # Ready to Train on the demo: its preset's hyperparameters suit the bundled tiny model.
         self.training_panel.apply_preset("demo", quiet=True)
         self.steps.select_step(MODEL)
@@ -152,6 +158,8 @@ class MainWindow(QMainWindow):
             action = QAction(text, self)
             action.triggered.connect(slot)
             run_menu.addAction(action)
+            if text == "Train":
+                self.train_action = action
         help_menu = self.menuBar().addMenu("&Help")
         about = QAction("About Tunesmith", self)
         about.triggered.connect(
@@ -162,10 +170,13 @@ class MainWindow(QMainWindow):
         help_menu.addAction(about)
 
     def _wire(self) -> None:
-        self.model_panel.report_ready.connect(lambda rep: self.steps.set_state(MODEL, "done" if rep else "failed"))
+        self.model_panel.report_ready.connect(
+            lambda rep: self.steps.set_state(MODEL, "done" if rep and not self.model_panel.problem else "failed")
+        )
         self.model_panel.model_chosen.connect(lambda _n: self.data_panel.model_changed())
-        self.data_panel.preview_ready.connect(lambda _p: self.steps.set_state(DATA, "done"))
-        self.data_panel.failed.connect(lambda _m: self.steps.set_state(DATA, "failed"))
+        self.data_panel.status_changed.connect(self._data_status_changed)
+        self.training_panel.gate_changed.connect(self._gate_changed)
+        self.state.changed.connect(self._state_changed)
         self.training_panel.train_requested.connect(self.start_training)
         self.monitor_panel.pause_requested.connect(self.pause)
         self.monitor_panel.resume_requested.connect(self.resume)
@@ -173,6 +184,37 @@ class MainWindow(QMainWindow):
         self.export_panel.exported.connect(lambda _w: self.steps.set_state(EXPORT, "done"))
         self.chat_panel.replied.connect(lambda _r: self.steps.set_state(CHAT, "done"))
         self.hardware_panel.redetect_requested.connect(self.detect_hardware)
+
+    # -- the Train gate -----------------------------------------------------------------------
+    def train_blocker(self) -> str:
+        """Why Train cannot start, in one sentence ("" when it can): the model must load (the
+        demo, a Hub id, or a folder with config.json, weights and a tokenizer) and the data must
+        hold at least one usable example. Data still loading does not block: the run checks it."""
+        problems = model_problems(dict(self.state.get("model")))
+        if problems:
+            return f"The model cannot be trained on: {problems[0]}."
+        dp = self.data_panel
+        if not dp.loading and dp.checked_source == self.state.get("data.source") and dp.problem:
+            return f"The data cannot be trained on: {dp.problem}"
+        return ""
+
+    def update_train_gate(self) -> None:
+        self.training_panel.set_blocker(self.train_blocker())
+
+    def _gate_changed(self, allowed: bool, tip: str) -> None:
+        if self.train_action is not None:
+            self.train_action.setEnabled(allowed)
+            self.train_action.setToolTip(tip)
+
+    def _state_changed(self, path: str) -> None:
+        if path == "" or path.startswith(("model.", "data.source")):
+            self.update_train_gate()
+
+    def _data_status_changed(self) -> None:
+        dp = self.data_panel
+        if not dp.loading:
+            self.steps.set_state(DATA, "failed" if dp.problem else "done")
+        self.update_train_gate()
 
     def _show_step(self, step: int) -> None:
         self.pages.setCurrentIndex(step)
@@ -238,11 +280,19 @@ class MainWindow(QMainWindow):
             self.go_to(TRAIN)
             self.training_panel.banner.show_message(f"Fix the config before training: {exc}", "error")
             return False
+        blocker = self.train_blocker()
+        if blocker:
+            self.update_train_gate()
+            self.go_to(TRAIN)
+            self.training_panel.banner.show_message(blocker, "error")
+            return False
         self.finished_event = None
+        self._run_started_at = time.time()
+        self._run_dir_now = None
         self.monitor_panel.begin()
         for step, st in ((TRAIN, "done"), (MONITOR, "active")):
             self.steps.set_state(step, st)
-        self.training_panel.train.setEnabled(False)
+        self.training_panel.set_running(True)
         self.worker = TrainingWorker(config)
         # Queued explicitly: the slot must run on the GUI thread, never on the worker thread.
         self.worker.event.connect(self._on_event, Qt.ConnectionType.QueuedConnection)
@@ -270,8 +320,10 @@ class MainWindow(QMainWindow):
         if isinstance(event, api.StepMetrics):
             m.step(event)
         elif isinstance(event, api.LogLine):
-            m.append_log(event.message, event.level)
+            # An error line is the failure's sentence: one line here, the rest is in log.txt.
+            m.append_log(one_sentence(event.message) if event.level == "error" else event.message, event.level)
         elif isinstance(event, api.RunStarted):
+            self._run_dir_now = event.run_dir
             self.state.last_run_dir = event.run_dir
             m.run_started(event)
             self.state.run_dir_changed.emit(event.run_dir)
@@ -293,18 +345,57 @@ class MainWindow(QMainWindow):
             self.chat_panel.refresh()
         elif isinstance(event, api.Failed):
             self.finished_event = event
-            m.failed(event)
-            if event.detail:
-                m.append_log(event.detail.rstrip(), "error")
-            self.steps.set_state(MONITOR, "failed")
-            self.statusBar().showMessage(f"The run failed: {event.message}", 10000)
+            m.failed(event, self._write_details(event))
+            for step in (TRAIN, MONITOR):
+                self.steps.set_state(step, "failed")
+            self.statusBar().showMessage(f"The run failed: {one_sentence(event.message)}", 10000)
+
+    def _failed_run_dir(self) -> Optional[Path]:
+        """The folder of the run that just failed: named by RunStarted, or (a failure before it)
+        the newest run folder made since Train was pressed."""
+        if self._run_dir_now:
+            return Path(self._run_dir_now)
+        try:
+            runs = api.list_runs(self.state.get("output.dir"))
+        except Exception:  # no runs folder yet: nothing was made
+            return None
+        for info in runs:
+            try:
+                if info.path.stat().st_mtime >= self._run_started_at - 1:
+                    return info.path
+            except OSError:
+                continue
+        return None
+
+    def _write_details(self, event) -> str:
+        """Append the failure's traceback to the run's log.txt (or, when no run folder was made,
+        to a file of its own in the runs folder); returns that file, or "" when none was written."""
+        detail = (event.detail or "").rstrip()
+        if not detail:
+            return ""
+        # The session wrote the failure's sentence to log.txt already; the traceback follows it.
+        text = f"{detail}\n"
+        run_dir = self._failed_run_dir()
+        try:
+            if run_dir is not None and run_dir.is_dir():
+                path = run_dir / "log.txt"
+            else:
+                folder = Path(self.state.get("output.dir")).expanduser()
+                folder.mkdir(parents=True, exist_ok=True)
+                path = folder / f"failed-{time.strftime('%Y%m%d-%H%M%S')}.log.txt"
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(text)
+        except OSError:
+            return ""
+        return str(path)
 
     def _worker_done(self) -> None:
         # Queued after every event the worker emitted, so the outcome is already shown.
         worker, self.worker = self.worker, None
         if worker is not None:
             worker.wait()  # run() has returned; this only joins the thread
-        self.training_panel.validate()
+        self.training_panel.set_running(False)
+        self.update_train_gate()
         self.run_finished.emit(self.finished_event)
         if self._close_after_stop:
             self._close_after_stop = False

@@ -28,6 +28,26 @@ def deep_merge(base: dict, update: dict) -> dict:
     return out
 
 
+def model_problems(model: dict[str, Any]) -> list[str]:
+    """What stops the chosen model from being trained on, one sentence each ([] when nothing
+    does): the demo and Hub ids pass (a Hub id is checked when it downloads); a local folder
+    needs config.json, weights and a tokenizer (engine.api.check_model_folder)."""
+    from engine.api import ModelLoadError, check_model_folder, resolve_model_source
+
+    name = str(model.get("name_or_path") or "").strip()
+    if not name:
+        return ["no model is chosen: pick one on the Model page"]
+    if name == "demo":
+        return []
+    try:
+        source, local = resolve_model_source(name)
+    except ModelLoadError as exc:
+        return [str(exc)]
+    if not local:
+        return []
+    return check_model_folder(source, allow_pickle=bool(model.get("allow_pickle")))
+
+
 class StudioState(QObject):
     changed = Signal(str)  # dotted path, or "" when everything changed
     profile_changed = Signal(object)  # engine.api.HardwareProfile

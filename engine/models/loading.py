@@ -7,6 +7,11 @@ pickle weight files (.bin / .pt, which can execute code when unpickled) are refu
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import logging
+import sys
+import warnings
 from pathlib import Path
 
 from engine.config import ModelConfig
@@ -49,6 +54,78 @@ def check_local_folder(path: str, allow_pickle: bool) -> None:
         )
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"{folder} has no tokenizer files (tokenizer.json or tokenizer.model)")
+
+
+def check_model_folder(path: str, allow_pickle: bool = False) -> list[str]:
+    """What stops a local folder from being trained on, one sentence each ([] when it can be):
+    no config.json, no weights (*.safetensors, or pickle .bin/.pt only with `allow_pickle`), no
+    tokenizer files. Reads file names only: cheap enough for the window to call on every change."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return [f"{folder} is not a folder: pick a Hugging Face model folder"]
+    problems = []
+    if not (folder / "config.json").is_file():
+        problems.append(f"{folder} has no config.json: it is not a Hugging Face model folder")
+    safe = list(folder.glob("*.safetensors"))
+    pickles = [f for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES and "training_args" not in f.name]
+    if not safe and not pickles:
+        problems.append(f"{folder} holds no weights (no *.safetensors file)")
+    elif not safe and not allow_pickle:
+        problems.append(
+            f"{folder} holds only pickle weights ({pickles[0].name}); convert them to safetensors "
+            "or set model.allow_pickle: true if you trust them"
+        )
+    if not any((folder / name).is_file() for name in (*TOKENIZER_FILES, "vocab.txt")):
+        problems.append(f"{folder} has no tokenizer files (tokenizer.json or tokenizer_config.json)")
+    return problems
+
+
+# Third-party modules whose deprecation notices are about their own internals (e.g. PEFT reading
+# transformers' `is_gradient_checkpointing`), not about anything a user can change.
+_NOISY_MODULES = r"(transformers|peft|bitsandbytes|accelerate|huggingface_hub)(\.|$)"
+
+
+@contextlib.contextmanager
+def quiet_third_party():
+    """Within the block, silence the noise third-party libraries print while a model loads or
+    gets its adapter: transformers' info/warning logs and tqdm bars ("Loading weights"),
+    bitsandbytes' import-time notices ("Failed to load CPU gemm_4bit_forward from
+    kernels-community"), and FutureWarnings/DeprecationWarnings raised from inside transformers,
+    PEFT or bitsandbytes. Scoped: everything is put back on exit, errors still raise, and the
+    engine's own messages (its events, its loggers, warnings from engine modules) pass."""
+    restore = []
+    if "transformers" in sys.modules or importlib.util.find_spec("transformers") is not None:
+        from transformers.utils import logging as hf_logging
+
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+        def _restore_hf():
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
+
+        restore.append(_restore_hf)
+    bnb = logging.getLogger("bitsandbytes")
+    bnb_level = bnb.level
+    bnb.setLevel(logging.ERROR)
+    restore.append(lambda: bnb.setLevel(bnb_level))
+    try:
+        with warnings.catch_warnings():
+            for category in (FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("ignore", category=category, module=_NOISY_MODULES)
+            yield
+    finally:
+        for undo in reversed(restore):
+            undo()
+
+
+def _import_peft_quietly() -> None:
+    """Import PEFT (which imports bitsandbytes when installed, and bitsandbytes logs its optional
+    kernels' absence at import) inside `quiet_third_party`, so the first import is the quiet one."""
+    if "peft" not in sys.modules and importlib.util.find_spec("peft") is not None:
+        import peft  # noqa: F401
 
 
 def _hub_error(source: str, exc: Exception) -> ModelLoadError:
@@ -94,10 +171,17 @@ def torch_dtype(name: str):
 
 
 def load_model(cfg: ModelConfig, device, dtype_name: str):
-    """Load the causal LM onto `device` in `dtype_name`; 4-bit NF4 when cfg.load_in_4bit is True."""
+    """Load the causal LM onto `device` in `dtype_name`; 4-bit NF4 when cfg.load_in_4bit is True.
+    Third-party noise during the load is silenced (`quiet_third_party`)."""
+    with quiet_third_party():
+        return _load_model(cfg, device, dtype_name)
+
+
+def _load_model(cfg: ModelConfig, device, dtype_name: str):
     import torch
     from transformers import AutoModelForCausalLM
 
+    _import_peft_quietly()
     device = torch.device(device)
     kwargs = dict(
         dtype=torch_dtype(dtype_name),

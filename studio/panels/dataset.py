@@ -9,6 +9,7 @@ Loading the rows, the tokenizer, rendering and packing all run on pool threads.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -53,11 +54,18 @@ def _get(obj, *names, default=None):
     return default
 
 
+def _sentence(text: str) -> str:
+    """The first line of a message: one sentence for a label or a tooltip."""
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    return line if len(line) <= 300 else line[:297] + "…"
+
+
 class DataPanel(QWidget):
     preview_ready = Signal(object)
     example_ready = Signal(object)
     packing_ready = Signal(object)
     failed = Signal(str)
+    status_changed = Signal()  # loading started, or the data turned out usable or not
 
     def __init__(self, state, settings, parent=None):
         super().__init__(parent)
@@ -68,6 +76,12 @@ class DataPanel(QWidget):
         self.tokenizer = None
         self._tokenizer_for = None
         self._gen = 0
+        # What the Train button needs to know: loading, or the reason the data cannot be used.
+        self.loading = False
+        self._problem = ""  # from the rows (unreadable file, unknown columns, no usable row)
+        self._packing_problem = ""  # from tokenizing them (nothing left to train on)
+        self.usable_examples: Optional[int] = None
+        self.checked_source: Optional[str] = None
 
         self.banner = Banner()
         self.demo = QRadioButton("Demo data set")
@@ -237,11 +251,27 @@ class DataPanel(QWidget):
         self._sync_from_state()
         self.reload()
 
+    # -- what Train needs to know ---------------------------------------------------------
+    @property
+    def problem(self) -> str:
+        """Why this data cannot be trained on, in one sentence ("" when it can, or is loading)."""
+        return self._problem or self._packing_problem
+
+    def _set_status(self, loading: bool, problem: Optional[str] = None) -> None:
+        self.loading = loading
+        if problem is not None:
+            self._problem = problem
+        self.status_changed.emit()
+
     # -- loading ----------------------------------------------------------------------------
     def reload(self) -> None:
         self._gen += 1
         gen = self._gen
         source = self.state.get("data.source")
+        self.checked_source = source
+        self.usable_examples = None
+        self._packing_problem = ""
+        self._set_status(True, "")
         self.banner.clear()
         self.summary.setText(f"Loading {source}…")
         self.load_button.setEnabled(False)
@@ -266,6 +296,8 @@ class DataPanel(QWidget):
         self.packing_stats.setText("—")
         self.banner.show_message(message, "error")
         self.summary.setText("The data could not be used: see the message above.")
+        self.usable_examples = 0
+        self._set_status(False, _sentence(message))
         self.failed.emit(message)
 
     def _preview_done(self, gen: int, preview) -> None:
@@ -297,11 +329,25 @@ class DataPanel(QWidget):
         first_ok = next((i for i in range(min(n, len(problems) + 1)) if i not in {p[0] for p in problems}), 0)
         self.example_index.setValue(first_ok)
         self.example_index.blockSignals(False)
-        self.preview_ready.emit(preview)
         error = _get(preview, "error", default=None)
+        bad = {int(i) for i, _ in problems}
+        self.usable_examples = 0 if error else max(0, n - len(bad))
+        if error:
+            problem = f"The data's columns cannot be used: {_sentence(str(error))}"
+        elif n == 0:
+            problem = "The data set has no rows."
+        elif self.usable_examples == 0:
+            first = f" (row {problems[0][0]}: {problems[0][1]})" if problems else ""
+            problem = f"None of the {n:,} rows can be used{first}; see the Problems tab."
+        else:
+            problem = ""
+        self._set_status(False, problem)
+        self.preview_ready.emit(preview)
         if error:
             self.banner.show_message(str(error), "error")
             return
+        if problem:
+            self.banner.show_message(problem, "error")
         self._analyse(gen)
 
     def _fill_problems(self, problems) -> None:
@@ -323,6 +369,9 @@ class DataPanel(QWidget):
 
     # -- tokenizer-dependent views ----------------------------------------------------------
     def _analyse(self, gen: int) -> None:
+        if self._packing_problem:
+            self._packing_problem = ""
+            self.status_changed.emit()
         model = dict(self.state.get("model"))
         if self.tokenizer is not None and self._tokenizer_for == model.get("name_or_path"):
             self._with_tokenizer(gen, self.tokenizer)
@@ -443,6 +492,11 @@ class DataPanel(QWidget):
             if extra:
                 merged = sorted(list(_get(self.preview, "problems", default=[]) or []) + extra)
                 self._fill_problems(merged)
+        examples = _get(lay, "examples", default=None)
+        if examples is not None and int(examples) == 0 and not self._problem:
+            self._packing_problem = "No example is left to train on once tokenized; see the Problems tab."
+            self.banner.show_message(self._packing_problem, "error")
+            self.status_changed.emit()
         self.packing_ready.emit(lay)
 
     def _packing_failed(self, gen: int, message: str) -> None:
@@ -450,6 +504,8 @@ class DataPanel(QWidget):
             return
         self.packing_stats.setText(f"Cannot pack this data: {message}")
         self.banner.show_message(f"Cannot pack this data: {message}", "error")
+        self._packing_problem = f"Cannot pack this data: {_sentence(message)}"
+        self.status_changed.emit()
 
     def _apply_mapping(self, kind: str, columns: dict) -> None:
         self.state.set("data.format", kind)

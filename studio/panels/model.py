@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 from studio import presets
 from studio.model_report import POPULAR_MODELS, model_report
 from studio.panels.common import Banner, caption, card, fmt_bytes, fmt_count, title, value_label
+from studio.state import model_problems
 from studio.tasks import run_task
 
 VERDICT_STYLE = {"fits": "good", "tight": "warn", "will not fit": "bad", "—": "muted"}
@@ -36,6 +37,7 @@ class ModelPanel(QWidget):
         super().__init__(parent)
         self.state, self.settings = state, settings
         self.report = None
+        self.problem = ""  # why the chosen model cannot be trained on ("" when it can)
         self._generation = 0
 
         self.banner = Banner()
@@ -243,6 +245,7 @@ class ModelPanel(QWidget):
         if gen != self._generation:
             return
         self.report = None
+        self.problem = message
         self.banner.show_message(message, "error")
         self.fields["name"].setText(name)
         for k in ("architecture", "params", "layers", "context", "shape", "lora"):
@@ -253,7 +256,12 @@ class ModelPanel(QWidget):
         if gen != self._generation:
             return  # a newer choice superseded this one
         self.report = rep
-        self.banner.clear()
+        problems = model_problems(dict(self.state.get("model")))
+        self.problem = "; ".join(problems)
+        if problems:
+            self.banner.show_message(f"This model cannot be trained on: {self.problem}.", "error")
+        else:
+            self.banner.clear()
         info = rep["info"]
         self.settings.add_recent_model(rep["name"])
         self._fill_recent()
@@ -278,8 +286,10 @@ class ModelPanel(QWidget):
         for row in rep["vram"]:
             need, verdict = self.vram_labels[row["mode"]]
             need.setText(fmt_bytes(row["bytes"]))
-            verdict.setText(row["verdict"])
-            verdict.setProperty("tone", VERDICT_STYLE.get(row["verdict"], "muted"))
+            # No verdict for a model that cannot load: "fits" would say it is ready.
+            text = "—" if problems else row["verdict"]
+            verdict.setText(text)
+            verdict.setProperty("tone", VERDICT_STYLE.get(text, "muted"))
             verdict.style().unpolish(verdict)
             verdict.style().polish(verdict)
         if self.state.profile is None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QTextCursor
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QTextCursor
 from PySide6.QtWidgets import (
     QGridLayout,
     QHBoxLayout,
@@ -33,6 +33,12 @@ from studio.widgets.series import Ema
 
 GiB = 1024**3
 MiB = 1024**2
+
+
+def one_sentence(text: str) -> str:
+    """The first non-empty line of a message, at most 300 characters."""
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "The run failed.")
+    return line if len(line) <= 300 else line[:297] + "…"
 
 
 class MonitorPanel(QWidget):
@@ -64,6 +70,12 @@ class MonitorPanel(QWidget):
         self.resume.clicked.connect(self.resume_requested)
         self.stop.clicked.connect(self.stop_requested)
         self.set_controls("idle")
+        # After a failure: opens the run's log.txt, where the traceback is (never in the log view).
+        self.details = QPushButton("Details…")
+        self.details.setToolTip("Open the run's log.txt, with the technical details of the failure")
+        self.details.clicked.connect(self.open_details)
+        self.details.hide()
+        self.details_path = ""
 
         self.loss = LiveChart("Loss")
         self.loss.add_series("loss", "#aab7b8", width=1)
@@ -116,7 +128,10 @@ class MonitorPanel(QWidget):
         lay = QVBoxLayout(self)
         lay.addWidget(title("Monitor", "Watch the run live. Stop saves a checkpoint you can export or resume."))
         lay.addWidget(self.banner)
-        lay.addWidget(self.status)
+        status_row = QHBoxLayout()
+        status_row.addWidget(self.status, 1)
+        status_row.addWidget(self.details, 0, Qt.AlignmentFlag.AlignTop)
+        lay.addLayout(status_row)
         lay.addLayout(controls)
         lay.addWidget(split, 1)
 
@@ -146,6 +161,10 @@ class MonitorPanel(QWidget):
         self.banner.clear()
         self.log.clear()
         self.progress.setRange(0, 0)  # busy until RunStarted says how many steps
+        self.progress.setFormat("%v / %m steps")
+        self.details.hide()
+        self.details_path = ""
+        self.total_steps = 0
         self.status.setText("Preparing: loading the model and data…")
         self.eta.setText("")
         self.last_step = 0
@@ -274,14 +293,24 @@ class MonitorPanel(QWidget):
         )
         self.progress.setRange(0, max(1, self.total_steps))
 
-    def failed(self, ev) -> None:
+    def failed(self, ev, details_path: str = "") -> None:
+        """One sentence in the window; the traceback is in `details_path` (the run's log.txt),
+        behind the Details button."""
         self.set_controls("idle")
         self.progress.setRange(0, max(1, self.total_steps))
-        text = ev.message
+        if not self.total_steps:
+            self.progress.setFormat("did not start")  # not "0 / 1 steps": there were none
+        text = one_sentence(ev.message)
         if ev.last_checkpoint:
             text += f" The last checkpoint is {ev.last_checkpoint}."
-        self.status.setText("The run failed.")
+        self.status.setText("The run failed." + (" Details has the technical log." if details_path else ""))
         self.banner.show_message(text, "error")
+        self.details_path = details_path
+        self.details.setVisible(bool(details_path))
+
+    def open_details(self) -> None:
+        if self.details_path:
+            QDesktopServices.openUrl(QUrl.fromLocalFile(self.details_path))
 
     # -- log and drawing --------------------------------------------------------------------
     def append_log(self, text: str, level: str = "info") -> None:

@@ -29,6 +29,7 @@ from studio.state import deep_merge
 
 class TrainingPanel(QWidget):
     train_requested = Signal()
+    gate_changed = Signal(bool, str)  # Train allowed, and why not (or what it does)
 
     def __init__(self, state, settings, parent=None):
         super().__init__(parent)
@@ -55,6 +56,15 @@ class TrainingPanel(QWidget):
         self.train.setObjectName("primary")
         self.train.setMinimumWidth(120)
         self.train.clicked.connect(self.train_requested)
+        # Why Train is disabled, beside it (the window sets the model and data reasons).
+        self.train_reason = QLabel("")
+        self.train_reason.setObjectName("trainReason")
+        self.train_reason.setWordWrap(True)
+        self.train_reason.setMaximumWidth(420)
+        self.train_reason.setStyleSheet("color: #c0392b;")
+        self.train_reason.hide()
+        self.blocker = ""  # the model or data reason Train is disabled for ("" when none)
+        self.running = False  # a run is in progress: Train stays disabled
 
         top = QHBoxLayout()
         top.addWidget(QLabel("Preset"))
@@ -63,6 +73,7 @@ class TrainingPanel(QWidget):
         top.addStretch(1)
         top.addWidget(load)
         top.addWidget(save)
+        top.addWidget(self.train_reason)
         top.addWidget(self.train)
 
         self.form = ConfigForm(state)
@@ -165,17 +176,39 @@ class TrainingPanel(QWidget):
             self.form.load_from_state()
             self.validate()
 
+    def set_blocker(self, reason: str) -> None:
+        """The model or data reason Train cannot start ("" when there is none)."""
+        if reason != self.blocker:
+            self.blocker = reason
+            self.validate()
+
+    def set_running(self, running: bool) -> None:
+        self.running = running
+        self.validate()
+
+    def _show_gate(self, reason: str) -> None:
+        allowed = not reason and not self.running
+        self.train.setEnabled(allowed)
+        if self.running:
+            tip = "A run is in progress: see the Monitor page"
+        else:
+            tip = f"Fix this first: {reason}" if reason else "Start training with these settings"
+        self.train.setToolTip(tip)
+        self.train_reason.setText(reason)
+        self.train_reason.setToolTip(reason)
+        self.train_reason.setVisible(bool(reason))
+        self.gate_changed.emit(allowed, tip)
+
     def validate(self) -> bool:
         exc = self.state.error()
         owned = self.form.show_error(exc)
-        self.train.setEnabled(exc is None)
         if exc is not None:
-            self.train.setToolTip(f"Fix this first: {exc}")
+            self._show_gate(f"the config is not valid: {exc}")
             if not owned:
                 self.banner.show_message(f"The config is not valid: {exc}", "error")
             self.auto_text.setPlainText("")
             return False
-        self.train.setToolTip("Start training with these settings")
+        self._show_gate(self.blocker)
         if self.banner.level == "error":
             self.banner.clear()
         self._show_auto()

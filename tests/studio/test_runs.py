@@ -58,7 +58,7 @@ def test_short_run_finishes_with_an_adapter(window, qtbot, runs_dir):
 
 
 def test_malformed_data_shows_an_error_and_the_app_keeps_working(window, qtbot, tmp_path, runs_dir):
-    from studio.main_window import DATA, MONITOR
+    from studio.main_window import DATA, TRAIN
 
     bad = tmp_path / "broken.jsonl"
     bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n', encoding="utf-8")
@@ -71,16 +71,12 @@ def test_malformed_data_shows_an_error_and_the_app_keeps_working(window, qtbot, 
     assert dp.banner.isVisible() and dp.banner.level == "error"
     screenshot(window, "data-error")
 
-    # Training on it fails as an event, shown in the window, not as a traceback.
+    # Train refuses it, and says why beside the button (tests/studio/test_train_gate.py).
     short_config(window.state, runs_dir, "bad", steps=5)
-    with qtbot.waitSignal(window.run_finished, timeout=120_000) as done:
-        assert window.start_training()
-    event = done.args[0]
-    assert type(event).__name__ == "Failed"
-    m = window.monitor_panel
-    assert m.banner.isVisible() and "line 2" in m.banner.text()
-    assert "ERROR" in m.log.toPlainText()
-    assert window.pages.currentIndex() == MONITOR
+    assert not window.start_training()
+    assert not window.training_panel.train.isEnabled()
+    assert "line 2" in window.training_panel.train_reason.text()
+    assert window.pages.currentIndex() == TRAIN
 
     # The window still works: back to the demo data.
     with qtbot.waitSignal(dp.preview_ready, timeout=60_000):
