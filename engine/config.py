@@ -155,7 +155,13 @@ class RunConfig:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError("", f"{path} is not valid YAML: {exc}") from exc
-        if data is not None and not isinstance(data, dict):
+        if data is None:
+            raise ConfigError(
+                "",
+                f"{path} is empty: it holds no settings (only blank lines or comments); "
+                "write at least one section, e.g. 'model:' or 'data:'",
+            )
+        if not isinstance(data, dict):
             raise ConfigError("", f"{path} must hold a mapping of sections, got {type(data).__name__}")
         try:
             return cls.from_dict(data)

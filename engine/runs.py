@@ -45,7 +45,8 @@ Functions:
                                 adapter first, then the latest checkpoint's), or None
   ``config_for(path)``          the config.yaml of the run a folder belongs to (walks up), or None
   ``tmp_for(final)``            the ".tmp" sibling a folder is written as before it is published
-  ``publish(tmp, final)``       replace ``final`` by ``tmp`` (rename; the old one removed first)
+  ``publish(tmp, final)``       replace ``final`` by ``tmp`` (rename; the old one removed first;
+                                files get the umask's permissions, e.g. 0644)
   ``read_run(path)``            a RunInfo, or None when ``path`` is not a run folder
   ``list_runs(root)``           RunInfo of every run folder directly under ``root``, newest first
 
@@ -56,6 +57,7 @@ exported or chatted with, the final adapter first, then checkpoints newest first
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -89,9 +91,37 @@ def tmp_for(final: str | Path) -> Path:
     return final.with_name(final.name + TMP_SUFFIX)
 
 
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask sets it, racing other threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _normal_permissions(tmp: Path) -> None:
+    """Give every file under `tmp` the permissions a plain new file gets (0644 under a 022 umask):
+    safetensors writes 0600 files, which other users and tools then cannot read."""
+    umask = _umask()
+    files = [tmp] if tmp.is_file() else (p for p in tmp.rglob("*") if p.is_file())
+    for p in files:
+        if p.is_symlink():
+            continue
+        full = 0o777 if p.stat().st_mode & 0o111 else 0o666
+        try:
+            os.chmod(p, full & ~umask)
+        except OSError:
+            pass  # not ours to change (e.g. another owner); the file is still usable
+
+
 def publish(tmp: Path, final: Path) -> Path:
     """Put a fully written `tmp` folder in place of `final`: a reader sees the old one, nothing,
-    or the new one, never a half-written one."""
+    or the new one, never a half-written one. Its files get the umask's permissions first."""
+    _normal_permissions(Path(tmp))
     shutil.rmtree(final, ignore_errors=True)
     Path(tmp).rename(final)
     return Path(final)
@@ -250,7 +280,13 @@ class RunFolder:
 
     # -- starting a run -------------------------------------------------------------------------
     def check_free(self, overwrite: bool = False) -> None:
-        """Refuse a folder that already holds a run (unless `overwrite`) or holds anything else."""
+        """Refuse a folder that already holds a run (unless `overwrite`) or holds anything else,
+        and a path that is (or lies under) a file."""
+        for p in (self.path, *self.path.parents):
+            if p.exists():
+                if not p.is_dir():
+                    raise RunFolderError(f"the output must be a folder, but {p} is a file")
+                break
         if self.path.exists() and any(self.path.iterdir()):
             if self.is_run() and not overwrite:
                 raise RunFolderError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import DataConfig
+from engine.data import plural
 from engine.data.formats import FormatSpec, detect_format, row_to_messages
 from engine.data.packing import PackingResult, pack_best_fit_decreasing
 from engine.data.render import ensure_chat_template, tokenize_example
@@ -76,6 +77,6 @@ def prepare_dataset(cfg: DataConfig, tokenizer, raw=None) -> PreparedData:
         masks.append(trained)
     if not docs:
         first = f"; first problem: row {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
-        raise DataError(f"{cfg.source}: no usable examples out of {len(raw)} rows{first}")
+        raise DataError(f"{cfg.source}: no usable examples out of {plural(len(raw), 'row')}{first}")
     packing = pack_best_fit_decreasing([len(d) for d in docs], limit)
     return PreparedData(docs, masks, packing, spec, len(raw), skipped, truncated, dropped, fallback)

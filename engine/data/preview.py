@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine.config import DataConfig
+from engine.data import plural
 from engine.data.formats import FormatSpec, detect_format, row_to_messages
 from engine.data.render import ensure_chat_template, tokenize_example
 from engine.data.sources import DataError, load_raw, resolve_source
@@ -88,7 +89,7 @@ def load_preview(cfg: DataConfig) -> DataPreview:
 def render_example(tokenizer, cfg: DataConfig, index: int) -> RenderedExample:
     ds = _raw(cfg)
     if not 0 <= index < len(ds):
-        raise DataError(f"row {index} does not exist ({len(ds)} rows)")
+        raise DataError(f"row {index} does not exist ({plural(len(ds), 'row')})")
     spec = detect_format(list(ds.column_names), cfg.format, cfg.columns)
     fallback = ensure_chat_template(tokenizer) if spec.kind != "text" else False
     try:

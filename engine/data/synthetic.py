@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.data import plural
+
 P_NEXT = 0.7
 SET_SIZE = 256
 
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-words", type=int, default=120)
     a = p.parse_args(argv)
     path = write_text_jsonl(a.out, a.docs, a.seed, words_per_doc=(a.min_words, a.max_words))
-    print(f"wrote {a.docs} documents to {path}")
+    print(f"wrote {plural(a.docs, 'document')} to {path}")
     return 0
 
 

@@ -139,7 +139,7 @@ def _atomic_dir(dst: Path, overwrite: bool) -> Path:
 def _commit(tmp: Path, dst: Path) -> list[str]:
     if dst.exists():
         shutil.rmtree(dst)
-    tmp.rename(dst)
+    runs.publish(tmp, dst)  # the rename, with normal file permissions (safetensors writes 0600)
     return sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file())
 
 

@@ -17,7 +17,7 @@ def write(source, out: Path, progress=None, dtype: str = "auto") -> None:
     import torch
     from peft import PeftModel
 
-    from engine.models.loading import load_model, load_tokenizer
+    from engine.models.loading import load_model, load_tokenizer, quiet_third_party
 
     cfg = source.config()
     if dtype == "auto":
@@ -29,7 +29,8 @@ def write(source, out: Path, progress=None, dtype: str = "auto") -> None:
     if progress:
         progress(f"loading base model {model_cfg.name_or_path}")
     base = load_model(model_cfg, "cpu", "float32")  # merge in fp32 for accuracy, store in 16 bits
-    model = PeftModel.from_pretrained(base, str(source.adapter))
+    with quiet_third_party():
+        model = PeftModel.from_pretrained(base, str(source.adapter))
     if progress:
         progress("merging the adapter")
     merged = model.merge_and_unload()

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 from engine.config import RunConfig
 from engine.counters import requested_but_not_run, reset_counters, split_counts
+from engine.data import plural
 from engine.events import (
     CheckpointSaved,
     Event,
@@ -107,7 +108,7 @@ class TrainingSession:
         for entry, n in fallbacks.items():
             if ("fallback", entry) not in said:
                 said.add(("fallback", entry))
-                self.log(f"Fast path fallback in step {step}: {entry} ({n} calls took the stock path)", level)
+                self.log(f"Fast path fallback in step {step}: {entry} ({plural(n, 'call')} took the stock path)", level)
         for path, what in requested_but_not_run(fast, calls, fallbacks, device).items():
             key = ("missing", path, what.split(":")[0].split(";")[0])
             if key not in said:
@@ -208,14 +209,15 @@ class TrainingSession:
         for idx, reason in data.skipped[:20]:
             self.log(f"Row {idx} skipped: {reason}", "warning")
         if len(data.skipped) > 20:
-            self.log(f"... and {len(data.skipped) - 20} more rows skipped", "warning")
+            self.log(f"... and {plural(len(data.skipped) - 20, 'more row', 'more rows')} skipped", "warning")
         if data.truncated:
             self.log(
-                f"{data.truncated} examples were longer than {config.data.max_seq_len} tokens and were truncated",
+                f"{plural(data.truncated, 'example')} {'was' if data.truncated == 1 else 'were'} longer than "
+                f"{config.data.max_seq_len} tokens and {'was' if data.truncated == 1 else 'were'} truncated",
                 "warning",
             )
         self.log(
-            f"{summary['examples']} examples packed into {summary['packed_rows']} rows of "
+            f"{plural(summary['examples'], 'example')} packed into {plural(summary['packed_rows'], 'row')} of "
             f"{summary['row_tokens']} tokens ({summary['packing_efficiency']:.1%} full)"
         )
 
@@ -227,14 +229,15 @@ class TrainingSession:
 
     def _setup_model(self) -> None:
         """The model with LoRA attached and the fast paths on (engine.train.step.prepare_model)."""
-        from engine.models.loading import load_model
+        from engine.models.loading import load_model, quiet_third_party
         from engine.models.lora import attach_lora, lora_parameters
         from engine.train.step import forward_loss, prepare_model
 
         config, t, device = self.config, self.config.training, self._device
         self.log(f"Loading model {config.model.name_or_path} on {device} ({config.model.dtype})")
         model = load_model(config.model, device, config.model.dtype)
-        model = attach_lora(model, config.lora)
+        with quiet_third_party():  # PEFT's FutureWarnings about transformers internals
+            model = attach_lora(model, config.lora)
         prepared = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=t.offload)
         self._model, self._offloader, self._fast = prepared.model, prepared.offloader, prepared.report
         self._forward_loss = forward_loss
