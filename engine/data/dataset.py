@@ -50,7 +50,7 @@ class PreparedData:
 
 def prepare_dataset(cfg: DataConfig, tokenizer, raw=None) -> PreparedData:
     raw = load_raw(cfg) if raw is None else raw
-    spec = detect_format(list(raw.column_names), cfg.format, cfg.columns)
+    spec = detect_format(list(raw.column_names), cfg.format, cfg.columns, cfg.source)
     fallback = ensure_chat_template(tokenizer) if spec.kind != "text" else False
     docs, masks, skipped = [], [], []
     truncated = dropped = 0

@@ -7,7 +7,10 @@ conversations as a list of messages in OpenAI form ({role, content}) or ShareGPT
 
 from __future__ import annotations
 
+import csv
+import itertools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.data.sources import DataError
 
@@ -43,7 +46,90 @@ class FormatSpec:
         return f"{self.kind} ({cols})"
 
 
-def detect_format(columns: list[str], wanted: str = "auto", mapping: dict[str, str] | None = None) -> FormatSpec:
+# The plain-words name of each shape's required fields, for the window and the CLI alike.
+SHAPE_WORDS = {
+    "conversations": "which column holds the conversation (a list of messages)",
+    "instruction": "which column holds the prompt and which the answer",
+    "text": "which column holds the text",
+}
+CONFIG_KEYS = {
+    "conversations": "data.columns: {messages: COLUMN}",
+    "instruction": "data.columns: {instruction: COLUMN, output: COLUMN}",
+    "text": "data.columns: {text: COLUMN}",
+}
+NO_HEADER_HINT = "the first row looks like data: the file may have no header row"
+
+
+class UnmatchedColumns(DataError):
+    """The columns match no known shape. One message source with fields: `str()` is the CLI's
+    sentence (file, columns, what to pick, the config key); the window formats `source`,
+    `columns`, `kinds` and `hint` its own way, next to its mapping controls."""
+
+    def __init__(self, columns: list[str], kinds: list[str], source: str | None = None, hint: str = ""):
+        self.columns = list(columns)
+        self.kinds = list(kinds)
+        self.source = source
+        self.hint = hint  # e.g. NO_HEADER_HINT, or ""
+        super().__init__(self.cli_message())
+
+    def what_to_pick(self) -> str:
+        return "; or ".join(SHAPE_WORDS[k] for k in self.kinds)
+
+    def cli_message(self) -> str:
+        where = f"{self.source}: " if self.source else ""
+        hint = f" ({self.hint})" if self.hint else ""
+        keys = "; or ".join(CONFIG_KEYS[k] for k in self.kinds)
+        return (
+            f"{where}the columns {', '.join(self.columns) or '(none)'} match no known shape{hint}; "
+            f"map them: pick {self.what_to_pick()} (in the window's Data page, or in the config: {keys})"
+        )
+
+
+def _looks_like_data(name: str) -> bool:
+    text = name.strip()
+    if not text:
+        return False
+    try:
+        float(text.replace(",", ""))
+        return True
+    except ValueError:
+        pass
+    return len(text) > 40 or len(text.split()) > 5 or text.endswith(("?", "."))
+
+
+def header_looks_like_data(columns: list[str], rows: list[list[str]] | None = None) -> bool:
+    """True when a CSV's "column names" read like a row of data: every name is numeric or a
+    sentence, or the names repeat values found in the later rows."""
+    names = [str(c) for c in columns if str(c).strip()]
+    if not names:
+        return False
+    if all(_looks_like_data(n) for n in names):
+        return True
+    if rows:
+        seen = {str(v).strip() for row in rows for v in row if str(v).strip()}
+        if sum(n.strip() in seen for n in names) * 2 >= len(names):
+            return True
+    return False
+
+
+def _csv_hint(source: str | None, columns: list[str]) -> str:
+    """NO_HEADER_HINT when `source` is a CSV file whose first row looks like data, else ""."""
+    if not source or not str(source).lower().endswith(".csv"):
+        return ""
+    rows: list[list[str]] = []
+    try:
+        with open(Path(source).expanduser(), encoding="utf-8", newline="") as f:
+            rows = list(itertools.islice(csv.reader(f), 1, 51))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        rows = []
+    return NO_HEADER_HINT if header_looks_like_data(columns, rows) else ""
+
+
+def detect_format(
+    columns: list[str], wanted: str = "auto", mapping: dict[str, str] | None = None, source: str | None = None
+) -> FormatSpec:
+    """The shape of a data set with these columns. `source` (the file) only words the error:
+    UnmatchedColumns names it, and a CSV whose first row looks like data gets NO_HEADER_HINT."""
     mapping = dict(mapping or {})
     for key, col in mapping.items():
         if key not in KNOWN_KEYS:
@@ -73,13 +159,7 @@ def detect_format(columns: list[str], wanted: str = "auto", mapping: dict[str, s
             return FormatSpec(kind, spec)
         if kind == "text" and found["text"]:
             return FormatSpec(kind, {"text": found["text"]})
-    need = {
-        "conversations": "a messages column (data.columns: {messages: COLUMN})",
-        "instruction": "instruction and output columns (data.columns: {instruction: COLUMN, output: COLUMN})",
-        "text": "a text column (data.columns: {text: COLUMN})",
-    }
-    hint = "; or ".join(need[k] for k in kinds)
-    raise DataError(f"the columns {', '.join(columns) or '(none)'} match no known shape; map them: {hint}")
+    raise UnmatchedColumns(columns, kinds, source, _csv_hint(source, columns))
 
 
 def _text(value, what: str) -> str:

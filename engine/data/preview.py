@@ -42,6 +42,9 @@ class DataPreview:
     problems: list[tuple[int, str]] = field(default_factory=list)  # (row index, reason)
     error: Optional[str] = None  # the format could not be detected (rows still browsable)
     _dataset: Any = None
+    # The DataError behind `error`: an UnmatchedColumns carries columns, kinds and hint fields the
+    # window words its own way (the CLI prints str(error)).
+    error_detail: Optional[DataError] = None
 
     def row(self, i: int) -> dict:
         return dict(self._dataset[i])
@@ -74,9 +77,9 @@ def load_preview(cfg: DataConfig) -> DataPreview:
     ds = _raw(cfg)
     columns = list(ds.column_names)
     try:
-        spec = detect_format(columns, cfg.format, cfg.columns)
+        spec = detect_format(columns, cfg.format, cfg.columns, cfg.source)
     except DataError as exc:
-        return DataPreview(columns, len(ds), None, {}, [], str(exc), ds)
+        return DataPreview(columns, len(ds), None, {}, [], str(exc), ds, exc)
     problems = []
     for i, row in enumerate(ds):
         try:
@@ -90,7 +93,7 @@ def render_example(tokenizer, cfg: DataConfig, index: int) -> RenderedExample:
     ds = _raw(cfg)
     if not 0 <= index < len(ds):
         raise DataError(f"row {index} does not exist ({plural(len(ds), 'row')})")
-    spec = detect_format(list(ds.column_names), cfg.format, cfg.columns)
+    spec = detect_format(list(ds.column_names), cfg.format, cfg.columns, cfg.source)
     fallback = ensure_chat_template(tokenizer) if spec.kind != "text" else False
     try:
         example = row_to_messages(ds[index], spec)

@@ -191,6 +191,7 @@ class DataPanel(QWidget):
         split.setStretchFactor(0, 4)
         split.setStretchFactor(1, 1)
         split.setSizes([900, 300])
+        self.map_split = split
 
         lay = QVBoxLayout(self)
         lay.addWidget(title("Data", "Load examples to train on and check how the model will see them."))
@@ -314,7 +315,10 @@ class DataPanel(QWidget):
             _get(preview, "mapping", "column_mapping", default=None) or _get(spec, "mapping", default={}) or {}
         )
         columns = list(_get(preview, "columns", default=[]))
-        self.mapping.set_detected(columns, kind or "", mapping, self.state.get("data.format"))
+        # Columns that match no shape: open the mapping controls (usable under Format auto).
+        unmatched = _get(preview, "error_detail", default=None)
+        unmatched = unmatched if hasattr(unmatched, "kinds") else None
+        self.mapping.set_detected(columns, kind or "", mapping, self.state.get("data.format"), unmatched is not None)
         source = self.state.get("data.source")
         self.settings.add_recent_dataset(source)
         self._fill_recent()
@@ -332,7 +336,11 @@ class DataPanel(QWidget):
         error = _get(preview, "error", default=None)
         bad = {int(i) for i, _ in problems}
         self.usable_examples = 0 if error else max(0, n - len(bad))
-        if error:
+        if unmatched is not None:
+            problem = (
+                f"The data's columns ({', '.join(columns) or 'none'}) match no known shape: map them on the Data page."
+            )
+        elif error:
             problem = f"The data's columns cannot be used: {_sentence(str(error))}"
         elif n == 0:
             problem = "The data set has no rows."
@@ -343,6 +351,10 @@ class DataPanel(QWidget):
             problem = ""
         self._set_status(False, problem)
         self.preview_ready.emit(preview)
+        if unmatched is not None:
+            self.banner.show_message(self._unmatched_message(unmatched, source), "error")
+            self._open_mapping()
+            return
         if error:
             self.banner.show_message(str(error), "error")
             return
@@ -507,7 +519,34 @@ class DataPanel(QWidget):
         self._packing_problem = f"Cannot pack this data: {_sentence(message)}"
         self.status_changed.emit()
 
+    # -- format and column mapping ----------------------------------------------------------
+    @staticmethod
+    def _unmatched_message(err, source: str) -> str:
+        """The engine's UnmatchedColumns (file, columns, shapes tried, hint) in the window's words,
+        around the mapping controls beside the rows (the CLI prints the config key instead)."""
+        name = Path(str(err.source or source)).name or str(source)
+        cols = ", ".join(err.columns) or "(none)"
+        kinds = list(err.kinds)
+        pick = "which column holds the prompt and which the answer" if len(kinds) != 1 else err.what_to_pick()
+        text = (
+            f"The columns of {name} ({cols}) match no known shape, so map them: "
+            f"pick {pick} below, then press Apply mapping."
+        )
+        if err.hint:
+            text += f" Note: {err.hint}."
+        return text
+
+    def _open_mapping(self) -> None:
+        """Make the mapping controls visible and put the focus on the first one."""
+        sizes = self.map_split.sizes()
+        if len(sizes) == 2 and sizes[1] == 0:
+            self.map_split.setSizes([max(1, sizes[0] - 300), 300])
+        self.mapping.setEnabled(True)
+        if self.mapping.boxes:
+            next(iter(self.mapping.boxes.values())).setFocus()
+
     def _apply_mapping(self, kind: str, columns: dict) -> None:
         self.state.set("data.format", kind)
-        self.state.set("data.columns", columns if kind != "auto" else {})
+        # Under auto a mapping still counts: detection uses the mapped columns first.
+        self.state.set("data.columns", dict(columns))
         self.reload()

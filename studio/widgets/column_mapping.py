@@ -1,7 +1,8 @@
 """Editor for the detected data format and its column mapping (data.format, data.columns).
 
 Each format has a few canonical fields (instruction/input/output/system, messages, text);
-the person maps each to one of the file's columns, or leaves it to detection.
+the person maps each to one of the file's columns, or leaves it to detection. When detection
+finds no shape, the prompt/answer fields open under Format auto, usable right away.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ FIELDS = {
     "text": ["text"],
 }
 REQUIRED = {"instruction", "output", "messages", "text"}
+# What each field holds, in the window's words.
+LABELS = {"instruction": "prompt", "input": "extra input", "output": "answer", "system": "system prompt"}
 NONE = "(none)"
 
 
@@ -44,10 +47,22 @@ class ColumnMappingEditor(QWidget):
         lay.addWidget(self.apply)
         self.columns: list[str] = []
         self.boxes: dict[str, QComboBox] = {}
+        self.unmatched = False  # detection found no shape: auto shows the prompt/answer fields
 
-    def set_detected(self, columns: list[str], kind: str, mapping: dict[str, str], chosen_format: str = "auto") -> None:
+    def fields(self, kind: str) -> list[str]:
+        if kind == "auto" and self.unmatched:
+            return FIELDS["instruction"]
+        return FIELDS.get(kind, [])
+
+    def set_detected(
+        self, columns: list[str], kind: str, mapping: dict[str, str], chosen_format: str = "auto", unmatched=False
+    ) -> None:
+        """Show what was detected; `unmatched` (no shape found) opens the prompt/answer fields."""
         self.columns = list(columns)
-        self.detected.setText(f"detected: {kind or 'unknown'}")
+        self.unmatched = bool(unmatched)
+        self.detected.setText(
+            "detected: none; pick the prompt and answer columns" if self.unmatched else f"detected: {kind or 'unknown'}"
+        )
         self.format.blockSignals(True)
         self.format.setCurrentText(kind if kind in FIELDS else chosen_format)
         self.format.blockSignals(False)
@@ -59,13 +74,13 @@ class ColumnMappingEditor(QWidget):
         while self.form.rowCount():
             self.form.removeRow(0)
         self.boxes = {}
-        for name in FIELDS.get(kind, []):
+        for name in self.fields(kind):
             box = QComboBox()
             box.addItem(NONE)
             box.addItems(self.columns)
             box.setCurrentText(mapping.get(name, NONE) if mapping.get(name) in self.columns else NONE)
             box.setObjectName(f"map:{name}")
-            label = name + (" *" if name in REQUIRED else "")
+            label = (f"{LABELS[name]} ({name})" if name in LABELS else name) + (" *" if name in REQUIRED else "")
             self.form.addRow(label, box)
             self.boxes[name] = box
 
