@@ -341,8 +341,9 @@ class MainWindow(QMainWindow):
             m.finished(event)
             self.steps.set_state(MONITOR, "done")
             self.statusBar().showMessage(("Stopped" if event.stopped else "Finished") + f": {event.run_dir}", 10000)
-            self.export_panel.refresh(select=event.run_dir if not event.stopped else None)
-            self.chat_panel.refresh()
+            # The run that just ended is the one to export or chat with (its newest adapter).
+            self.export_panel.refresh(select=str(event.run_dir))
+            self.chat_panel.refresh(select=str(event.run_dir))
         elif isinstance(event, api.Failed):
             self.finished_event = event
             m.failed(event, self._write_details(event))

@@ -95,6 +95,9 @@ class ChatPanel(QWidget):
                 self.source.addItem(f"{run.name} — {label}", str(path))
         if current:
             i = self.source.findData(str(current))
+            if i < 0 and select:
+                # A run folder without a final adapter (stopped): its newest checkpoint.
+                i = next((j for j in range(self.source.count()) if _inside(self.source.itemData(j), str(select))), -1)
             if i >= 0:
                 self.source.setCurrentIndex(i)
         self._set_busy(False)
@@ -152,3 +155,9 @@ class ChatPanel(QWidget):
     def _failed(self, message: str, detail: str) -> None:
         self._set_busy(False, "Nothing loaded." if self.model is None else self.loaded.text())
         self.banner.show_message(f"Chat failed: {message}", "error")
+
+
+def _inside(path: str, folder: str) -> bool:
+    from pathlib import Path
+
+    return Path(folder) in Path(path).parents or Path(path) == Path(folder)

@@ -416,6 +416,12 @@ class DataPanel(QWidget):
         self.tokenizer = None
         if self.preview is not None:
             self._gen += 1
+            # What the banner said about the previous model's tokenizer or packing is stale:
+            # keep only the data's own problem; the new model's analysis re-sets the rest.
+            if self._problem:
+                self.banner.show_message(self._problem, "error")
+            else:
+                self.banner.clear()
             self._analyse(self._gen)
 
     def _with_tokenizer(self, gen: int, tok) -> None:

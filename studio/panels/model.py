@@ -39,6 +39,8 @@ class ModelPanel(QWidget):
         self.report = None
         self.problem = ""  # why the chosen model cannot be trained on ("" when it can)
         self._generation = 0
+        self._reported_name = None  # the model the page's report and banner are about
+        self._syncing = False
 
         self.banner = Banner()
         self.demo = QRadioButton("Bundled demo model (tiny, trains in seconds on a CPU)")
@@ -91,6 +93,12 @@ class ModelPanel(QWidget):
         self.folder.textEdited.connect(lambda: self.local.setChecked(True))
         self.hub_id.lineEdit().textEdited.connect(lambda: self.hub.setChecked(True))
         self.hub_id.activated.connect(lambda: self.hub.setChecked(True))
+        # A message about the previous source (a missing folder, ...) is stale once the source
+        # is being changed; the next report re-sets it only if the new source has a problem.
+        self.folder.textEdited.connect(self._source_edited)
+        self.hub_id.lineEdit().textEdited.connect(self._source_edited)
+        self.hub_id.activated.connect(self._source_edited)
+        group.buttonToggled.connect(lambda _b, checked: checked and self._source_edited())
 
         # What the config says.
         info, info_lay = card()
@@ -189,7 +197,18 @@ class ModelPanel(QWidget):
         self.refresh()
         self.model_chosen.emit(name_or_path)
 
+    def _source_edited(self, *_args) -> None:
+        if not self._syncing:
+            self.banner.clear()
+
     def _sync_from_state(self) -> None:
+        self._syncing = True
+        try:
+            self._sync_radio_and_fields()
+        finally:
+            self._syncing = False
+
+    def _sync_radio_and_fields(self) -> None:
         name = self.state.get("model.name_or_path")
         if name == "demo":
             self.demo.setChecked(True)
@@ -224,6 +243,11 @@ class ModelPanel(QWidget):
         self._generation += 1
         gen = self._generation
         name = self.state.get("model.name_or_path")
+        if name != self._reported_name:
+            # A new model: nothing said about the previous one stays up while this one is read.
+            self._reported_name = name
+            self.banner.clear()
+            self._clear_estimates()
         self.fields["name"].setText(f"{name}  <i>(reading config…)</i>")
         try:
             r = int(self.state.get("lora.r"))
@@ -250,7 +274,21 @@ class ModelPanel(QWidget):
         self.fields["name"].setText(name)
         for k in ("architecture", "params", "layers", "context", "shape", "lora"):
             self.fields[k].setText("—")
+        self._clear_estimates()
         self.report_ready.emit(None)
+
+    def _clear_estimates(self) -> None:
+        """Memory badges and fast paths back to "—": they described another model."""
+        self.mem_title.setText("<b>Memory estimate</b>")
+        for need, verdict in self.vram_labels.values():
+            need.setText("—")
+            verdict.setText("—")
+            verdict.setProperty("tone", VERDICT_STYLE["—"])
+            verdict.style().unpolish(verdict)
+            verdict.style().polish(verdict)
+        self.device_label.setText("")
+        self.fast_paths.setText("—")
+        self.fast_paths.setToolTip("")
 
     def _show(self, gen: int, rep: dict) -> None:
         if gen != self._generation:

@@ -268,6 +268,11 @@ class MonitorPanel(QWidget):
             f"Ran in the last step: {ran}."
         )
 
+    def _clear_eta(self) -> None:
+        """The ETA and per-step figures describe a run in progress: gone once it stops."""
+        self.eta.setText("")
+        self.eta.setToolTip("")
+
     def paused(self, step: int) -> None:
         self.set_controls("paused")
         self.status.setText(f"Paused after step {step}. Resume continues from here; Stop saves a checkpoint.")
@@ -277,10 +282,12 @@ class MonitorPanel(QWidget):
         self.status.setText(f"Training (resumed at step {step})")
 
     def stopping(self) -> None:
+        self._clear_eta()
         self.set_controls("stopping")
         self.status.setText("Stopping after the current step and saving a checkpoint…")
 
     def finished(self, ev) -> None:
+        self._clear_eta()
         # The redraw timer finishes drawing chart by chart, then stops itself.
         self.set_controls("idle")
         summary = ev.summary or {}
@@ -296,6 +303,7 @@ class MonitorPanel(QWidget):
     def failed(self, ev, details_path: str = "") -> None:
         """One sentence in the window; the traceback is in `details_path` (the run's log.txt),
         behind the Details button."""
+        self._clear_eta()
         self.set_controls("idle")
         self.progress.setRange(0, max(1, self.total_steps))
         if not self.total_steps:
