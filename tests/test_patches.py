@@ -19,6 +19,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.config import FastPathConfig
+from engine.fastpath import patching
+from engine.fastpath.attention import disable_packed_attention, enable_packed_attention
 from engine.models.patches import FAST_PATHS, REGISTRY, apply_fast_paths, remove_fast_paths
 
 CPU = torch.device("cpu")
@@ -294,9 +296,51 @@ def test_runtime_fallbacks_and_removal():
         nxt = model(input_ids=ids[:, 9:10], past_key_values=cache.past_key_values, use_cache=True).logits
         torch.testing.assert_close(nxt, next_ref, rtol=1e-5, atol=1e-5)
 
-    patched = [m for m in model.modules() if "_tunesmith_stock_forward" in m.__dict__]
+    patched = [m for m in model.modules() if patching.installed(m) is not None]
     assert len(patched) == 2 * 4 + 1  # per layer: 2 norms, attention, MLP; plus the final norm
     assert remove_fast_paths(model) == len(patched)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def _foreign_marks(model) -> list[str]:
+    """`_tunesmith*` attributes on modules and configs, which belong to other libraries."""
+    found = []
+    for name, m in model.named_modules():
+        for holder, what in ((m, name), (getattr(m, "config", None), f"{name}.config")):
+            for attr in getattr(holder, "__dict__", {}):
+                if attr.startswith("_tunesmith") or attr.startswith("tunesmith"):
+                    found.append(f"{what}.{attr}")
+    return found
+
+
+def test_patches_leave_no_marks_on_transformers_objects_and_survive_deepcopy():
+    model = tiny("qwen3")
+    ids, pos = packed_batch()
+    assert enable_packed_attention(model) == "on"
+    assert apply_fast_paths(model, FastPathConfig(), CPU) == ALL_ON
+    assert _foreign_marks(model) == []
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos).logits
+
+    twin = copy.deepcopy(model)
+    assert _foreign_marks(twin) == []
+    n_patched = sum(patching.installed(m) is not None for m in model.modules())
+    assert n_patched == 2 * 6 + 1  # per layer: 2 norms, q/k norms, attention, MLP; plus the final norm
+    assert sum(patching.installed(m) is not None for m in twin.modules()) == n_patched
+    # Each copied forward runs on its own module: change the copy's adapters, the original keeps its output.
+    with torch.no_grad():
+        torch.testing.assert_close(twin(input_ids=ids, position_ids=pos).logits, ref, rtol=1e-5, atol=1e-5)
+        for n, p in twin.named_parameters():
+            if "lora_B" in n:
+                p.zero_()
+        twin_out = twin(input_ids=ids, position_ids=pos).logits
+        with twin.disable_adapter():
+            twin_base = twin(input_ids=ids, position_ids=pos).logits
+        torch.testing.assert_close(twin_out, twin_base, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(input_ids=ids, position_ids=pos).logits, ref, rtol=0, atol=0)
+
+    assert remove_fast_paths(model) == n_patched
+    assert disable_packed_attention(model).startswith("restored")
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 

@@ -25,6 +25,7 @@ import functools
 import inspect
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,8 +37,11 @@ from engine.kernels.varlen_attention import KEPT_KWARG, varlen_attention_referen
 from engine.peft_model import hf_model
 
 ATTN_NAME = "tunesmith_varlen"
-_OPTIONS_ATTR = "_tunesmith_attn_options"
-_PREVIOUS_ATTR = "_tunesmith_previous_attn"
+# What enable_packed_attention decided, kept here rather than as attributes of transformers'
+# objects: the options of each module of a switched model, and the implementation it had before.
+# Weak keys: a dropped model takes its entries with it.
+_OPTIONS: "weakref.WeakKeyDictionary[torch.nn.Module, PackedAttentionOptions]" = weakref.WeakKeyDictionary()
+_PREVIOUS: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -273,7 +277,7 @@ def tunesmith_varlen_attention_forward(
     ([B, T, Hq, D], None). Packed rows (B == 1) come with `cu_seq_lens_q`/`max_length_q`
     from the collator; without them the documents are found from `position_ids` (a sync,
     counted) or, with neither, every row is one document."""
-    opts: PackedAttentionOptions = getattr(module, _OPTIONS_ATTR, DEFAULT_OPTIONS)
+    opts = _OPTIONS.get(module, DEFAULT_OPTIONS)
     b, hq, t, d = query.shape
     scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
     is_causal = kwargs.get("is_causal", None)
@@ -376,9 +380,8 @@ def enable_packed_attention(
         return f"off: model kept attn_implementation={base.config._attn_implementation!r}"
     options = PackedAttentionOptions(cached_metadata=cached_metadata, use_flash_attn=use_flash_attn, backend=backend)
     for mod in base.modules():
-        setattr(mod, _OPTIONS_ATTR, options)
-    if not hasattr(base, _PREVIOUS_ATTR):
-        setattr(base, _PREVIOUS_ATTR, previous)
+        _OPTIONS[mod] = options
+    _PREVIOUS.setdefault(base, previous)
     if use_flash_attn and not flash_attn_available():
         warnings.warn("flash-attn is not importable; using the Triton varlen kernel", stacklevel=2)
     return "on"
@@ -399,15 +402,13 @@ def _set_config_impl(base, name) -> None:
 def disable_packed_attention(model) -> str:
     """Restore the attention implementation the model had before enable_packed_attention."""
     base = hf_model(model)
-    previous = getattr(base, _PREVIOUS_ATTR, None)
+    previous = _PREVIOUS.pop(base, None)
     if previous is None:
         return "off: packed attention was not enabled"
     try:
         base.set_attn_implementation(previous)
     except Exception:
         _set_config_impl(base, previous)
-    delattr(base, _PREVIOUS_ATTR)
     for mod in base.modules():
-        if _OPTIONS_ATTR in mod.__dict__:
-            delattr(mod, _OPTIONS_ATTR)
+        _OPTIONS.pop(mod, None)
     return "restored " + str(previous)

@@ -45,9 +45,10 @@ from torch import nn
 # expert offsets once per call; the grouped_mm path never does) go to engine.counters, where
 # the training loop reads them with the packing counts.
 from engine.counters import COUNTERS, count_fallback, reset_counters  # noqa: F401
+from engine.fastpath import patching
 from engine.kernels import moe as moe_kernels
 
-_MARK = "_tunesmith_moe_stock_forward"
+_KIND = "moe"  # engine.fastpath.patching kind of the grouped forward
 # transformers model types whose sparse blocks this module groups.
 MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -184,20 +185,13 @@ def group_block(block: nn.Module, *, impl: str = "auto", kernels: str = "auto") 
     if plan is None:
         raise ValueError(why)
     plan.impl, plan.kernels = impl, kernels
-    block._tunesmith_moe_plan = plan
-    setattr(block, _MARK, True)
-    # An instance attribute shadows the class's forward; nn.Module.__call__ picks it up.
-    block.forward = _grouped_forward.__get__(block, type(block))
+    patching.install(block, _grouped_forward, plan, _KIND)
     return block
 
 
 def ungroup_block(block: nn.Module) -> bool:
     """Restore the stock forward; True when there was a grouped one."""
-    if block.__dict__.pop(_MARK, False):
-        block.__dict__.pop("forward", None)
-        block.__dict__.pop("_tunesmith_moe_plan", None)
-        return True
-    return False
+    return patching.uninstall(block, _KIND)
 
 
 def remove_moe_grouping(model: nn.Module) -> int:
@@ -244,8 +238,7 @@ def _runtime_reason(block: nn.Module, x: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _grouped_forward(self, hidden_states: torch.Tensor):
-    plan: _Plan = self._tunesmith_moe_plan
+def _grouped_forward(self, plan: _Plan, hidden_states: torch.Tensor):
     reason = _runtime_reason(self, hidden_states)
     if reason is not None:
         count_fallback("moe", reason)
@@ -267,7 +260,8 @@ def _dims(experts: nn.Module, plan: Optional[_Plan]) -> tuple[int, int, int]:
 
 def matmul_path(block: nn.Module, dtype: torch.dtype, device) -> str:
     """ "grouped_mm" or "loop": what the grouped forward of `block` uses for such inputs."""
-    plan = getattr(block, "_tunesmith_moe_plan", None) or _plan_for(block)[0]
+    patch = patching.installed(block, _KIND)
+    plan = patch.plan if patch is not None else _plan_for(block)[0]
     if plan is None:
         return "stock"
     n_exp, hidden, inter = _dims(block.experts, plan)

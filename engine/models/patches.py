@@ -47,13 +47,14 @@ import torch
 from torch import nn
 
 from engine.counters import count_fallback
+from engine.fastpath import patching
 from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp
 from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason
 from engine.kernels.rope import rope_reference
 from engine.peft_model import hf_model
 
 FAST_PATHS = ("rmsnorm", "rope", "activations", "lora_qkv", "lora_o", "lora_mlp")
-_MARK = "_tunesmith_stock_forward"
+_KIND = "patches"  # engine.fastpath.patching kind of the forwards installed here
 
 
 # -- the registry ----------------------------------------------------------------------------------
@@ -189,8 +190,7 @@ def _act_kind(act_fn: nn.Module) -> tuple[Optional[str], str]:
 # -- patched forwards -----------------------------------------------------------------------------
 
 
-def _rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    plan = self._tunesmith_plan
+def _rmsnorm_forward(self, plan: dict, hidden_states: torch.Tensor) -> torch.Tensor:
     # Llama-style norms return weight * x.to(dtype): an fp32 weight on bf16 activations would
     # promote the output, which the kernel does not; that rare mix keeps the stock forward.
     if plan["offset"] == 0.0 and self.weight.dtype != hidden_states.dtype:
@@ -226,8 +226,7 @@ def _lora_runtime_reason(groups, x: torch.Tensor) -> str:
     return "runtime check failed"
 
 
-def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    plan: _MLPPlan = self._tunesmith_plan
+def _mlp_forward(self, plan: _MLPPlan, x: torch.Tensor) -> torch.Tensor:
     groups = plan.groups
     reason = None
     if groups is not None:
@@ -273,8 +272,9 @@ def _stock_attention_reason(args, cache, hidden_states) -> str:
     return "positional arguments" if args else "no position embeddings"
 
 
-def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
-    plan: _AttnPlan = self._tunesmith_plan
+def _attention_forward(
+    self, plan: _AttnPlan, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs
+):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if args or cache is not None or position_embeddings is None or torch.is_autocast_enabled(hidden_states.device.type):
         # Generation with a KV cache (or an unforeseen call shape): the stock forward knows
@@ -402,21 +402,12 @@ def _stock_signature_names(forward: Callable) -> frozenset:
 
 
 def _install(module: nn.Module, forward: Callable, plan: Any) -> None:
-    module._tunesmith_plan = plan
-    setattr(module, _MARK, True)
-    # An instance attribute shadows the class's forward; nn.Module.__call__ picks it up.
-    module.forward = forward.__get__(module, type(module))
+    patching.install(module, forward, plan, _KIND)
 
 
 def remove_fast_paths(model: nn.Module) -> int:
     """Restore every stock forward `apply_fast_paths` replaced; returns how many."""
-    n = 0
-    for module in model.modules():
-        if module.__dict__.pop(_MARK, False):
-            module.__dict__.pop("forward", None)
-            module.__dict__.pop("_tunesmith_plan", None)
-            n += 1
-    return n
+    return sum(patching.uninstall(module, _KIND) for module in list(model.modules()))
 
 
 def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto") -> dict[str, str]:
