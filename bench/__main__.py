@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="impl: each implementation on every workload before the next (default; the "
         "important ones first under a time budget); workload: one workload at a time",
     )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure every implementation N times in this run, interleaved (W1 is host-bound: "
+        "its target is the median of 3); RESULTS.md shows the median and the range",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 8; --cpu-smoke 2)")
     p.add_argument(
         "--lr",
@@ -216,14 +223,24 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
         )
     # Impl-major by default: under a time budget every workload gets ours and the best peers
     # before any workload gets the slow baselines.
-    jobs = [(wl, impl, opts) for wl in speed for impl, opts in plan_impls(wl, impls, variants)]
+    # Repeats are interleaved (every implementation once, then again), so a drift of the machine
+    # during the run touches all of them alike.
+    repeats = max(1, args.repeat)
+    jobs = [
+        (wl, impl, opts, rep)
+        for wl in speed
+        for rep in range(1, repeats + 1)
+        for impl, opts in plan_impls(wl, impls, variants)
+    ]
     if args.order == "impl":
         rank = {}
-        for wl, impl, opts in jobs:
+        for wl, impl, opts, _ in jobs:
             rank.setdefault((impl, opts.get("variant")), len(rank))
-        jobs.sort(key=lambda j: rank[(j[1], j[2].get("variant"))])
-    for wl, impl, options in jobs:
+        jobs.sort(key=lambda j: (j[3], rank[(j[1], j[2].get("variant"))]))
+    for wl, impl, options, rep in jobs:
         base = dict(base_record(args, env), lr=lr_for(wl, args), data=describe(wl.config["vocab_size"]))
+        if repeats > 1:
+            base["repeat"] = rep
         left = budget.remaining()
         need = max(15.0, 0.6 * longest[wl.id])  # a peer rarely takes less than this workload's slowest so far
         if left < need and impl != "unsloth":

@@ -201,6 +201,29 @@ def test_summary_never_takes_ratios_or_references_across_runs(tmp_path):
     assert "no stock HF + PEFT / Liger curve in run C" in text
 
 
+def test_headline_is_one_run_and_repeats_give_median_and_range(tmp_path):
+    matching = [x * 1.001 for x in STOCK]
+    late = "2026-12-02T10:00:00+00:00"
+    recs = [
+        # An older run with a faster peer: it must not appear beside the newer run's rows.
+        _rec("ours", "old", 40_000.0, matching),
+        _rec("hf_flex", "old", 30_000.0, STOCK),
+        # The newest run measured each implementation three times (--repeat 3).
+        *(dict(_rec("ours", "new", s, matching, date=late), repeat=i) for i, s in enumerate((60e3, 90e3, 70e3), 1)),
+        *(dict(_rec("hf_sdpa", "new", s, STOCK, date=late), repeat=i) for i, s in enumerate((10e3, 12e3, 11e3), 1)),
+    ]
+    results, md = tmp_path / "r.jsonl", tmp_path / "R.md"
+    results.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["--summarize", "--results", str(results), "--md", str(md)]) == 0
+    headline, history = md.read_text().split("<details>")
+    assert "Latest run new" in headline and "3 repeats" in headline
+    assert "30,000" not in headline and "| old |" not in headline  # other runs only in the history
+    # Median 70,000 over the range 60,000-90,000; the ratio is of the medians within the run.
+    assert "| ours | ok | 70,000 | 60,000-90,000 |" in headline and "6.36x" in headline
+    assert "3/3 repeats" in headline
+    assert "30,000" in history and "90,000" in history  # every record stays in the history
+
+
 def test_ceiling_reproduces_workloads_md():
     # WORKLOADS.md: ~219k tokens/s on W1 and ~106k on W2 (N = matmul parameters incl. LM head).
     assert ceiling_tokens_per_s(WORKLOADS["W1"]) == pytest.approx(219_000, rel=0.02)
