@@ -41,6 +41,8 @@ from engine.data.preview import (
     render_example,
 )
 from engine.data.sources import DataError
+from engine.data.xray import KINDS as DATA_FINDINGS
+from engine.data.xray import XRay, xray
 
 # -- events ------------------------------------------------------------------------------------
 from engine.events import (
@@ -212,6 +214,9 @@ __all__ = [
     "load_preview",
     "render_example",
     "packing_layout",
+    "XRay",
+    "xray",
+    "DATA_FINDINGS",
     # export
     "EXPORTERS",
     "ExportKind",

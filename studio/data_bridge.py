@@ -43,3 +43,8 @@ def render_example(tokenizer, data: dict[str, Any], index: int):
 def packing_layout(tokenizer, data: dict[str, Any]):
     with _tokenizer_lock:
         return api.packing_layout(tokenizer, data_config(data))
+
+
+def xray(tokenizer, data: dict[str, Any]):
+    with _tokenizer_lock:
+        return api.xray(data_config(data), tokenizer)

@@ -33,16 +33,19 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.api import DATA_FINDINGS
 from studio import data_bridge
 from studio.panels.common import Banner, caption, card, title
 from studio.tasks import run_task
 from studio.widgets.column_mapping import ColumnMappingEditor
+from studio.widgets.data_xray import DataXRay
 from studio.widgets.packing_view import PackingView
 from studio.widgets.rows_model import RowsModel
 from studio.widgets.token_mask_view import TokenMaskView
 
 FILE_FILTER = "Data sets (*.jsonl *.json *.csv *.parquet);;All files (*)"
 MAX_PROBLEMS_SHOWN = 2000
+EXAMPLE_TAB, XRAY_TAB = 1, 4  # indices in the page's tabs: Rows, Example, Packing, Problems, X-ray
 
 
 def _get(obj, *names, default=None):
@@ -64,6 +67,7 @@ class DataPanel(QWidget):
     preview_ready = Signal(object)
     example_ready = Signal(object)
     packing_ready = Signal(object)
+    xray_ready = Signal(object)
     failed = Signal(str)
     status_changed = Signal()  # loading started, or the data turned out usable or not
 
@@ -184,6 +188,11 @@ class DataPanel(QWidget):
         self.tabs.addTab(ex, "Example")
         self.tabs.addTab(pk, "Packing")
         self.tabs.addTab(self.problems, "Problems")
+        # X-ray tab: rows worth a look before training (engine.data.xray).
+        self.xray_view = DataXRay()
+        self.xray_view.row_chosen.connect(self._show_row)
+        self.xray = None
+        self.tabs.addTab(self.xray_view, "X-ray")
 
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(self.tabs)
@@ -437,6 +446,33 @@ class DataPanel(QWidget):
             on_done=lambda lay: self._packing_done(gen, lay),
             on_error=lambda m, d: self._packing_failed(gen, m),
         )
+        self.xray_view.set_message("Checking every row…")
+        self.tabs.setTabText(XRAY_TAB, "X-ray")
+        run_task(
+            data_bridge.xray,
+            tok,
+            dict(self.state.get("data")),
+            owner=self,
+            on_done=lambda x: self._xray_done(gen, x),
+            on_error=lambda m, d: self._xray_failed(gen, m),
+        )
+
+    def _xray_done(self, gen: int, x) -> None:
+        if gen != self._gen:
+            return
+        self.xray = x
+        n = self.xray_view.set_xray(x, DATA_FINDINGS)
+        self.tabs.setTabText(XRAY_TAB, f"X-ray ({n:,})" if n else "X-ray ✓")
+        self.xray_ready.emit(x)
+
+    def _xray_failed(self, gen: int, message: str) -> None:
+        if gen == self._gen:
+            self.xray_view.set_message(f"Cannot check the rows: {message}")
+
+    def _show_row(self, index: int) -> None:
+        """Open a row found by the X-ray in the Example tab."""
+        self.tabs.setCurrentIndex(EXAMPLE_TAB)
+        self.show_example(index)
 
     def show_example(self, index: int) -> None:
         if self.tokenizer is None or self.preview is None:

@@ -1,0 +1,175 @@
+"""Data X-ray: the rows of a data set a person would want to know about before training on it.
+
+`xray(cfg, tokenizer)` reads the rows once, renders and tokenizes them exactly as training does
+(engine.data.render), and reports, each with the row numbers (0-based, as the Data page shows them):
+
+- truncated answers: the row is longer than ``max_seq_len`` and the cut falls inside trained
+  (answer) tokens, so the model learns a reply that stops mid-way;
+- missing end of turn: the last trained token is not a special token (EOS or the template's
+  end-of-turn marker), so the model never learns to stop; a tokenizer without EOS makes every
+  text row lack it;
+- roles out of order or unknown: a conversation that opens with the assistant, has two turns of
+  the same role in a row, ends with a user turn (nothing after it is trained), or names a role
+  the formats do not know;
+- fully masked prompts: nothing in the row is trained (no answer, or the cut removed it);
+- special tokens typed into the text: strings such as ``<|im_end|>`` or ``</s>`` inside a message,
+  which the tokenizer turns into control tokens;
+- exact duplicates: rows whose rendered text is identical to an earlier row's.
+
+It also gives the token length of every row (before truncation) for a histogram against
+``max_seq_len``. It never raises for a bad row: a row that cannot be read is a finding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from engine.config import DataConfig
+from engine.data.formats import ROLE_NAMES, detect_format, row_to_messages
+from engine.data.render import ensure_chat_template, tokenize_example
+from engine.data.sources import load_raw
+
+# Finding kinds, in the order the Data page lists them, with the sentence that explains each.
+KINDS = {
+    "truncated_answer": "answer cut off by max_seq_len (the model learns a reply that stops mid-way)",
+    "missing_eos": "no end-of-turn token after the answer (the model may never stop)",
+    "roles": "turns out of order or an unknown role",
+    "fully_masked": "nothing in the row is trained (no answer tokens)",
+    "special_tokens": "special tokens typed into the text",
+    "duplicate": "exact duplicate of an earlier row",
+    "unreadable": "row cannot be read",
+}
+
+
+@dataclass
+class Finding:
+    kind: str
+    row: int
+    detail: str
+
+
+@dataclass
+class XRay:
+    rows: int
+    max_seq_len: int
+    lengths: list[int]  # token length of each readable row, before truncation
+    findings: list[Finding] = field(default_factory=list)
+
+    def by_kind(self) -> dict[str, list[Finding]]:
+        out: dict[str, list[Finding]] = {k: [] for k in KINDS}
+        for f in self.findings:
+            out[f.kind].append(f)
+        return out
+
+    def counts(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self.by_kind().items()}
+
+    def histogram(self, bins: int = 20) -> tuple[list[int], list[int]]:
+        """(bin edges, counts) over [0, max(longest, max_seq_len)]: equal-width bins."""
+        top = max([self.max_seq_len, *self.lengths]) if self.lengths else self.max_seq_len
+        width = max(1, -(-top // bins))
+        edges = [i * width for i in range(bins + 1)]
+        counts = [0] * bins
+        for n in self.lengths:
+            counts[min(n // width, bins - 1)] += 1
+        return edges, counts
+
+    def over_limit(self) -> int:
+        return sum(n > self.max_seq_len for n in self.lengths)
+
+
+def _special_strings(tokenizer) -> list[str]:
+    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(tok, "special", False):
+            specials.add(str(tok.content))
+    # Long markers first, so "<|im_end|>" is named rather than a shorter token inside it.
+    return sorted((s for s in specials if len(s) > 1), key=len, reverse=True)
+
+
+def _role_problem(raw_row: dict, spec) -> str | None:
+    raw = raw_row.get(spec.mapping.get("messages", ""))
+    if not isinstance(raw, list):
+        return None
+    roles = []
+    for i, msg in enumerate(raw):
+        role = msg.get("role", msg.get("from")) if isinstance(msg, dict) else None
+        if role not in ROLE_NAMES:
+            return f"message {i} has unknown role {role!r}"
+        roles.append(ROLE_NAMES[role])
+    turns = [r for r in roles if r != "system"]
+    if turns and turns[0] == "assistant":
+        return "the conversation opens with the assistant"
+    for i in range(1, len(turns)):
+        if turns[i] == turns[i - 1]:
+            return f"two {turns[i]} turns in a row (turn {i} and {i + 1})"
+    if turns and turns[-1] == "user":
+        return "the conversation ends with a user turn (nothing after it is trained)"
+    return None
+
+
+def _texts(example) -> list[str]:
+    if isinstance(example, str):
+        return [example]
+    return [m["content"] for m in example]
+
+
+def xray(cfg: DataConfig, tokenizer, raw=None) -> XRay:
+    raw = load_raw(cfg) if raw is None else raw
+    spec = detect_format(list(raw.column_names), cfg.format, cfg.columns, cfg.source)
+    if spec.kind != "text":
+        ensure_chat_template(tokenizer)
+    special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for tok_id, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False):
+            special_ids.add(int(tok_id))
+    specials = _special_strings(tokenizer)
+    limit = cfg.max_seq_len
+    out = XRay(len(raw), limit, [])
+    seen: dict[str, int] = {}
+    for i, row in enumerate(raw):
+        if spec.kind == "conversations":
+            why = _role_problem(row, spec)
+            if why:
+                out.findings.append(Finding("roles", i, why))
+        try:
+            example = row_to_messages(row, spec)
+            tok = tokenize_example(tokenizer, example, cfg.train_on_responses_only)
+        except ValueError as exc:
+            if not (spec.kind == "conversations" and "unknown role" in str(exc)):  # already named above
+                out.findings.append(Finding("unreadable", i, str(exc)))
+            continue
+        ids, trained = tok.ids, tok.trained
+        out.lengths.append(len(ids))
+
+        key = hashlib.sha1(repr(example).encode("utf-8")).hexdigest()
+        if key in seen:
+            out.findings.append(Finding("duplicate", i, f"same as row {seen[key]}"))
+        else:
+            seen[key] = i
+
+        for text in _texts(example):
+            hit = next((s for s in specials if s in text), None)
+            if hit:
+                out.findings.append(Finding("special_tokens", i, f"contains {hit!r}"))
+                break
+
+        kept = trained[:limit]
+        if len(ids) > limit and any(trained[limit:]) and any(kept):
+            out.findings.append(
+                Finding("truncated_answer", i, f"{len(ids)} tokens; {sum(trained[limit:])} answer tokens cut")
+            )
+        if not any(kept[1:]):
+            why = "the cut at max_seq_len removed every answer token" if any(trained[1:]) else "no trained token"
+            out.findings.append(Finding("fully_masked", i, why))
+            continue
+        # The last trained token of the full row (before any cut), past trailing whitespace (a
+        # template's newline after its end marker): an end marker there teaches stopping.
+        last = max(j for j, t in enumerate(trained) if t)
+        while last > 0 and trained[last - 1] and not tokenizer.decode([ids[last]]).strip():
+            last -= 1
+        if ids[last] not in special_ids:
+            shown = tokenizer.decode([ids[last]])
+            out.findings.append(Finding("missing_eos", i, f"the answer ends with {shown!r}, not an end-of-turn token"))
+    return out
