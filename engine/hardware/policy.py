@@ -1,12 +1,21 @@
 """The defaults policy: fills a RunConfig's "auto" fields from a HardwareProfile.
 
 One function per decision, each returning its value and the reason for it (a `Decision`):
-`device_default`, `dtype_default`, `ce_chunk_default`, `load_in_4bit_default`,
-`checkpointing_default`, `rows_default`, `offload_default`, `kernels_default` (kernels,
-lora_autograd and fused_ce together), `packed_attention_default`, `moe_grouping_default`,
-`num_workers_default` (a note: no config field), then `machine_warnings` and `fit_check`.
-Later decisions follow earlier ones, so they read the memory `Budget` of the settled device and
-estimate with a `Sizer` that carries the settled CE chunk.
+`memory_budget` (what the run may fill: a note, no config field), `device_default`,
+`dtype_default`, `ce_chunk_default`, `load_in_4bit_default`, `checkpointing_default`,
+`rows_default`, `offload_default`, `kernels_default` (kernels, lora_autograd and fused_ce
+together), `packed_attention_default`, `moe_grouping_default`, then `machine_warnings` and
+`fit_check`. Later decisions follow earlier ones, so they read the memory `Budget` of the settled
+device and estimate with a `Sizer` that carries the settled CE chunk.
+
+The kind of machine drives them through `KIND_RULES` (one row per kind): how much of the measured
+free memory is left to others (a laptop's desktop and browser share its card), how large an
+automatic micro-batch may grow, whether a model that crowds the card in 16 bits goes to 4 bits,
+and when activations are offloaded (laptop and desktop: always with checkpointing; datacenter:
+only when the step does not fit without it; unified memory: never, the "host" is the same memory).
+Within those rules the micro-batch grows until engine.models.estimate says the budget is full: the
+estimate is pessimistic by design, so filling the budget with it leaves real headroom, and a
+default that leaves most of a card unused wastes it.
 
 `resolve_defaults(config, profile, model_info)` calls them in order and returns `Defaults`: the
 filled copy of the config (each choice listed in `auto_fields`, its reason in `auto_reasons`)
@@ -29,21 +38,100 @@ from engine.models import estimate as est
 # Used to size the cross-entropy chunk when the model is not known yet: a large modern
 # vocabulary (Qwen), so the chunk is never too big for the model that does get loaded.
 DEFAULT_VOCAB = 151_936
-# Fraction of device memory the policy plans to fill; the rest absorbs estimate error,
-# other processes and the display (laptops drive a screen from the same GPU).
-PLAN_FRACTION = est.FIT_FRACTION
-# Below this fraction of usable memory, skipping checkpointing buys speed safely.
+# CPU runs plan against this fraction of the available RAM (the OS and the window need the rest).
+CPU_PLAN_FRACTION = est.FIT_FRACTION
+# Below this fraction of the budget, skipping checkpointing buys speed safely.
 NO_CHECKPOINT_FRACTION = 0.5
-# Fused cross-entropy chunk: chunk_tokens * vocab * 4 bytes stays under this share of free
-# memory, and under an absolute cap (larger chunks stop getting faster).
+# Fused cross-entropy chunk: chunk_tokens * vocab * 4 bytes stays under this share of the
+# budget, and under an absolute cap (larger chunks stop getting faster).
 CE_BUDGET_FRACTION = 0.04
 CE_BUDGET_CAP = 1 * GiB
 # Double-buffered offload needs one more layer's activations on the device (<= 0.5 GiB in the
 # reference workloads); this is what it costs when the model is not known.
 DOUBLE_BUFFER_EXTRA_UNKNOWN = 512 * MiB
+# A micro-batch this large keeps a GPU's matmuls busy. On a consumer card a model whose 16-bit
+# weights leave no room for one is trained in 4 bits (that is the size threshold: it moves with
+# the card), and a datacenter step that fits one without offload skips the offload copies.
+BUSY_TOKENS = 8_192
+# Checkpointing is skipped when a micro-batch of this many tokens (or the kind's ceiling, if
+# smaller) fits without it in half the budget; the rows then grow without it while they fit.
+NO_CHECKPOINT_PROBE_TOKENS = 16_384
+# Others' use of a consumer card above this share is worth a word (a game, a second run).
+BUSY_CARD_FRACTION = 0.25
 
 # A decided value and the reason for it, as shown to the user.
 Decision = tuple[Any, str]
+
+
+# -- what each kind of machine plans for -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KindRules:
+    """How one kind of machine turns its memory into defaults."""
+
+    label: str  # for the reasons
+    margin_fraction: float  # of the device's memory left to others, at least margin_min
+    margin_min: int
+    margin_for: str  # who the margin is left for
+    max_tokens: int  # ceiling of an automatic micro-batch
+    tokens_why: str
+    prefer_4bit: bool  # 4 bits when 16 bits leave no room for a BUSY_TOKENS micro-batch
+    offload: str  # "on": whenever checkpointing; "when_needed": only if the step does not fit; "never"
+
+
+KIND_RULES: dict[str, KindRules] = {
+    "rtx_laptop": KindRules(
+        label="RTX laptop",
+        margin_fraction=0.10,
+        margin_min=768 * MiB,
+        margin_for="the desktop and browser, which draw from the same card and grow during a run",
+        max_tokens=32_768,
+        tokens_why="conservative on a laptop: steps stay a few seconds long, so pause and stop answer quickly",
+        prefer_4bit=True,
+        offload="on",
+    ),
+    "rtx_desktop": KindRules(
+        label="RTX desktop",
+        margin_fraction=0.05,
+        margin_min=384 * MiB,
+        margin_for="a display and other programs that may use this card",
+        max_tokens=32_768,
+        tokens_why="as on a laptop: steps stay a few seconds long, so pause and stop answer quickly",
+        prefer_4bit=True,
+        offload="on",
+    ),
+    "datacenter": KindRules(
+        label="datacenter GPU",
+        margin_fraction=0.02,
+        margin_min=256 * MiB,
+        margin_for="other processes on the card (it drives no display)",
+        max_tokens=65_536,
+        tokens_why="a datacenter GPU needs large micro-batches to stay busy",
+        prefer_4bit=False,
+        offload="when_needed",
+    ),
+    "dgx_spark": KindRules(
+        label="unified memory",
+        margin_fraction=0.05,
+        margin_min=4 * GiB,
+        margin_for="the OS and the programs that share unified memory with the GPU",
+        max_tokens=32_768,
+        tokens_why="enough to keep a GB10-class GPU busy; its memory is plentiful but slower than VRAM",
+        prefer_4bit=False,
+        offload="never",
+    ),
+    "cpu": KindRules(
+        label="CPU",
+        margin_fraction=1 - CPU_PLAN_FRACTION,
+        margin_min=0,
+        margin_for="the OS and the window",
+        max_tokens=0,  # CPU micro-batches follow micro_batch_target, not a ceiling
+        tokens_why="CPU: small micro-batches keep steps short",
+        prefer_4bit=False,
+        offload="never",
+    ),
+}
 
 
 # -- what the decisions share ------------------------------------------------------------------
@@ -56,7 +144,7 @@ class Defaults:
     config: RunConfig
     # Dotted config path -> (value, reason), for each field that was "auto".
     choices: dict[str, Decision] = field(default_factory=dict)
-    # Values without a config field (e.g. data.num_workers) -> (value, reason).
+    # Values without a config field (e.g. memory.budget) -> (value, reason).
     notes: dict[str, Decision] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     model_info: est.ModelInfo | None = None
@@ -92,22 +180,53 @@ class Budget:
     """The memory a run plans against, once its device is settled."""
 
     on_gpu: bool
-    memory: int  # usable bytes of the device the run trains on (VRAM, unified memory or RAM)
+    memory: int  # bytes the run plans to fill: free memory less the kind's margin
+    total: int  # bytes of the device (VRAM, unified memory or available RAM)
     free: int  # bytes free there now
     where: str  # "VRAM", "unified memory" or "RAM", for the reasons
+    kind: str  # the KIND_RULES row that applies ("cpu" for a CPU run on any machine)
 
     @property
-    def plan(self) -> float:
-        """The bytes the policy plans to fill."""
-        return PLAN_FRACTION * self.memory
+    def rules(self) -> KindRules:
+        return KIND_RULES[self.kind]
+
+    def __str__(self) -> str:
+        return f"{_gib(self.memory)} {self.where} budget"
+
+
+def memory_budget(device: str, profile: HardwareProfile) -> Decision:
+    """The bytes a run may fill (a `Budget`) and why: measured free memory less what the kind
+    leaves to others. Unified memory budgets against the OS's available figure, which counts the
+    page cache it can reclaim (cudaMemGetInfo under-reports there)."""
+    on_gpu = device == "cuda" and profile.has_gpu
+    if not on_gpu:
+        rules = KIND_RULES["cpu"]
+        memory = int(CPU_PLAN_FRACTION * profile.ram_available)
+        budget = Budget(False, memory, profile.ram_available, profile.ram_available, "RAM", "cpu")
+        return budget, (
+            f"{CPU_PLAN_FRACTION:.0%} of the {_gib(profile.ram_available)} of RAM available, "
+            f"the rest left to {rules.margin_for}"
+        )
+    kind = profile.kind if profile.kind in KIND_RULES else "rtx_desktop"
+    if profile.integrated_memory:
+        kind = "dgx_spark"  # whatever the name says, shared memory is budgeted as shared
+    rules = KIND_RULES[kind]
+    margin = max(rules.margin_min, int(rules.margin_fraction * profile.total_vram))
+    if profile.integrated_memory:
+        free = min(profile.total_vram, profile.ram_available)
+        measured = f"the OS reports {_gib(free)} available of {_gib(profile.total_vram)} unified memory"
+        where = "unified memory"
+    else:
+        free = min(profile.total_vram, profile.free_vram)
+        measured = f"{_gib(free)} of {_gib(profile.total_vram)} VRAM measured free"
+        where = "VRAM"
+    memory = max(0, free - margin)
+    budget = Budget(True, memory, profile.total_vram, free, where, kind)
+    return budget, f"{rules.label}: {measured}, less {_gib(margin)} left to {rules.margin_for}"
 
 
 def budget_for(device: str, profile: HardwareProfile) -> Budget:
-    on_gpu = device == "cuda" and profile.has_gpu
-    where = "VRAM" if on_gpu and not profile.integrated_memory else "unified memory" if on_gpu else "RAM"
-    if on_gpu:
-        return Budget(True, profile.usable_memory, profile.free_vram, where)
-    return Budget(False, profile.ram_available, profile.ram_available, where)
+    return memory_budget(device, profile)[0]
 
 
 @dataclass(frozen=True)
@@ -161,9 +280,16 @@ def machine_warnings(device: str, profile: HardwareProfile, budget: Budget) -> l
     """What the user should know about the device the run got."""
     if device == "cuda" and not profile.has_gpu:
         return [f"training.device is cuda but {profile.kind_reason}"]
+    warnings = []
     if profile.gpu_count > 1 and budget.on_gpu:
-        return [f"{profile.gpu_count} GPUs found; training uses one (cuda:0)"]
-    return []
+        warnings.append(f"{profile.gpu_count} GPUs found; training uses one (cuda:0)")
+    used = budget.total - budget.free
+    if budget.on_gpu and budget.where == "VRAM" and used > BUSY_CARD_FRACTION * budget.total:
+        warnings.append(
+            f"other programs use {_gib(used)} of this card's {_gib(budget.total)}; "
+            "closing them lets the run take a larger micro-batch"
+        )
+    return warnings
 
 
 def dtype_default(profile: HardwareProfile, budget: Budget) -> Decision:
@@ -178,35 +304,50 @@ def ce_chunk_default(info: est.ModelInfo | None, budget: Budget) -> Decision:
     """Tokens per fused cross-entropy chunk. Sized before anything that is estimated, because
     every estimate includes it."""
     vocab = info.vocab_size if info else DEFAULT_VOCAB
-    budget_bytes = min(CE_BUDGET_FRACTION * budget.free, CE_BUDGET_CAP)
+    budget_bytes = min(CE_BUDGET_FRACTION * budget.memory, CE_BUDGET_CAP)
     chunk = max(128, min(8192, _pow2_floor(budget_bytes / (vocab * 4))))
     return chunk, (
         f"{chunk} x {vocab} vocab x 4 B = {chunk * vocab * 4 / MiB:.0f} MiB of fp32 logits per chunk, "
-        f"within {CE_BUDGET_FRACTION:.0%} of free {budget.where} ({_gib(budget.free)}), "
-        f"capped at {_gib(CE_BUDGET_CAP)}"
+        f"within {CE_BUDGET_FRACTION:.0%} of the {budget}, capped at {_gib(CE_BUDGET_CAP)}"
     )
 
 
 def load_in_4bit_default(profile: HardwareProfile, budget: Budget, size: Sizer) -> Decision:
+    """4-bit base weights when 16 bits do not fit; on a consumer card also when they fit but
+    crowd out the micro-batch (above that model size 4 bits train more tokens per step)."""
     if not budget.on_gpu:
         return False, "bitsandbytes 4-bit needs a CUDA GPU"
     if size.info is None:
         return False, "model size not known yet; 16-bit (set load_in_4bit: true for a model near the VRAM size)"
-    seq = size.seq
+    seq, rules = size.seq, budget.rules
     lean = size("lora16", seq, True, "off" if profile.integrated_memory else "single")
-    if lean > budget.plan:
-        return True, (
-            f"16-bit LoRA needs ~{_gib(lean)} even at one {seq}-token row, over "
-            f"{PLAN_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}"
+    if lean > budget.memory:
+        return True, f"16-bit LoRA needs ~{_gib(lean)} even at one {seq}-token row, over the {budget}"
+    if rules.prefer_4bit:
+        useful = max(seq, BUSY_TOKENS)
+        room = size("lora16", useful, True, "double")
+        if room > budget.memory:
+            return True, (
+                f"{rules.label}: in 16 bits this {_params(size.info)} model needs ~{_gib(room)} for a micro-batch "
+                f"of {useful} tokens, over the {budget}; 4-bit weights leave the card to the micro-batch"
+            )
+        return False, (
+            f"{rules.label}: in 16 bits a micro-batch of {useful} tokens needs ~{_gib(room)}, within the "
+            f"{budget}; 16-bit trains faster than 4-bit"
         )
     return False, (
-        f"16-bit LoRA at one {seq}-token row needs ~{_gib(lean)}, within "
-        f"{PLAN_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}"
+        f"16-bit LoRA at one {seq}-token row needs ~{_gib(lean)}, within the {budget} "
+        f"({rules.label}: 4-bit only when 16-bit does not fit)"
     )
 
 
+def _params(info: est.ModelInfo) -> str:
+    return f"{info.num_params / 1e9:.1f}B"
+
+
 def _token_target(memory: int) -> int:
-    """Tokens per micro-batch that keep a GPU of this size busy without crowding it."""
+    """Tokens per micro-batch when the model's size is not known: what keeps a GPU of this size
+    busy without crowding it."""
     gib = memory / GiB
     if gib >= 80:
         return 16_384
@@ -220,11 +361,14 @@ def _token_target(memory: int) -> int:
 
 
 def micro_batch_target(rows: Any, seq: int, budget: Budget, info: est.ModelInfo | None, is_demo: bool) -> int:
-    """Tokens per micro-batch before fitting them to memory: the user's rows when set."""
+    """Tokens per micro-batch before fitting them to memory: the user's rows when set; on a GPU
+    the kind's ceiling (the micro-batch grows to it while the budget allows)."""
     if rows != AUTO:
         return rows * seq
     if budget.on_gpu:
-        return _token_target(budget.memory)
+        if info is None:
+            return max(seq, min(budget.rules.max_tokens, _token_target(budget.total)))
+        return max(seq, budget.rules.max_tokens)
     small = (info is None and is_demo) or (info is not None and info.num_params < 1e9)
     return 2 * seq if small and seq <= 512 else seq
 
@@ -238,11 +382,11 @@ def checkpointing_default(budget: Budget, size: Sizer, mode: str, target: int, i
     if full <= NO_CHECKPOINT_FRACTION * budget.memory:
         return False, (
             f"without it a {target}-token micro-batch needs ~{_gib(full)}, under "
-            f"{NO_CHECKPOINT_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}: skip the recompute"
+            f"{NO_CHECKPOINT_FRACTION:.0%} of the {budget}: skip the recompute"
         )
     return True, (
         f"without it a {target}-token micro-batch needs ~{_gib(full)}, over "
-        f"{NO_CHECKPOINT_FRACTION:.0%} of {_gib(budget.memory)} {budget.where}"
+        f"{NO_CHECKPOINT_FRACTION:.0%} of the {budget}"
     )
 
 
@@ -260,53 +404,108 @@ def offload_off_reason(profile: HardwareProfile, budget: Budget, ckpt: bool) -> 
     return None
 
 
-def planned_offload(profile: HardwareProfile, budget: Budget, ckpt: bool) -> str:
+def _busy_tokens(budget: Budget, seq: int) -> int:
+    return max(seq, min(budget.rules.max_tokens, BUSY_TOKENS))
+
+
+def planned_offload(
+    profile: HardwareProfile, budget: Budget, ckpt: bool, size: Sizer | None = None, mode: str = ""
+) -> str:
     """The offload the micro-batch is sized with, before `offload_default` settles it beside
-    that micro-batch (the double buffer needs headroom next to it)."""
-    return "off" if offload_off_reason(profile, budget, ckpt) else "double"
+    that micro-batch. A datacenter card sizes without offload when a busy micro-batch fits
+    without it; the consumer kinds offload whenever they checkpoint."""
+    if offload_off_reason(profile, budget, ckpt):
+        return "off"
+    if budget.rules.offload == "when_needed" and size is not None and size.info is not None:
+        if size(mode, _busy_tokens(budget, size.seq), ckpt, "off") <= budget.memory:
+            return "off"
+    return "double"
+
+
+def _most_rows(budget: Budget, size: Sizer, mode: str, ckpt: bool, offload: str, most: int) -> int:
+    """The largest row count in [1, most] whose estimate fits the budget (1 if none does); the
+    estimate grows with the tokens, so a bisection finds it."""
+    lo, hi = 1, most
+    if size(mode, hi * size.seq, ckpt, offload) <= budget.memory:
+        return hi
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        if size(mode, mid * size.seq, ckpt, offload) <= budget.memory:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def rows_default(budget: Budget, size: Sizer, mode: str, target: int, ckpt: bool, offload: str) -> Decision:
-    """Rows per micro-batch: the target, halved until the estimate fits."""
+    """Rows per micro-batch. On a GPU with a known model: as many as the budget holds, up to the
+    kind's ceiling (filling the budget is what the estimate's pessimism is for); without the
+    model: the size-based target; on a CPU: the target, halved until the estimate fits."""
     seq = size.seq
     rows = max(1, target // seq)
-    fits_note = ""
-    if size.info is not None:
-        while rows > 1 and size(mode, rows * seq, ckpt, offload) > budget.plan:
-            rows //= 2
-        fits_note = f", ~{_gib(size(mode, rows * seq, ckpt, offload))} estimated"
-    if budget.on_gpu:
-        why = f"~{target} tokens suit {_gib(budget.memory)} {budget.where}"
-    else:
-        why = "CPU: small micro-batches keep steps short"
-    return rows, f"{rows} x {seq} = {rows * seq} tokens per micro-batch; {why}{fits_note}"
+    if not budget.on_gpu:
+        fits_note = ""
+        if size.info is not None:
+            while rows > 1 and size(mode, rows * seq, ckpt, offload) > budget.memory:
+                rows //= 2
+            fits_note = f", ~{_gib(size(mode, rows * seq, ckpt, offload))} estimated"
+        return rows, f"{rows} x {seq} = {rows * seq} tokens per micro-batch; {budget.rules.tokens_why}{fits_note}"
+    if size.info is None:
+        return rows, (
+            f"{rows} x {seq} = {rows * seq} tokens per micro-batch; ~{target} tokens suit "
+            f"{_gib(budget.total)} {budget.where} (model size not known yet)"
+        )
+    rows = _most_rows(budget, size, mode, ckpt, offload, rows)
+    tokens = rows * seq
+    estimate = size(mode, tokens, ckpt, offload)
+    head = f"{rows} x {seq} = {tokens} tokens per micro-batch, ~{_gib(estimate)} estimated"
+    if estimate > budget.memory:
+        return rows, f"{head}: even one row is over the {budget}"
+    if rows * seq >= target:
+        return rows, f"{head}: the {budget.rules.label} ceiling of {target} tokens ({budget.rules.tokens_why})"
+    return rows, f"{head}: the most that fits the {budget} (offload {offload})"
 
 
 def offload_default(
-    profile: HardwareProfile, budget: Budget, size: Sizer, mode: str, tokens: int, ckpt: bool, wide: bool
+    profile: HardwareProfile, budget: Budget, size: Sizer, mode: str, tokens: int, ckpt: bool
 ) -> Decision:
-    """Activation offload: off where it cannot help, else double-buffered when free memory
-    leaves room for the second buffer beside the run, else single."""
+    """Activation offload: off where it cannot help (CPU, unified memory, no checkpointing) and
+    on a datacenter card when the micro-batch fits without it; else double-buffered when the
+    budget leaves room for the second buffer, else single."""
     off = offload_off_reason(profile, budget, ckpt)
     if off:
         return "off", off
-    if size.info:
-        need = size(mode, tokens, ckpt, "single")
-        extra = tokens * size.info.hidden_size * (4 if wide else 2)
-    else:
-        # The run's own size is unknown: ask that the card be as free as the plan
-        # assumes (others' use of it is all that can be seen).
-        need = int((1 - PLAN_FRACTION) * profile.total_vram)
-        extra = DOUBLE_BUFFER_EXTRA_UNKNOWN
-    margin = int(0.05 * profile.total_vram)
-    headroom = budget.free - need
-    if headroom >= extra + margin:
+    rules = budget.rules
+    if size.info is not None:
+        if rules.offload == "when_needed":
+            plain = size(mode, tokens, ckpt, "off")
+            if plain <= budget.memory:
+                return "off", (
+                    f"{rules.label}: a {tokens}-token micro-batch fits without offload (~{_gib(plain)} in the "
+                    f"{budget}): no copies to pay for"
+                )
+            why = f"{rules.label}: without offload a {tokens}-token micro-batch needs ~{_gib(plain)}, over the {budget}"
+        else:
+            why = f"{rules.label}: checkpointed activations go to host RAM, leaving the card to the micro-batch"
+        double = size(mode, tokens, ckpt, "double")
+        if double <= budget.memory:
+            return "double", f"{why}; with the second buffer ~{_gib(double)} fits, and it hides the copies"
+        return "single", (
+            f"{why}; the second buffer would need ~{_gib(double)}, over the {budget}: "
+            "one buffer, no room for the second"
+        )
+    # The run's own size is unknown: ask that the card be as free as a plan would leave it
+    # (others' use of it is all that can be seen).
+    need = int((1 - est.FIT_FRACTION) * profile.total_vram)
+    headroom = budget.memory - need
+    if headroom >= DOUBLE_BUFFER_EXTRA_UNKNOWN:
         return "double", (
-            f"free VRAM leaves {_gib(headroom)} beside the run; the second buffer needs "
-            f"~{extra / MiB:.0f} MiB and hides the copies behind compute"
+            f"model size not known yet; the {budget} leaves {_gib(headroom)} beyond a typical run; "
+            f"the second buffer needs ~{DOUBLE_BUFFER_EXTRA_UNKNOWN / MiB:.0f} MiB and hides the copies"
         )
     return "single", (
-        f"free VRAM leaves only {_gib(max(headroom, 0))} beside the run: one buffer, no room for the second"
+        f"model size not known yet; the {budget} leaves only {_gib(max(headroom, 0))} beyond a typical run: "
+        "one buffer, no room for the second"
     )
 
 
@@ -340,31 +539,21 @@ def moe_grouping_default() -> Decision:
     )
 
 
-def num_workers_default(profile: HardwareProfile, budget: Budget) -> Decision:
-    """Data loader workers: there is no config field, so the value travels as a note."""
-    if not budget.on_gpu:
-        return 0, "CPU training uses every core; packing stays on the main thread"
-    if profile.os == "Windows":
-        return 0, "Windows spawns workers by re-importing torch, which costs more than packing"
-    return (
-        min(4, max(0, profile.cpu_count // 2 - 1)),
-        f"{profile.cpu_count} CPUs: tokenize and pack ahead of the GPU, leaving cores for the main loop",
-    )
-
-
 def fit_check(
     size: Sizer, mode: str, tokens: int, ckpt: bool, offload: str, budget: Budget
 ) -> tuple[int, str, str | None]:
-    """The estimate for the settled config, its verdict, and a warning unless it fits."""
+    """The estimate for the settled config, its verdict ("fits" within the budget, "tight" up to
+    the whole device, else "will not fit"), and a warning unless it fits."""
     estimate = size(mode, tokens, ckpt, offload)
-    verdict = est.fit_verdict(estimate, budget.memory)
-    if verdict == "fits":
-        return estimate, verdict, None
+    if estimate <= budget.memory:
+        return estimate, "fits", None
+    verdict = "tight" if estimate <= budget.total else "will not fit"
     return (
         estimate,
         verdict,
         (
-            f"{size.info.summary()}: ~{_gib(estimate)} estimated in {_gib(budget.memory)} {budget.where}: {verdict}"
+            f"{size.info.summary()}: ~{_gib(estimate)} estimated, over the {budget} "
+            f"({_gib(budget.total)} {budget.where} in all): {verdict}"
             + ("; try a shorter data.max_seq_len or a smaller model" if verdict == "will not fit" else "")
         ),
     )
@@ -388,7 +577,10 @@ def resolve_defaults(config: RunConfig, profile: HardwareProfile, model_info: es
     seq, is_demo = cfg.data.max_seq_len, m.name_or_path == "demo"
 
     out.fill("training.device", lambda: device_default(profile))
-    budget = budget_for(t.device, profile)
+    budget, budget_reason = memory_budget(t.device, profile)
+    # The budget has no config field; it travels as a note so every reason that cites it can be
+    # traced to the measurement and the kind's margin.
+    out.notes["memory.budget"] = (_gib(budget.memory), budget_reason)
     out.warnings += machine_warnings(t.device, profile, budget)
     out.fill("model.dtype", lambda: dtype_default(profile, budget))
     out.fill("fast_paths.ce_chunk_tokens", lambda: ce_chunk_default(info, budget))
@@ -396,21 +588,21 @@ def resolve_defaults(config: RunConfig, profile: HardwareProfile, model_info: es
     out.fill("model.load_in_4bit", lambda: load_in_4bit_default(profile, budget, size))
     mode = training_mode(m.load_in_4bit, m.dtype)
     target = micro_batch_target(t.rows_per_micro_batch, seq, budget, info, is_demo)
-    out.fill("training.gradient_checkpointing", lambda: checkpointing_default(budget, size, mode, target, is_demo))
+    probe = target if t.rows_per_micro_batch != AUTO or not budget.on_gpu else min(target, NO_CHECKPOINT_PROBE_TOKENS)
+    out.fill("training.gradient_checkpointing", lambda: checkpointing_default(budget, size, mode, probe, is_demo))
     ckpt = t.gradient_checkpointing is True
-    sized_with = t.offload if t.offload != AUTO else planned_offload(profile, budget, ckpt)
+    sized_with = t.offload if t.offload != AUTO else planned_offload(profile, budget, ckpt, size, mode)
     out.fill("training.rows_per_micro_batch", lambda: rows_default(budget, size, mode, target, ckpt, sized_with))
     tokens = t.rows_per_micro_batch * seq
     out.fill(
         "training.offload",
-        lambda: offload_default(profile, budget, size, mode, tokens, ckpt, wide=m.dtype == "float32"),
+        lambda: offload_default(profile, budget, size, mode, tokens, ckpt),
     )
     kernels = kernels_default(profile, budget)
     for name in ("kernels", "lora_autograd", "fused_ce"):
         out.fill(f"fast_paths.{name}", lambda: kernels)
     out.fill("fast_paths.packed_attention", lambda: packed_attention_default(kernels[0]))
     out.fill("fast_paths.moe_grouping", moe_grouping_default)
-    out.notes["data.num_workers"] = num_workers_default(profile, budget)
     if info is not None:
         out.estimate, out.verdict, warning = fit_check(size, mode, tokens, ckpt, t.offload, budget)
         out.warnings += [warning] if warning else []

@@ -3,7 +3,9 @@
 `detect()` reads the machine (torch, optional NVML, psutil) into a `HardwareProfile` whose
 `kind` is one of "rtx_laptop", "rtx_desktop", "datacenter", "dgx_spark" or "cpu".
 `profile_from_properties(...)` and `classify(...)` are pure: they take device properties as
-arguments, so every class can be built and tested on any machine.
+arguments, so every class can be built and tested on any machine. A GB10 is unified memory by
+name even when the driver leaves the integrated flag unset. `TUNESMITH_EMULATE_GPU="<card>:<GiB>"`
+makes `detect()` cap the process and report that card (emulating a laptop on a big GPU, W8).
 
 torch is imported only inside `detect()`, so the studio window can import this module and
 open before torch loads. What the profile means for a run is engine.hardware.policy's.
@@ -23,6 +25,9 @@ GiB = 1024**3
 MiB = 1024**2
 
 KINDS = ("rtx_laptop", "rtx_desktop", "datacenter", "dgx_spark", "cpu")
+
+# "<card name>:<GiB>": detect() emulates that card on this GPU (see emulated_card).
+EMULATE_ENV = "TUNESMITH_EMULATE_GPU"
 
 # Triton kernels are run on Turing (sm_75) and newer; older parts use the torch references.
 MIN_FAST_PATH_CAPABILITY = (7, 5)
@@ -102,6 +107,11 @@ _SPARK = re.compile(r"\bgb10\b", re.I)
 _DATACENTER_CAPS = {(8, 0), (9, 0), (10, 0), (10, 3)}
 
 
+def unified_by_name(name: str) -> bool:
+    """True for parts known to share memory with the host, whatever the driver reports."""
+    return bool(_SPARK.search(name))
+
+
 def classify(gpu: GpuProperties | None, *, backend: str = "cuda", arch: str = "x86_64") -> tuple[str, str]:
     """(kind, reason) for a device, from its properties alone."""
     if backend == "mps":
@@ -179,7 +189,13 @@ def profile_from_properties(
             note=note,
         )
     free = gpu.total_memory if gpu.free_memory is None else gpu.free_memory
-    if gpu.integrated:
+    # A GB10 shares LPDDR5x with the Grace CPU whatever the driver reports: some driver / torch
+    # combinations leave `is_integrated` False, and the discrete-GPU policy would then offload
+    # activations "to host", i.e. to the same memory, paying copies for nothing.
+    unified = gpu.integrated or unified_by_name(gpu.name)
+    if unified and not gpu.integrated:
+        reason += "; the driver did not report integrated memory, but a GB10 always shares it with the host"
+    if unified:
         # On unified memory cudaMemGetInfo leaves out reclaimable page cache and under-reports
         # (a known DGX Spark quirk); the OS's "available" is the better figure.
         free = min(gpu.total_memory, max(free, ram_available))
@@ -192,7 +208,7 @@ def profile_from_properties(
         compute_capability=tuple(gpu.capability),
         total_vram=gpu.total_memory,
         free_vram=free,
-        integrated_memory=gpu.integrated,
+        integrated_memory=unified,
         gpu_count=1 if gpu_count is None else gpu_count,
         bf16_supported=bool(bf16_supported),
         ram_total=ram_total,
@@ -207,6 +223,25 @@ def profile_from_properties(
         triton_available=triton_available,
         note=note,
     )
+
+
+def emulated_card(value: str | None) -> tuple[str, int] | None:
+    """(card name, bytes) from a `TUNESMITH_EMULATE_GPU` value "<card name>:<GiB>", else None.
+
+    For measuring the defaults of a smaller card on a big one (WORKLOADS.md W8): `detect()` then
+    caps this process's allocator at that size and reports the card's name, so the policy sees a
+    laptop. A malformed value is ignored rather than failing a run.
+    """
+    if not value:
+        return None
+    name, _, size = value.rpartition(":")
+    try:
+        gib = float(size)
+    except ValueError:
+        return None
+    if not name.strip() or gib <= 0:
+        return None
+    return name.strip(), int(gib * GiB)
 
 
 def _nvml_driver_version() -> str | None:
@@ -268,6 +303,16 @@ def detect() -> HardwareProfile:
         count = torch.cuda.device_count()
         if count > 1:
             note = f"{count} GPUs found; the engine trains on one (cuda:0)"
+        emulated = emulated_card(os.environ.get(EMULATE_ENV))
+        if emulated:
+            name, cap = emulated
+            cap = min(cap, gpu.total_memory)
+            # The allocator refuses to grow past the cap, so an out-of-memory error comes where the
+            # smaller card would give it (the CUDA context stays outside, as on the real card).
+            torch.cuda.set_per_process_memory_fraction(cap / gpu.total_memory, 0)
+            free = max(0, cap - int(torch.cuda.memory_reserved(0)))
+            note = f"{props.name} emulating {name} with {cap / GiB:.1f} GiB ({EMULATE_ENV})"
+            gpu = GpuProperties(name, cap, gpu.capability, integrated=gpu.integrated, free_memory=free)
         return profile_from_properties(
             gpu,
             gpu_count=count,
