@@ -84,8 +84,19 @@ from engine.models.loading import ModelLoadError, check_model_folder, load_token
 # -- bundled resources -------------------------------------------------------------------------
 from engine.resources import DEMO_DATA_FILE, DEMO_HELDOUT_FILE, DEMO_MODEL_DIR, DEMO_PRESET, PRESETS_DIR, RESOURCES
 
-# -- run folders -------------------------------------------------------------------------------
-from engine.runs import RunFolder, RunFolderError, RunInfo, list_runs, read_run, run_folder_of
+# -- run folders, and their history for the Runs page (issue 14 item 4) -----------------------
+from engine.runs import (
+    RunFolder,
+    RunFolderError,
+    RunHistory,
+    RunInfo,
+    RunSummary,
+    config_differences,
+    list_runs,
+    read_run,
+    run_folder_of,
+    summarize_runs,
+)
 
 if TYPE_CHECKING:
     from engine.train.session import TrainingSession
@@ -187,6 +198,11 @@ __all__ = [
     "list_runs",
     "read_run",
     "run_folder_of",
+    # run history (the Runs page)
+    "RunHistory",
+    "RunSummary",
+    "summarize_runs",
+    "config_differences",
     # hardware
     "HardwareProfile",
     "detect",

@@ -52,17 +52,29 @@ Functions:
 
 ``RunInfo(path, adapter, checkpoints, status)`` with ``.name`` and ``.sources()``: what can be
 exported or chatted with, the final adapter first, then checkpoints newest first.
+
+Run history (the Runs page; never raises for a broken folder, it names the problem instead):
+  ``RunFolder.history()``       a RunHistory: per-step curves read back from metrics.jsonl
+  ``RunFolder.summary(now)``    a RunSummary: one row of the run list (status, steps, losses...)
+  ``RunFolder.rename(name)``    the folder under a new name in the same parent; a new RunFolder
+  ``RunFolder.delete()``        removes a run folder (refuses a folder that is not a run)
+  ``summarize_runs(root)``      RunSummary of every run-like folder directly under ``root``, newest
+                                first, including partial ones (metrics or checkpoints, no config)
+  ``config_differences(cfgs)``  [(dotted key, [value per config])] of the keys whose values differ
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -189,6 +201,67 @@ class RunInfo:
         return out
 
 
+# What a run's history keeps of each StepMetrics line (the Runs page's charts).
+CURVES = ("loss", "lr", "grad_norm", "tokens_per_second", "step_seconds", "mem_peak")
+# A run with no outcome yet whose files were written to this recently is taken as still running;
+# older, its process ended without writing one (killed, crashed): "incomplete".
+RUNNING_WINDOW_S = 300.0
+# Keys that differ between any two runs without saying anything about how they trained.
+_NOT_A_DIFFERENCE = ("output.run_name", "auto_fields", "auto_reasons")
+
+
+@dataclass
+class RunHistory:
+    """Per-step curves read back from metrics.jsonl. A step logged twice (a run resumed from a
+    checkpoint before its last logged step) keeps its latest value: that is the run's weights."""
+
+    steps: list[int] = field(default_factory=list)  # ascending
+    curves: dict[str, list[float]] = field(default_factory=dict)  # CURVES name -> value per step
+    total_steps: int = 0
+    started: Optional[float] = None  # time of the first event
+    seconds: float = 0.0  # training time: each session's first to last event, summed
+    outcome: Optional[dict] = None  # the last Finished / Failed event, None while there is none
+    problems: list[str] = field(default_factory=list)  # one sentence each, naming file and line
+
+    def curve(self, name: str) -> tuple[list[int], list[float]]:
+        return self.steps, self.curves.get(name, [])
+
+
+@dataclass
+class RunSummary:
+    """One row of the run list. `status`: "running", "finished", "stopped", "failed",
+    "incomplete" (no outcome and no longer written to) or "corrupt" (see `problem`)."""
+
+    path: Path
+    status: str
+    problem: str = ""  # why the status is "corrupt", one sentence naming the file
+    started: Optional[float] = None  # epoch seconds
+    model: str = ""
+    data: str = ""
+    steps: int = 0  # the last step logged
+    total_steps: int = 0
+    final_loss: Optional[float] = None
+    best_loss: Optional[float] = None
+    best_step: Optional[int] = None
+    seconds: float = 0.0
+    tokens_per_second: Optional[float] = None  # median over the steps
+    checkpoints: list[tuple[int, Path]] = field(default_factory=list)
+    adapter: Optional[Path] = None
+    config: dict[str, Any] = field(default_factory=dict)  # config.yaml as plain data ({} unreadable)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def resumable(self) -> bool:
+        """A stopped, failed or interrupted run with a checkpoint to continue from."""
+        return self.status in ("stopped", "failed", "incomplete") and bool(self.checkpoints)
+
+    def sources(self) -> list[tuple[str, Path]]:
+        return RunInfo(self.path, self.adapter, self.checkpoints, self.status).sources()
+
+
 class RunFolder:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -278,6 +351,161 @@ class RunFolder:
             path=self.path, adapter=self.final_adapter(), checkpoints=self.checkpoints(), status=self.status()
         )
 
+    # -- history (the Runs page) ---------------------------------------------------------------
+    def looks_like_run(self) -> bool:
+        """A run folder, or what is left of one (metrics or checkpoints without a config.yaml)."""
+        return self.is_run() or self.metrics.is_file() or self.checkpoints_dir.is_dir()
+
+    def last_write(self) -> Optional[float]:
+        """When the run's own files were last written (metrics.jsonl, log.txt), or None."""
+        times = []
+        for f in (self.metrics, self.log):
+            try:
+                times.append(f.stat().st_mtime)
+            except OSError:
+                pass
+        return max(times) if times else None
+
+    def read_config(self) -> tuple[dict[str, Any], str]:
+        """config.yaml as plain data and "" , or ({}, the problem in one sentence)."""
+        import yaml
+
+        if not self.config.is_file():
+            return {}, f"{CONFIG} is missing from {self.path}"
+        try:
+            data = yaml.safe_load(self.config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            return {}, f"{self.config} cannot be read: {exc}"
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            return {}, f"{self.config} is not valid YAML{where}"
+        if not isinstance(data, dict):
+            return {}, f"{self.config} holds no settings"
+        return data, ""
+
+    def history(self, now: Optional[float] = None) -> RunHistory:
+        """Read metrics.jsonl back. Unreadable lines are skipped and named in `problems`, except
+        an unfinished last line of a run still being written (the writer is mid-line)."""
+        hist = RunHistory(curves={name: [] for name in CURVES})
+        try:
+            raw = self.metrics.read_bytes()
+        except FileNotFoundError:
+            hist.problems.append(f"{METRICS} is missing from {self.path}")
+            return hist
+        except OSError as exc:
+            hist.problems.append(f"{self.metrics} cannot be read: {exc.strerror or exc}")
+            return hist
+        now = time.time() if now is None else now
+        written = self.last_write() or 0.0
+        lines = raw.split(b"\n")
+        by_step: dict[int, dict[str, float]] = {}
+        segment: list[float] = []  # first and last event time of the session being read
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            unfinished = number == len(lines)  # no newline after it
+            event = _parse_event(line)
+            if isinstance(event, str):
+                if unfinished and now - written < RUNNING_WINDOW_S:
+                    continue
+                hist.problems.append(f"{self.metrics.name} line {number} {event}")
+                continue
+            t = event.get("time")
+            if isinstance(t, (int, float)):
+                hist.started = t if hist.started is None else hist.started
+                segment = [segment[0] if segment else t, t]
+            kind = event.get("event")
+            if kind == "RunStarted":
+                hist.total_steps = _int(event.get("total_steps"), hist.total_steps)
+                hist.outcome = None  # a resumed run: the earlier outcome is no longer the last word
+            elif kind == "StepMetrics":
+                step, loss = event.get("step"), event.get("loss")
+                if not isinstance(step, int) or not isinstance(loss, (int, float)):
+                    hist.problems.append(f"{self.metrics.name} line {number} is a step without a step number or loss")
+                    continue
+                by_step[step] = {name: _float(event.get(name)) for name in CURVES}
+                hist.total_steps = _int(event.get("total_steps"), hist.total_steps)
+            elif kind in ("Finished", "Failed"):
+                hist.outcome = event
+                if len(segment) == 2:
+                    hist.seconds += segment[1] - segment[0]
+                segment = []
+        if len(segment) == 2:  # a session without an outcome (running, or it ended abruptly)
+            hist.seconds += segment[1] - segment[0]
+        hist.steps = sorted(by_step)
+        for name in CURVES:
+            hist.curves[name] = [by_step[s][name] for s in hist.steps]
+        return hist
+
+    def summary(self, now: Optional[float] = None) -> RunSummary:
+        """One row of the run list; never raises for a broken folder (status "corrupt", `problem`)."""
+        now = time.time() if now is None else now
+        config, config_problem = self.read_config()
+        hist = self.history(now)
+        problem = config_problem or (hist.problems[0] if hist.problems else "")
+        if len(hist.problems) > 1:
+            problem += f" (and {len(hist.problems) - 1} more unreadable lines)"
+        outcome = hist.outcome or {}
+        if problem:
+            status = "corrupt"
+        elif outcome.get("event") == "Finished":
+            status = "stopped" if outcome.get("stopped") else "finished"
+        elif outcome.get("event") == "Failed":
+            status = "failed"
+        else:
+            status = "running" if now - (self.last_write() or 0.0) < RUNNING_WINDOW_S else "incomplete"
+        losses = [(v, s) for s, v in zip(hist.steps, hist.curves["loss"]) if math.isfinite(v)]
+        best = min(losses) if losses else None
+        speeds = [v for v in hist.curves["tokens_per_second"] if math.isfinite(v) and v > 0]
+        started = hist.started
+        if started is None:
+            try:
+                started = self.path.stat().st_mtime
+            except OSError:
+                started = None
+        sections = {k: v for k, v in config.items() if isinstance(v, dict)}
+        return RunSummary(
+            path=self.path,
+            status=status,
+            problem=problem,
+            started=started,
+            model=str((sections.get("model") or {}).get("name_or_path") or ""),
+            data=str((sections.get("data") or {}).get("source") or ""),
+            steps=hist.steps[-1] if hist.steps else 0,
+            total_steps=hist.total_steps,
+            final_loss=hist.curves["loss"][-1] if hist.steps else None,
+            best_loss=best[0] if best else None,
+            best_step=best[1] if best else None,
+            seconds=hist.seconds,
+            tokens_per_second=statistics.median(speeds) if speeds else None,
+            checkpoints=self.checkpoints(),
+            adapter=self.final_adapter(),
+            config=config,
+        )
+
+    def rename(self, new_name: str) -> "RunFolder":
+        """Move the run to `new_name` in the same folder; checkpoints and adapters move with it
+        (nothing inside a run refers to its own path, so it stays resumable and exportable)."""
+        name = str(new_name).strip()
+        if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
+            raise RunFolderError(f"{new_name!r} cannot be a folder name: use letters, digits, '-', '_' or '.'")
+        if name.endswith(TMP_SUFFIX):
+            raise RunFolderError(f"a run name may not end in {TMP_SUFFIX} (that marks half-written folders)")
+        target = self.path.parent / name
+        if target == self.path:
+            return self
+        if target.exists():
+            raise RunFolderError(f"{target} already exists: choose another name")
+        self.path.rename(target)
+        return RunFolder(target)
+
+    def delete(self) -> None:
+        """Remove the run folder and everything in it; refuses a folder that is not a run."""
+        if not self.looks_like_run():
+            raise RunFolderError(f"{self.path} is not a run folder; nothing was deleted")
+        shutil.rmtree(self.path)
+
     # -- starting a run -------------------------------------------------------------------------
     def check_free(self, overwrite: bool = False) -> None:
         """Refuse a folder that already holds a run (unless `overwrite`) or holds anything else,
@@ -320,3 +548,71 @@ def list_runs(root: str | Path) -> list[RunInfo]:
     runs = [r for r in (read_run(p) for p in root.iterdir() if p.is_dir()) if r is not None]
     runs.sort(key=lambda r: r.path.stat().st_mtime, reverse=True)
     return runs
+
+
+def _parse_event(line: bytes) -> dict | str:
+    """A metrics line as a dict, or what is wrong with it (the end of a sentence)."""
+    try:
+        event = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "is not UTF-8 text"
+    except ValueError:
+        return "is not valid JSON"
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return 'is not an event (no "event" field)'
+    return event
+
+
+def _float(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def _int(value: Any, default: int) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def summarize_runs(root: str | Path, now: Optional[float] = None) -> list[RunSummary]:
+    """A RunSummary of every run-like folder directly under `root`, newest first. Reads each
+    metrics.jsonl whole: call it off the GUI thread."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        return []
+    now = time.time() if now is None else now
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and not p.name.endswith(TMP_SUFFIX) and RunFolder(p).looks_like_run():
+            found.append(RunFolder(p).summary(now))
+    found.sort(key=lambda r: (r.started or 0.0, r.name), reverse=True)
+    return found
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and key != "columns":  # a column mapping is one value
+            out.update(_flatten(value, path))
+        else:
+            out[path] = value
+    return out
+
+
+def config_differences(configs: list[dict[str, Any]]) -> list[tuple[str, list[Any]]]:
+    """[(dotted key, [its value in each config])] for every key whose values are not all equal
+    (None where a config lacks the key), in the order the keys first appear. The run name and
+    the policy's bookkeeping (auto_fields, auto_reasons) are left out: they say nothing about
+    how a run trained."""
+    flat = [_flatten(c or {}) for c in configs]
+    keys: dict[str, None] = {}
+    for f in flat:
+        keys.update(dict.fromkeys(f))
+    out = []
+    for key in keys:
+        if key.startswith(_NOT_A_DIFFERENCE):
+            continue
+        values = [f.get(key) for f in flat]
+        if any(v != values[0] for v in values[1:]):
+            out.append((key, values))
+    return out
