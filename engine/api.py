@@ -74,6 +74,7 @@ from engine.hardware.policy import apply_defaults, explain_defaults, format_prof
 
 # -- hardware profile and defaults -------------------------------------------------------------
 from engine.hardware.profile import HardwareProfile, detect
+from engine.hardware.vram import DeviceMemory, device_memory
 
 # -- estimates (from a model's config.json alone) ----------------------------------------------
 from engine.models.estimate import ModelInfo, estimate_vram, fit_verdict, model_info
@@ -210,6 +211,8 @@ __all__ = [
     "resolve_defaults",
     "explain_defaults",
     "format_profile",
+    "DeviceMemory",
+    "device_memory",
     # estimates
     "ModelInfo",
     "model_info",

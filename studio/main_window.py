@@ -1,5 +1,5 @@
 """The studio's main window: a step list on the left (Model → Data → Train → Monitor → Chat →
-Export, plus Hardware) and one page per step on the right.
+Export, plus Runs and Hardware) and one page per step on the right.
 
 The window owns the shared state and the training worker, and routes engine events to the
 pages. It imports no torch: heavy work starts from `start_background()` after the window is
@@ -32,6 +32,7 @@ from studio.panels.export import ExportPanel
 from studio.panels.hardware import HardwarePanel
 from studio.panels.model import ModelPanel
 from studio.panels.monitor import MonitorPanel, one_sentence
+from studio.panels.runs import RunsPanel
 from studio.panels.training import TrainingPanel
 from studio.settings import Settings
 from studio.state import StudioState, model_problems
@@ -39,7 +40,7 @@ from studio.tasks import run_task
 from studio.widgets.step_list import StepList
 from studio.worker import TrainingWorker
 
-MODEL, DATA, TRAIN, MONITOR, CHAT, EXPORT, HARDWARE = range(7)
+MODEL, DATA, TRAIN, MONITOR, CHAT, EXPORT, RUNS, HARDWARE = range(8)
 STEPS = [
     ("Model", "Pick the base model"),
     ("Data", "Load and inspect the examples"),
@@ -81,6 +82,7 @@ class MainWindow(QMainWindow):
         self.finished_event = None
         self.engine_warm = False
         self.train_action: Optional[QAction] = None
+        self.resume_action: Optional[QAction] = None
         self._run_started_at = 0.0
         self._run_dir_now: Optional[str] = None  # the folder of the run in progress, once known
         self._close_after_stop = False
@@ -90,7 +92,8 @@ class MainWindow(QMainWindow):
         self.steps = StepList()
         for name, tip in STEPS:
             self.steps.add_step(name, tip)
-        self.steps.add_step("Hardware", "What the engine detected", separated=True)
+        self.steps.add_step("Runs", "Every run: compare, resume, rename, delete", separated=True)
+        self.steps.add_step("Hardware", "What the engine detected")
 
         self.model_panel = ModelPanel(self.state, self.settings)
         self.data_panel = DataPanel(self.state, self.settings)
@@ -98,6 +101,7 @@ class MainWindow(QMainWindow):
         self.monitor_panel = MonitorPanel()
         self.chat_panel = ChatPanel(self.state)
         self.export_panel = ExportPanel(self.state)
+        self.runs_panel = RunsPanel(self.state)
         self.hardware_panel = HardwarePanel(self.state)
         self.pages = QStackedWidget()
         for page in (
@@ -107,6 +111,7 @@ class MainWindow(QMainWindow):
             self.monitor_panel,
             self.chat_panel,
             self.export_panel,
+            self.runs_panel,
             self.hardware_panel,
         ):
             page.setObjectName("page")
@@ -160,6 +165,9 @@ class MainWindow(QMainWindow):
             run_menu.addAction(action)
             if text == "Train":
                 self.train_action = action
+            elif text == "Resume":
+                action.setToolTip("Un-pause the run, or continue a stopped run from its last checkpoint")
+                self.resume_action = action
         help_menu = self.menuBar().addMenu("&Help")
         about = QAction("About Tunesmith", self)
         about.triggered.connect(
@@ -184,6 +192,9 @@ class MainWindow(QMainWindow):
         self.export_panel.exported.connect(lambda _w: self.steps.set_state(EXPORT, "done"))
         self.chat_panel.replied.connect(lambda _r: self.steps.set_state(CHAT, "done"))
         self.hardware_panel.redetect_requested.connect(self.detect_hardware)
+        self.runs_panel.resume_requested.connect(self.resume_run)
+        self.runs_panel.source_selected.connect(self.follow_source)
+        self.runs_panel.runs_changed.connect(self._runs_changed)
 
     # -- the Train gate -----------------------------------------------------------------------
     def train_blocker(self) -> str:
@@ -222,6 +233,8 @@ class MainWindow(QMainWindow):
             self.export_panel.refresh()
         elif step == CHAT:
             self.chat_panel.refresh()
+        elif step == RUNS:
+            self.runs_panel.refresh()
         elif step == HARDWARE:
             self.hardware_panel.refresh()
 
@@ -286,19 +299,26 @@ class MainWindow(QMainWindow):
             self.go_to(TRAIN)
             self.training_panel.banner.show_message(blocker, "error")
             return False
+        return self._launch(config)
+
+    def _launch(self, config, resume_from: Optional[str] = None) -> bool:
+        """Start a run on the worker thread: a new one, or (`resume_from`, a run folder) the
+        continuation of a stopped one from its latest checkpoint."""
         self.finished_event = None
         self._run_started_at = time.time()
         self._run_dir_now = None
+        # A resumed run's folder is known now; a new run's once RunStarted names it.
+        self.runs_panel.active_run = str(resume_from) if resume_from else None
         self.monitor_panel.begin()
         for step, st in ((TRAIN, "done"), (MONITOR, "active")):
             self.steps.set_state(step, st)
         self.training_panel.set_running(True)
-        self.worker = TrainingWorker(config)
+        self.worker = TrainingWorker(config, resume_from=resume_from)
         # Queued explicitly: the slot must run on the GUI thread, never on the worker thread.
         self.worker.event.connect(self._on_event, Qt.ConnectionType.QueuedConnection)
         self.worker.finished.connect(self._worker_done)
         self.go_to(MONITOR)
-        self.statusBar().showMessage("Training…")
+        self.statusBar().showMessage(f"Resuming {Path(resume_from).name}…" if resume_from else "Training…")
         self.worker.start()
         return True
 
@@ -306,9 +326,69 @@ class MainWindow(QMainWindow):
         if self.is_training():
             self.worker.pause()
 
-    def resume(self) -> None:
+    def resume(self) -> bool:
+        """Run ▸ Resume: un-pause the run in progress; with none, continue a stopped or failed run
+        from its last checkpoint (the one selected on the Runs page when that page is showing,
+        else the last run of this session, else the one selected on the Runs page)."""
         if self.is_training():
             self.worker.resume()
+            return True
+        target = self.resume_target()
+        if target is None:
+            self.statusBar().showMessage("Nothing to resume: no stopped or failed run with a checkpoint.", 10000)
+            return False
+        return self.resume_run(target)
+
+    def resume_target(self) -> Optional[str]:
+        selected = self.runs_panel.current()
+        selected_dir = str(selected.path) if selected is not None else None
+        candidates = [self.state.last_run_dir, selected_dir]
+        if self.pages.currentWidget() is self.runs_panel:
+            candidates.reverse()
+        return next((c for c in candidates if c and not self.why_not_resumable(c)), None)
+
+    def why_not_resumable(self, run_dir: str) -> str:
+        """Why a run folder cannot be resumed, in one sentence ("" when it can). Cheap: the last
+        line of metrics.jsonl and the checkpoints folder, never the whole history."""
+        folder = api.RunFolder(run_dir)
+        if not folder.is_run():
+            return f"{run_dir} is not a run folder (it has no config.yaml)."
+        if self.is_training() and self._run_dir_now and Path(self._run_dir_now) == folder.path:
+            return f"{folder.path.name} is running."
+        if folder.status() == "finished":
+            return f"{folder.path.name} finished: there is nothing left to train."
+        if folder.latest_checkpoint() is None:
+            return f"{folder.path.name} has no checkpoint to resume from."
+        return ""
+
+    def resume_run(self, run_dir: str) -> bool:
+        """Continue a stopped or failed run from its latest checkpoint, with the config it was
+        started with (its config.yaml), exactly as `tunesmith train --resume RUN` does: same
+        data order, RNG, optimizer and schedule, so the losses match an uninterrupted run."""
+        if self.is_training():
+            self.runs_panel.banner.show_message("A run is in progress: stop it before resuming another.", "warning")
+            return False
+        why = self.why_not_resumable(run_dir)
+        if not why:
+            try:
+                config = api.RunConfig.load(api.RunFolder(run_dir).config)
+            except ConfigError as exc:
+                why = f"Cannot resume {Path(run_dir).name}: {exc}"
+        if why:
+            self.runs_panel.banner.show_message(why, "error")
+            self.statusBar().showMessage(why, 10000)
+            return False
+        return self._launch(config, resume_from=str(run_dir))
+
+    def follow_source(self, path: str) -> None:
+        """The run or checkpoint picked on the Runs page is the one Chat and Export use."""
+        self.chat_panel.refresh(select=path)
+        self.export_panel.refresh(select=path)
+
+    def _runs_changed(self) -> None:
+        # A run was renamed or deleted: Chat and Export must not offer the old folder.
+        self.chat_panel.refresh()
+        self.export_panel.refresh()
 
     def stop(self) -> None:
         if self.is_training():
@@ -325,6 +405,9 @@ class MainWindow(QMainWindow):
         elif isinstance(event, api.RunStarted):
             self._run_dir_now = event.run_dir
             self.state.last_run_dir = event.run_dir
+            self.runs_panel.active_run = event.run_dir
+            if self.pages.currentWidget() is self.runs_panel:
+                self.runs_panel.refresh()
             m.run_started(event)
             self.state.run_dir_changed.emit(event.run_dir)
         elif isinstance(event, api.CheckpointSaved):
@@ -397,6 +480,9 @@ class MainWindow(QMainWindow):
             worker.wait()  # run() has returned; this only joins the thread
         self.training_panel.set_running(False)
         self.update_train_gate()
+        self.runs_panel.active_run = None
+        if self.pages.currentWidget() is self.runs_panel:
+            self.runs_panel.refresh()
         self.run_finished.emit(self.finished_event)
         if self._close_after_stop:
             self._close_after_stop = False
