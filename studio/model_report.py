@@ -9,6 +9,8 @@ used for the numbers; this module just gathers them into one plain dict for the 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +28,42 @@ POPULAR_MODELS = [
 ]
 
 OFFLINE_HINT = "Local model folders and the bundled demo still work."
+# One short try decides "offline" (huggingface_hub's own retries take about 90 s to give up).
+PROBE_SECONDS = 3.0
+
+
+def _hub_endpoint() -> tuple[str, int]:
+    """(host, port) of the Hub this process talks to (HF_ENDPOINT, else huggingface.co)."""
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+
+        url = constants.ENDPOINT
+    except Exception:
+        url = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    parsed = urlparse(url)
+    return parsed.hostname or "huggingface.co", parsed.port or (443 if parsed.scheme != "http" else 80)
+
+
+def hub_reachable(timeout: float = PROBE_SECONDS) -> bool:
+    """One TCP connection to the Hub's host, within `timeout` seconds."""
+    host, port = _hub_endpoint()
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _cached_config(source: str) -> Optional[str]:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(source, "config.json")
+    except Exception:
+        return None
+    return path if isinstance(path, str) else None
 
 
 class ModelReportError(RuntimeError):
@@ -48,10 +86,19 @@ def read_model_config(name_or_path: str) -> tuple[dict[str, Any], str]:
             return json.loads(cfg.read_text(encoding="utf-8")), str(cfg)
         except (OSError, ValueError) as exc:
             raise ModelReportError(f"cannot read {cfg}: {exc}") from None
+    # A cached config needs no network; without one, a short probe tells "offline" in seconds.
+    path = _cached_config(source)
+    if path is None and not hub_reachable():
+        host, _ = _hub_endpoint()
+        raise ModelReportError(
+            f"Offline: cannot reach the Hugging Face Hub ({host}) to read '{source}', and it is not in "
+            f"the local cache. {OFFLINE_HINT}"
+        )
     try:
-        from huggingface_hub import hf_hub_download
+        if path is None:
+            from huggingface_hub import hf_hub_download
 
-        path = hf_hub_download(source, "config.json")
+            path = hf_hub_download(source, "config.json", etag_timeout=PROBE_SECONDS)
     except Exception as exc:  # offline, unknown repo, gated repo: all mean "cannot see it"
         text = str(exc)
         name = type(exc).__name__

@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QLineEdit,
+    QProgressBar,
     QPushButton,
     QRadioButton,
     QSpinBox,
@@ -21,7 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from studio import presets
-from studio.model_report import POPULAR_MODELS, model_report
+from studio.model_report import OFFLINE_HINT, POPULAR_MODELS, model_report
 from studio.panels.common import Banner, caption, card, fmt_bytes, fmt_count, title, value_label
 from studio.state import model_problems
 from studio.tasks import run_task
@@ -67,6 +68,16 @@ class ModelPanel(QWidget):
         self.seq_len.setRange(64, 131072)
         self.seq_len.setSingleStep(256)
         self.seq_len.setToolTip("Tokens per packed training row (data.max_seq_len); memory estimates use it.")
+        # While a Hub id is read: a busy bar and a Cancel (the read itself gives up after one
+        # short try when offline; Cancel frees the page at once in any case).
+        self.busy = QProgressBar()
+        self.busy.setRange(0, 0)
+        self.busy.setMaximumHeight(10)
+        self.busy.setTextVisible(False)
+        self.busy.hide()
+        self.cancel_read = QPushButton("Cancel")
+        self.cancel_read.hide()
+        self.cancel_read.clicked.connect(self._cancel_read)
         self.use = QPushButton("Use this model")
         self.use.setObjectName("primary")
         self.use.clicked.connect(self._use_clicked)
@@ -82,6 +93,8 @@ class ModelPanel(QWidget):
         row = QHBoxLayout()
         row.addWidget(self.hub)
         row.addWidget(self.hub_id, 1)
+        row.addWidget(self.busy)
+        row.addWidget(self.cancel_read)
         src_lay.addLayout(row)
         row = QHBoxLayout()
         row.addWidget(QLabel("Sequence length"))
@@ -240,6 +253,7 @@ class ModelPanel(QWidget):
 
     # -- report -----------------------------------------------------------------------------
     def refresh(self) -> None:
+        self._seq_timer.stop()  # this read covers what a pending timer would have asked for
         self._generation += 1
         gen = self._generation
         name = self.state.get("model.name_or_path")
@@ -249,6 +263,7 @@ class ModelPanel(QWidget):
             self.banner.clear()
             self._clear_estimates()
         self.fields["name"].setText(f"{name}  <i>(reading config…)</i>")
+        self._set_reading(not _is_local_name(name))
         try:
             r = int(self.state.get("lora.r"))
             seq = int(self.state.get("data.max_seq_len"))
@@ -265,9 +280,25 @@ class ModelPanel(QWidget):
             on_error=lambda msg, _d: self._fail(gen, name, msg),
         )
 
+    def _set_reading(self, on: bool) -> None:
+        self.busy.setVisible(on)
+        self.cancel_read.setVisible(on)
+
+    def _cancel_read(self) -> None:
+        """Stop waiting for the Hub: the answer, when it comes, is ignored."""
+        self._generation += 1
+        self._set_reading(False)
+        name = self.state.get("model.name_or_path")
+        self.report = None
+        self.problem = f"Reading '{name}' was cancelled."
+        self.fields["name"].setText(f"{name}  <i>(cancelled)</i>")
+        self.banner.show_message(f"Stopped reading '{name}' from the Hub. {OFFLINE_HINT}", "warning")
+        self.report_ready.emit(None)
+
     def _fail(self, gen: int, name: str, message: str) -> None:
         if gen != self._generation:
             return
+        self._set_reading(False)
         self.report = None
         self.problem = message
         self.banner.show_message(message, "error")
@@ -293,6 +324,7 @@ class ModelPanel(QWidget):
     def _show(self, gen: int, rep: dict) -> None:
         if gen != self._generation:
             return  # a newer choice superseded this one
+        self._set_reading(False)
         self.report = rep
         problems = model_problems(dict(self.state.get("model")))
         self.problem = "; ".join(problems)
@@ -355,6 +387,11 @@ class ModelPanel(QWidget):
         lines = [f"{'✓' if v.startswith(('on', 'applies')) else '–'} <b>{k}</b>: {v}" for k, v in fps.items()]
         self.fast_paths.setText("<br>".join(lines) or "none")
         self.fast_paths.setToolTip(presets.dropout_note(dropout))
+
+
+def _is_local_name(name: str) -> bool:
+    """The demo or a path: read from disk, never from the Hub."""
+    return name == "demo" or name.startswith(("/", ".", "~")) or name.count("/") != 1 or _exists(name)
 
 
 def _exists(name: str) -> bool:

@@ -124,3 +124,57 @@ def test_window_geometry_and_recent_models_persist(qtbot, qapp, settings, runs_d
     # Restored, not the 1200x800 default (the offscreen screen may clamp the width).
     assert second.height() == size[1] != 800
     assert second.model_panel.recent.itemText(0) == "demo"
+
+
+def test_hub_read_shows_a_busy_bar_and_cancel_frees_the_page(window, qtbot, monkeypatch):
+    """A Hub whose server accepts the connection and never answers: the page shows a busy bar
+    with Cancel; Cancel says so at once, and the late answer changes nothing."""
+    import socket
+
+    from huggingface_hub import constants
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)  # the kernel completes the handshakes; nobody ever answers
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+    mp = window.model_panel
+    try:
+        mp.hub.setChecked(True)
+        mp.hub_id.setEditText("someone/never-answers")
+        mp.use.click()
+        assert mp.busy.isVisible() and mp.cancel_read.isVisible()
+        mp.cancel_read.click()
+        assert not mp.busy.isVisible() and "Stopped reading 'someone/never-answers'" in mp.banner.text()
+        assert mp.report is None and "cancelled" in mp.problem
+        qtbot.wait(5_000)  # past the read's own timeout: its answer is ignored
+        assert "Stopped reading" in mp.banner.text() and not mp.busy.isVisible()
+    finally:
+        server.close()
+
+
+def test_unreachable_hub_is_called_offline_in_seconds(window, qtbot, monkeypatch):
+    import time
+
+    from huggingface_hub import constants
+
+    probe = socket_port_closed()
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{probe}")
+    mp = window.model_panel
+    mp.hub.setChecked(True)
+    mp.hub_id.setEditText("someone/not-cached")
+    start = time.monotonic()
+    mp.use.click()
+    qtbot.waitUntil(lambda: mp.banner.isVisible() and "Offline" in mp.banner.text(), timeout=20_000)
+    assert time.monotonic() - start < 15  # one short try, not huggingface_hub's retries
+    assert "127.0.0.1" in mp.banner.text() and not mp.busy.isVisible()
+
+
+def socket_port_closed() -> int:
+    """A local port with nothing listening (bound, then released)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
