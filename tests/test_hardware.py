@@ -453,3 +453,57 @@ def test_reasons_travel_with_the_config_through_yaml(tmp_path):
     again = RunConfig.load(path)
     lines = explain_defaults(again)
     assert any("per-document SDPA" in line for line in lines)
+
+
+# -- device-wide memory ------------------------------------------------------------------------
+
+MEMINFO = """MemTotal:       125402112 kB
+MemFree:         3145728 kB
+MemAvailable:   104857600 kB
+Buffers:          524288 kB
+Cached:         98566144 kB
+HugePages_Total:       0
+"""
+
+
+def test_unified_memory_is_read_from_the_os(tmp_path):
+    from engine.hardware.vram import device_memory, os_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(MEMINFO)
+    m = device_memory(unified=True, meminfo=meminfo)
+    assert m.source == "os"
+    assert m.total == 125402112 * 1024
+    # Used is what the OS cannot give back: the page cache counts as available.
+    assert m.used == (125402112 - 104857600) * 1024
+    assert m.free == 104857600 * 1024 and 0 < m.fraction < 0.2
+    assert os_memory(meminfo) == m
+
+
+def test_os_memory_without_meminfo_asks_psutil(tmp_path):
+    import psutil
+
+    from engine.hardware.vram import os_memory
+
+    m = os_memory(tmp_path / "missing")
+    assert m.source == "os" and m.total == psutil.virtual_memory().total and 0 < m.used <= m.total
+
+
+def test_device_memory_on_this_machine():
+    import torch
+
+    from engine.hardware.vram import device_memory
+
+    m = device_memory(0)
+    if torch.cuda.is_available():
+        assert m is not None and m.source in ("nvml", "cuda") and 0 < m.used <= m.total
+    else:
+        try:
+            import pynvml  # noqa: F401
+        except ImportError:
+            assert m is None  # no GPU, no NVML: nothing to show
+
+
+def test_vram_module_does_not_load_torch():
+    code = "import sys, engine.hardware.vram as v; v.device_memory(0); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

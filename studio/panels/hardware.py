@@ -73,6 +73,19 @@ class HardwarePanel(QWidget):
             )
             + f"RAM {fmt_bytes(p.ram_total)} ({fmt_bytes(p.ram_available)} available)"
         )
+        if p.gpu_name:
+            try:
+                from engine.api import device_memory
+
+                # Every process on the card, not only this one: on a laptop the desktop uses it too.
+                m = device_memory(0, unified=p.integrated_memory)
+            except Exception:  # an answer from NVML is a bonus, never a reason to fail the page
+                m = None
+            if m is not None:
+                self.fields["memory"].setText(
+                    self.fields["memory"].text()
+                    + f"; in use by all programs now: {fmt_bytes(m.used)} of {fmt_bytes(m.total)} ({m.source})"
+                )
         self.fields["host"].setText(f"{p.os} {p.arch}, {p.cpu_count} CPUs")
         self.fields["software"].setText(
             f"torch {p.torch_version or 'missing'}, CUDA {p.cuda_version or 'none'}"
