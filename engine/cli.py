@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.api import (
     DEMO_PRESET,
     EXPORTERS,
+    GGUF_QUANTS,
     CheckpointSaved,
     ConfigError,
     ExportError,
@@ -23,10 +24,11 @@ from engine.api import (
     LogLine,
     RunConfig,
     RunStarted,
+    SelfCheckFailed,
     StepMetrics,
     detect,
+    export_and_check,
     format_profile,
-    run_exports,
 )
 
 
@@ -91,17 +93,34 @@ def cmd_demo(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Every kind in the export registry is an option (--adapter DIR, --merged DIR, ...)."""
+    """Every kind in the export registry is an option (--adapter DIR, --merged DIR, --gguf OUT.gguf);
+    each export is self-checked against the trained model before it is published, and the
+    verdicts are printed (and written to the run's export-report.json)."""
     requests = {name: getattr(args, name) for name in EXPORTERS if getattr(args, name, None)}
     if not requests:
-        options = " and/or ".join(f"--{name} DIR" for name in EXPORTERS)
+        options = " and/or ".join(
+            f"--{k.name} {'OUT' + k.file_suffix if k.file_suffix else 'DIR'}" for k in EXPORTERS.values()
+        )
         print(f"error: say what to export: {options}", file=sys.stderr)
         return 2
+    options = {"gguf": {"quant": args.quant}} if "gguf" in requests else {}
     try:
-        run_exports(args.run, requests, overwrite=args.overwrite, progress=print)
+        result = export_and_check(args.run, requests, overwrite=args.overwrite, progress=print, options=options)
+    except SelfCheckFailed as exc:
+        for v in exc.verdicts:
+            print(f"self-check {v.kind}: {v.summary}", file=sys.stderr if not v.ok else sys.stdout)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (ExportError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    for v in result.verdicts:
+        print(f"self-check {v.kind}: {v.summary}")
+    gguf = result.extras.get("gguf")
+    if gguf:
+        if not gguf.get("template_translated"):
+            print(f"Modelfile: no TEMPLATE, the chat template cannot be translated ({gguf['template_reason']})")
+        print(f"for Ollama: {gguf['ollama_command']}")
     return 0
 
 
@@ -126,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export a run's " + " and/or ".join(k.title for k in EXPORTERS.values()))
     e.add_argument("run", help="run folder or checkpoint folder")
     for kind in EXPORTERS.values():
-        e.add_argument(f"--{kind.name}", dest=kind.name, metavar="DIR", help=kind.help)
+        metavar = f"OUT{kind.file_suffix}" if kind.file_suffix else "DIR"
+        e.add_argument(f"--{kind.name}", dest=kind.name, metavar=metavar, help=kind.help)
+    e.add_argument("--quant", choices=GGUF_QUANTS, default=GGUF_QUANTS[0], help="GGUF type (default %(default)s)")
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     e.set_defaults(func=cmd_export)
     h = sub.add_parser("hw", help="show the detected hardware and the defaults chosen for it")

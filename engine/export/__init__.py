@@ -4,17 +4,22 @@
 an adapter folder (engine.runs knows the layout). Each kind is an `ExportKind` in `EXPORTERS`:
 its name, how it writes into an empty folder, what it needs installed, and how the written
 folder is checked. `run_exports(src, {kind: destination})` is the whole flow, for the CLI
-(`tunesmith export RUN --adapter DIR --merged DIR`) and the Export page alike:
+(`tunesmith export RUN --adapter DIR --merged DIR --gguf OUT.gguf --quant q8_0`) and the Export
+page alike:
 
 1. resolve the source (its adapter, and the run's config when a kind needs the base model);
 2. before anything is written, refuse an unknown kind, a missing requirement, two kinds aimed at
    one folder, or a destination that is not empty (unless `overwrite`);
 3. per kind: write into `.<name>.partial` beside the destination, run the kind's check on it,
-   then rename it into place, so an interrupted or failed export never leaves something that
-   looks complete; the run folder gets `exports/<kind>.json`, a report of what was written.
+   then its self-check (engine/export/selfcheck.py: the artefact loaded in its own runtime and
+   compared with the trained model), then rename it into place, so an interrupted or failed
+   export never leaves something that looks complete; the run folder gets `exports/<kind>.json`
+   (what was written) and `export-report.json` (the self-check's verdict per kind, pass or fail).
 
-Kinds today: "adapter" (engine/export/adapter.py) and "merged" (engine/export/merged.py).
-A new kind (GGUF, ...) is a module here with a `KIND` and one line in `EXPORTERS`.
+Kinds today: "adapter" (adapter.py), "merged" (merged.py) and "gguf" (gguf.py, with an Ollama
+Modelfile from modelfile.py). A new kind is a module here with a `KIND` and one line in
+`_registry`. Before anything is written the flow also checks the disk (`check_disk`: one
+sentence naming the disk, the space needed and the space free).
 """
 
 from __future__ import annotations
@@ -91,16 +96,32 @@ class ExportKind:
     write: Callable[..., None]  # write(source, out_dir, progress, **options): fills an empty folder
     check: Callable[[Path], None]  # check(folder): raises ExportError when the folder is not right
     requires: tuple[str, ...] = ()  # modules that must be importable
+    # verify(folder, source, reference, progress, **options) -> selfcheck.Verdict: the artefact
+    # loaded in its own runtime and compared with the trained model (engine/export/selfcheck.py).
+    verify: Optional[Callable[..., Any]] = None
+    # estimate(source, **options) -> bytes written at the peak (None: unknown), for the disk check.
+    estimate: Optional[Callable[..., Optional[int]]] = None
+    # Other things it needs besides modules (e.g. llama.cpp's converter script), as sentences.
+    also_missing: Optional[Callable[[], list[str]]] = None
+    # A destination ending in this suffix is a file (X.gguf) written with its companions beside it.
+    file_suffix: str = ""
+    companions: tuple[str, ...] = ()  # files written beside a file destination (the Modelfile)
+    # published(dst, source, extras, **options): fill in what is known once the artefact is in place
+    # (the Modelfile's path and the `ollama create` command).
+    published: Optional[Callable[..., None]] = None
 
     def missing(self) -> list[str]:
-        """The required modules that are not installed."""
-        return [m for m in self.requires if importlib.util.find_spec(m) is None]
+        """The required modules (and other things) that are not installed."""
+        out = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if self.also_missing is not None and not out:
+            out += self.also_missing()
+        return out
 
 
 def _registry() -> dict[str, ExportKind]:
-    from engine.export import adapter, merged
+    from engine.export import adapter, gguf, merged
 
-    return {k.name: k for k in (adapter.KIND, merged.KIND)}
+    return {k.name: k for k in (adapter.KIND, merged.KIND, gguf.KIND)}
 
 
 EXPORTERS: dict[str, ExportKind] = {}  # filled below, once the kind modules can import this one
@@ -120,15 +141,26 @@ def _partial(dst: Path) -> Path:
     return dst.with_name(f".{dst.name}.partial")
 
 
-def _check_destination(dst: Path, overwrite: bool) -> None:
+def _is_file_target(kind: ExportKind, dst: Path) -> bool:
+    return bool(kind.file_suffix) and dst.suffix.lower() == kind.file_suffix
+
+
+def _check_destination(dst: Path, overwrite: bool, kind: Optional[ExportKind] = None) -> None:
+    if kind is not None and _is_file_target(kind, dst):
+        if dst.is_dir():
+            raise ExportError(f"{dst} is a folder; name a {kind.file_suffix} file or a folder without the suffix")
+        for p in (dst, *(dst.parent / c for c in kind.companions)):
+            if p.exists() and not overwrite:
+                raise ExportError(f"{p} already exists; choose another name or overwrite")
+        return
     if dst.exists() and not dst.is_dir():
         raise ExportError(f"{dst} is a file; choose a folder")
     if dst.exists() and any(dst.iterdir()) and not overwrite:
         raise ExportError(f"{dst} already exists and is not empty; choose another folder")
 
 
-def _atomic_dir(dst: Path, overwrite: bool) -> Path:
-    _check_destination(dst, overwrite)
+def _atomic_dir(dst: Path, overwrite: bool, kind: Optional[ExportKind] = None) -> Path:
+    _check_destination(dst, overwrite, kind)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = _partial(dst)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -136,16 +168,37 @@ def _atomic_dir(dst: Path, overwrite: bool) -> Path:
     return tmp
 
 
-def _commit(tmp: Path, dst: Path) -> list[str]:
+def _commit(tmp: Path, dst: Path, kind: Optional[ExportKind] = None) -> list[str]:
+    if kind is not None and _is_file_target(kind, dst):
+        # The companions first, the artefact itself last: once X.gguf is there, all of it is.
+        names = sorted((p.name for p in tmp.iterdir() if p.is_file()), key=lambda n: n == dst.name)
+        for name in names:
+            runs.publish(tmp / name, dst.parent / name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return names
     if dst.exists():
         shutil.rmtree(dst)
     runs.publish(tmp, dst)  # the rename, with normal file permissions (safetensors writes 0600)
     return sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file())
 
 
+# -- reports in the run folder -----------------------------------------------------------------
+REPORT = "export-report.json"  # the self-check verdicts, beside config.yaml: {"exports": {kind: verdict}}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Best effort: a read-only run folder still exports."""
+    try:
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(path.name + runs.TMP_SUFFIX)
+        tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def _report(source: ExportSource, kind: ExportKind, dst: Path, files: list[str]) -> None:
-    """exports/<kind>.json in the run folder: what was exported where. Best effort: a read-only
-    run folder still exports."""
+    """exports/<kind>.json in the run folder: what was exported where."""
     run = runs.RunFolder.of(source.adapter)
     if not run.is_run():
         return
@@ -156,17 +209,91 @@ def _report(source: ExportSource, kind: ExportKind, dst: Path, files: list[str])
         "files": files,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    path = run.export_report(kind.name)
+    _write_json(run.export_report(kind.name), report)
+
+
+def report_path(src: str | Path) -> Path:
+    """export-report.json of the run that `src` (a run, checkpoint or adapter folder) belongs to."""
+    return runs.RunFolder.of(src).path / REPORT
+
+
+def read_export_report(src: str | Path) -> dict:
+    """{kind: verdict dict} of the last export of each kind of a run ({} when none)."""
     try:
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(path.name + runs.TMP_SUFFIX)
-        tmp.write_text(json.dumps(report, indent=2), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass
+        return json.loads(report_path(src).read_text(encoding="utf-8")).get("exports", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _record_verdict(source: ExportSource, verdict) -> None:
+    run = runs.RunFolder.of(source.adapter)
+    if not run.is_run():
+        return
+    path = run.path / REPORT
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        data = {}
+    data.setdefault("exports", {})[verdict.kind] = {**verdict.to_dict(), "source": str(source.adapter)}
+    data["run"] = str(run.path)
+    _write_json(path, data)
+
+
+# -- disk space --------------------------------------------------------------------------------
+def disk_free(path: Path) -> int:
+    """Free bytes on the disk that holds `path` (its nearest existing parent)."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return shutil.disk_usage(p).free
+    return shutil.disk_usage(Path.cwd()).free
+
+
+def mount_point(path: Path) -> Path:
+    p = next((q for q in (path, *path.parents) if q.exists()), Path("/")).resolve()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _gb(n: int) -> str:
+    if n >= 1e8:
+        return f"{n / 1e9:.1f} GB"
+    if n >= 1e5:
+        return f"{n / 1e6:.1f} MB"
+    return f"{n / 1e3:.1f} kB" if n >= 1e3 else f"{n} bytes"
+
+
+def check_disk(needs: Mapping[Path, int]) -> None:
+    """One sentence before anything is written when a disk cannot hold what goes to it."""
+    per_disk: dict[Path, int] = {}
+    for dst, size in needs.items():
+        per_disk[mount_point(dst)] = per_disk.get(mount_point(dst), 0) + size
+    for mount, size in per_disk.items():
+        free = disk_free(mount)
+        if size > free:
+            raise ExportError(
+                f"not enough disk space on the disk mounted at {mount}: the export needs about {_gb(size)} "
+                f"and {_gb(free)} is free"
+            )
 
 
 # -- the flow ----------------------------------------------------------------------------------
+class SelfCheckFailed(ExportError):
+    """An export was written but its self-check failed; nothing was published. `.verdicts` holds
+    every verdict of the flow so far, the failed one last."""
+
+    def __init__(self, message: str, verdicts: list):
+        super().__init__(message)
+        self.verdicts = verdicts
+
+
+@dataclass
+class ExportResult:
+    written: dict[str, list[str]]  # {destination: files}, as run_exports returns
+    verdicts: list = field(default_factory=list)  # selfcheck.Verdict per kind, in registry order
+    extras: dict[str, dict] = field(default_factory=dict)  # per kind: e.g. the Modelfile and ollama command
+
+
 def _kinds(names) -> list[ExportKind]:
     unknown = [n for n in names if n not in EXPORTERS]
     if unknown:
@@ -174,7 +301,12 @@ def _kinds(names) -> list[ExportKind]:
     return [EXPORTERS[n] for n in EXPORTERS if n in names]  # registry order: cheap kinds first
 
 
-def _preflight(requests: Mapping[str, Path], overwrite: bool) -> None:
+def _preflight(
+    requests: Mapping[str, Path],
+    overwrite: bool,
+    source: Optional[ExportSource] = None,
+    options: Optional[Mapping[str, dict]] = None,
+) -> None:
     for kind in _kinds(list(requests)):
         missing = kind.missing()
         if missing:
@@ -185,21 +317,57 @@ def _preflight(requests: Mapping[str, Path], overwrite: bool) -> None:
         if key in seen:
             raise ExportError(f"the {seen[key]} and {name} exports need different folders (both go to {dst})")
         seen[key] = name
-        _check_destination(dst, overwrite)
+        _check_destination(dst, overwrite, EXPORTERS[name])
+    if source is not None:
+        needs = {}
+        for kind in _kinds(list(requests)):
+            opts = dict((options or {}).get(kind.name, {}))
+            if kind.name == "gguf" and "merged" in requests:
+                opts["reuse_merged"] = True
+            size = kind.estimate(source, **opts) if kind.estimate else None
+            if size:
+                needs[requests[kind.name]] = size
+        check_disk(needs)
 
 
 def _export_one(
-    kind: ExportKind, source: ExportSource, dst: Path, overwrite: bool, progress: Progress, **options
+    kind: ExportKind,
+    source: ExportSource,
+    dst: Path,
+    overwrite: bool,
+    progress: Progress,
+    reference=None,
+    verdicts: Optional[list] = None,
+    **options,
 ) -> list[str]:
+    """Write one kind into its .partial folder, check its files, run its self-check against
+    `reference` (None: no self-check), then publish it. A failed check removes the partial folder
+    and raises; the verdict, pass or fail, goes to export-report.json."""
     if progress:
         progress(kind.stage)
-    tmp = _atomic_dir(dst, overwrite)
+    tmp = _atomic_dir(dst, overwrite, kind)
+    if _is_file_target(kind, dst):
+        options["filename"] = dst.name
     try:
         kind.write(source, tmp, progress, **options)
         if progress:
             progress(f"checking the {kind.title}")
         kind.check(tmp)
-        files = _commit(tmp, dst)
+        if reference is not None and kind.verify is not None:
+            if progress:
+                progress(f"self-check: loading the {kind.title} in its own runtime")
+            v = _verify(kind, tmp, dst, source, reference, progress, options)
+            if verdicts is not None:
+                verdicts.append(v)
+            _record_verdict(source, v)
+            if progress:
+                progress(f"{kind.title}: {v.summary}")
+            if not v.ok:
+                raise SelfCheckFailed(
+                    f"the {kind.title} failed its self-check, so it was not written: {v.reasons[0]}",
+                    list(verdicts or [v]),
+                )
+        files = _commit(tmp, dst, kind)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -209,35 +377,92 @@ def _export_one(
     return files
 
 
-def run_exports(
-    src: str | Path, requests: Mapping[str, str | Path], overwrite: bool = False, progress: Progress = None
-) -> dict[str, list[str]]:
-    """Run the requested exports ({kind: destination folder}) of `src`, in registry order.
+def _verify(kind: ExportKind, tmp: Path, dst: Path, source: ExportSource, reference, progress, options):
+    from engine.export import selfcheck
 
-    Returns {destination: files written (relative paths)}. Raises ExportError (or
-    FileNotFoundError from a loader) with a message for the person; nothing is written unless
-    every request passed the checks of step 2 above."""
+    final = dst if not _is_file_target(kind, dst) else dst
+    try:
+        v = kind.verify(tmp, source, reference, progress, **options)
+    except ExportError:
+        raise
+    except Exception as exc:  # the check itself could not run: the export is not verified
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        v = selfcheck.failed(kind.name, final, f"the self-check could not run: {text}")
+    v.artefact = str(final)
+    return v
+
+
+def export_and_check(
+    src: str | Path,
+    requests: Mapping[str, str | Path],
+    overwrite: bool = False,
+    progress: Progress = None,
+    options: Optional[Mapping[str, dict]] = None,
+    verify: bool = True,
+) -> ExportResult:
+    """Run the requested exports ({kind: destination}) of `src` in registry order, each
+    self-checked (`verify`) before it is published. `options`: per kind keyword arguments,
+    e.g. {"gguf": {"quant": "q4_k_m"}}. Raises ExportError before anything is written for a
+    bad request, a missing requirement or a full disk; SelfCheckFailed (an ExportError, with
+    `.verdicts`) when an artefact does not behave like the trained model."""
     requests = {name: Path(dst) for name, dst in requests.items()}
     if not requests:
         raise ExportError(f"nothing to export: choose {' and/or '.join(EXPORTERS)}")
     kinds = _kinds(list(requests))
     source = ExportSource.resolve(src)
-    _preflight(requests, overwrite)
-    return {str(requests[k.name]): _export_one(k, source, requests[k.name], overwrite, progress) for k in kinds}
+    options = {k: dict(v) for k, v in (options or {}).items()}
+    _preflight(requests, overwrite, source, options)
+    reference = None
+    if verify:
+        from engine.export.selfcheck import Reference
+
+        reference = Reference(source, progress)
+    result = ExportResult({})
+    for kind in kinds:
+        opts = dict(options.get(kind.name, {}))
+        if kind.name == "gguf" and "merged" in requests:
+            opts["merged_dir"] = requests["merged"]  # already written (and checked) in 16 bits
+        opts["extras"] = result.extras.setdefault(kind.name, {})
+        dst = requests[kind.name]
+        result.written[str(dst)] = _export_one(
+            kind, source, dst, overwrite, progress, reference=reference, verdicts=result.verdicts, **opts
+        )
+        if kind.published is not None:
+            kind.published(dst, source, opts["extras"], **{k: v for k, v in opts.items() if k != "extras"})
+        if not result.extras[kind.name]:
+            del result.extras[kind.name]
+    return result
 
 
-def export_adapter(src, dst, overwrite: bool = False, progress: Progress = None) -> list[str]:
+def run_exports(
+    src: str | Path,
+    requests: Mapping[str, str | Path],
+    overwrite: bool = False,
+    progress: Progress = None,
+    options: Optional[Mapping[str, dict]] = None,
+    verify: bool = True,
+) -> dict[str, list[str]]:
+    """`export_and_check`, returning {destination: files written (relative paths)} only."""
+    return export_and_check(src, requests, overwrite, progress, options, verify).written
+
+
+def export_adapter(src, dst, overwrite: bool = False, progress: Progress = None, verify: bool = True) -> list[str]:
     """Copy the PEFT adapter (config, safetensors weights, tokenizer files). Returns files written."""
-    return run_exports(src, {"adapter": dst}, overwrite=overwrite, progress=progress)[str(Path(dst))]
+    return run_exports(src, {"adapter": dst}, overwrite=overwrite, progress=progress, verify=verify)[str(Path(dst))]
 
 
-def export_merged(src, dst, dtype: str = "auto", overwrite: bool = False, progress: Progress = None) -> list[str]:
+def export_merged(
+    src, dst, dtype: str = "auto", overwrite: bool = False, progress: Progress = None, verify: bool = True
+) -> list[str]:
     """Merge the adapter into its base model and save 16-bit safetensors that transformers loads."""
-    kind = EXPORTERS["merged"]
-    dst = Path(dst)
-    source = ExportSource.resolve(src)
-    _preflight({"merged": dst}, overwrite)
-    return _export_one(kind, source, dst, overwrite, progress, dtype=dtype)
+    return run_exports(
+        src,
+        {"merged": dst},
+        overwrite=overwrite,
+        progress=progress,
+        options={"merged": {"dtype": dtype}},
+        verify=verify,
+    )[str(Path(dst))]
 
 
 # -- checks shared by the kinds ----------------------------------------------------------------

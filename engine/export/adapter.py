@@ -1,6 +1,7 @@
 """The "adapter" export: the run's PEFT adapter as it is (adapter_config.json,
 adapter_model.safetensors and the tokenizer files saved beside them), loadable with
-`PeftModel.from_pretrained(base, folder)`. A plain copy: needs nothing installed."""
+`PeftModel.from_pretrained(base, folder)`. A plain copy: needs nothing installed to write; the
+self-check loads it with PEFT on the base (engine/export/selfcheck.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from engine import runs
 from engine.export import ExportError, ExportKind, check_json, check_safetensors
 
 
-def write(source, out: Path, progress=None) -> None:
+def write(source, out: Path, progress=None, **_options) -> None:
     for f in sorted(source.adapter.iterdir()):
         if f.is_file():
             if progress:
                 progress(f"copying {f.name}")
             shutil.copy2(f, out / f.name)
+
+
+def estimate(source, **_options) -> int:
+    return sum(f.stat().st_size for f in source.adapter.iterdir() if f.is_file())
 
 
 def check(folder: Path) -> None:
@@ -32,6 +37,45 @@ def check(folder: Path) -> None:
         raise ExportError("adapter_model.safetensors holds no LoRA weights")
 
 
+def verify(folder: Path, source, ref, progress=None, **_options):
+    """Load the copied adapter with PEFT onto the reference's base (as a second adapter, so the
+    base weights are shared) and compare it with the run's own adapter."""
+    from engine.export import selfcheck
+    from engine.models.loading import quiet_third_party
+
+    ref.build()
+    model = ref.model()
+    try:
+        with quiet_third_party():
+            model.load_adapter(str(folder), adapter_name="exported")
+    except Exception as exc:  # PEFT raises many types for a bad adapter; all mean "does not load"
+        return selfcheck.failed("adapter", folder, f"PEFT cannot load the exported adapter: {exc}")
+    try:
+        model.set_adapter("exported")
+        tokenizer = ref.tokenizer
+        if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            if not tokenizer.chat_template:
+                tokenizer.chat_template = ref.tokenizer.chat_template
+        runtime = selfcheck.HFRuntime(model, selfcheck.generation_eos(model), tokenizer.pad_token_id)
+        v = selfcheck.check_hf(
+            "adapter",
+            runtime,
+            tokenizer,
+            selfcheck.generation_eos(model),
+            ref,
+            folder,
+            "the base model",
+            eos_blocking=False,
+        )
+    finally:
+        model.set_adapter("default")
+        model.delete_adapter("exported")
+    return v
+
+
 KIND = ExportKind(
     name="adapter",
     title="adapter",
@@ -40,4 +84,6 @@ KIND = ExportKind(
     stage="Writing the LoRA adapter…",
     write=write,
     check=check,
+    verify=verify,
+    estimate=estimate,
 )

@@ -2,22 +2,29 @@
 safetensors with the tokenizer, so transformers loads it alone (no PEFT, no adapter).
 
 The merge runs in fp32 on the CPU from a full-precision base (a 4-bit run's base is loaded
-unquantized), then the result is stored in bf16 (or the run's 16-bit dtype)."""
+unquantized), then the result is stored in bf16 (or the run's 16-bit dtype). The tokenizer saved
+is the one the run trained with (beside its adapter: it carries the chat template training
+rendered with), and generation_config's eos_token_id gets the token that ends an assistant turn
+in that template, so the merged model stops where the trained one learned to. The self-check
+loads the folder with plain transformers and compares it with the trained model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Optional
 
 from engine.export import ExportError, ExportKind, check_json, check_safetensors
 
 DTYPES = ("bfloat16", "float16")
 
 
-def write(source, out: Path, progress=None, dtype: str = "auto") -> None:
+def write(source, out: Path, progress=None, dtype: str = "auto", **_options) -> None:
     import torch
     from peft import PeftModel
 
-    from engine.models.loading import load_model, load_tokenizer, quiet_third_party
+    from engine.export.selfcheck import trained_tokenizer
+    from engine.models.loading import load_model, quiet_third_party
 
     cfg = source.config()
     if dtype == "auto":
@@ -38,7 +45,54 @@ def write(source, out: Path, progress=None, dtype: str = "auto") -> None:
     if progress:
         progress("writing safetensors")
     merged.save_pretrained(out, safe_serialization=True)
-    load_tokenizer(model_cfg).save_pretrained(out)
+    tokenizer = trained_tokenizer(source)
+    tokenizer.save_pretrained(out)
+    stop_at_turn_end(out, tokenizer)
+
+
+def stop_at_turn_end(out: Path, tokenizer) -> None:
+    """generation_config.json's eos_token_id holds the tokenizer's EOS and the template's turn-end
+    token (a base model's config often names only its pre-training EOS, <|endoftext|>, and a
+    chat fine-tune of it then never stops at <|im_end|>)."""
+    from engine.export.selfcheck import turn_end_token
+
+    path = out / "generation_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    eos = config.get("eos_token_id")
+    ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    for extra in (tokenizer.eos_token_id, turn_end_token(tokenizer)):
+        if extra is not None and extra not in ids:
+            ids.append(int(extra))
+    if ids:
+        config["eos_token_id"] = ids[0] if len(ids) == 1 else ids
+        path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def base_parameters(source) -> Optional[int]:
+    """The base model's parameter count from its config.json (local folder or the Hub cache),
+    or None when it cannot be read without the network."""
+    from engine.models.estimate import model_info_from_path
+    from engine.models.loading import resolve_model_source
+
+    try:
+        path, local = resolve_model_source(source.config().model.name_or_path)
+        if not local:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(path, "config.json")
+            if not isinstance(cached, str):
+                return None
+            path = str(Path(cached).parent)
+        info = model_info_from_path(path)
+    except Exception:  # an estimate only: no estimate, no disk check
+        return None
+    return info.num_params if info is not None else None
+
+
+def estimate(source, **_options) -> Optional[int]:
+    """16-bit weights plus a little for the tokenizer and configs."""
+    params = base_parameters(source)
+    return None if params is None else 2 * params + 50_000_000
 
 
 def check(folder: Path) -> None:
@@ -60,6 +114,29 @@ def check(folder: Path) -> None:
         raise ExportError("the merged export has no tokenizer files")
 
 
+def verify(folder: Path, source, ref, progress=None, **_options):
+    """Load the folder with plain transformers (no PEFT) and compare it with the trained model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.export import selfcheck
+    from engine.models.loading import quiet_third_party, torch_dtype
+
+    ref.build()
+    ref.release()  # its scores are kept; the merged model needs the memory
+    device, dtype = selfcheck.check_device()
+    if progress:
+        progress("self-check: loading the merged model with transformers")
+    try:
+        with quiet_third_party():
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype(dtype)).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # transformers raises many types; all mean "does not load"
+        return selfcheck.failed("merged", folder, f"transformers cannot load the merged model: {exc}")
+    eos = selfcheck.generation_eos(model)
+    runtime = selfcheck.HFRuntime(model, eos, tokenizer.pad_token_id)
+    return selfcheck.check_hf("merged", runtime, tokenizer, eos, ref, folder, "the merged folder")
+
+
 KIND = ExportKind(
     name="merged",
     title="merged model",
@@ -68,5 +145,7 @@ KIND = ExportKind(
     stage="Merging the adapter into the base model…",
     write=write,
     check=check,
+    verify=verify,
+    estimate=estimate,
     requires=("torch", "transformers", "peft", "safetensors"),
 )

@@ -1,0 +1,503 @@
+"""The "gguf" export: the merged model converted by llama.cpp's own converter and quantized by
+llama.cpp's own quantizer, with an Ollama Modelfile beside it.
+
+How it is written:
+
+1. the merged model in 16 bits (the "merged" export's folder when it is exported in the same
+   flow, else a scratch copy in the partial folder, removed afterwards);
+2. `convert_hf_to_gguf.py` (llama.cpp's, with the `gguf-py` it shipped with) turns it into a
+   16-bit GGUF, in a subprocess (engine/export/_gguf_convert.py);
+3. `llama_cpp.llama_model_quantize` makes q8_0 or q4_k_m from it (f16 / bf16 are written by the
+   converter directly);
+4. `Modelfile` beside it (engine/export/modelfile.py).
+
+What it needs (`tunesmith[gguf]`, pinned in pyproject.toml): llama-cpp-python (a C++ build; PyPI
+ships it as a source distribution only), gguf, and sentencepiece (the converter imports it).
+The converter is not in llama-cpp-python's wheel, only in its source distribution
+(vendor/llama.cpp): `fetch_converter()` (run by scripts/install.sh and the Export page's install
+button; `python -m engine.export fetch-converter`) extracts `convert_hf_to_gguf.py`,
+`conversion/` and `gguf-py/` of the pinned release into `converter_dir()`, so the converter and
+the quantizer are the same llama.cpp.
+
+The self-check loads the GGUF with llama.cpp (through llama-cpp-python) and compares it with the
+trained model; it also lints the GGUF's metadata (EOS id, the chat template as llama.cpp renders
+it, llama.cpp's tokenization of the prompts against the tokenizer's)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from engine.export import ExportError, ExportKind
+
+LLAMA_CPP_PYTHON = "0.3.36"  # keep in step with pyproject.toml's [gguf] extra
+GGUF = "0.19.0"
+QUANTS = ("q8_0", "q4_k_m", "f16", "bf16")
+DEFAULT_QUANT = "q8_0"
+# Bytes per parameter of each output, for the disk check (q4_k_m keeps some tensors in 6 bits).
+_BYTES_PER_PARAM = {"f16": 2.0, "bf16": 2.0, "q8_0": 1.07, "q4_k_m": 0.62}
+# Files of the llama.cpp source the converter needs.
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+
+
+# -- the converter -----------------------------------------------------------------------------
+def converter_dir() -> Path:
+    """Where the converter of the pinned llama.cpp lives: $TUNESMITH_LLAMA_CPP_DIR, else
+    $XDG_DATA_HOME/tunesmith/llama.cpp-<llama-cpp-python version> (~/.local/share/...)."""
+    env = os.environ.get("TUNESMITH_LLAMA_CPP_DIR")
+    if env:
+        return Path(env).expanduser()
+    data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return data / "tunesmith" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+
+
+def converter_missing() -> list[str]:
+    if (converter_dir() / "convert_hf_to_gguf.py").is_file() and (converter_dir() / "gguf-py").is_dir():
+        return []
+    return [f"llama.cpp's converter (`python -m engine.export fetch-converter` puts it in {converter_dir()})"]
+
+
+def fetch_converter(sdist: Optional[str | Path] = None, progress=None) -> Path:
+    """Extract the converter of llama-cpp-python's source distribution into converter_dir().
+    `sdist`: a llama_cpp_python-<version>.tar.gz already here; else pip downloads the pinned one
+    (from its cache when it built the wheel from it)."""
+    dest = converter_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        if sdist is None:
+            if progress:
+                progress(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} source for its converter")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+            cmd += ["--disable-pip-version-check", "-q", "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise ExportError(
+                    f"pip could not download llama-cpp-python {LLAMA_CPP_PYTHON}: {out.stderr.strip()[-400:]}"
+                )
+            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        staging = Path(tmp) / "staging"
+        with tarfile.open(sdist) as tar:
+            members = []
+            for m in tar.getmembers():
+                parts = m.name.split("/", 3)  # llama_cpp_python-X/vendor/llama.cpp/<rest>
+                if len(parts) == 4 and parts[1:3] == ["vendor", "llama.cpp"]:
+                    rest = parts[3]
+                    if any(rest == p or (p.endswith("/") and rest.startswith(p)) for p in _CONVERTER_PARTS):
+                        if m.isfile() or m.isdir():
+                            m.name = rest
+                            members.append(m)
+            if not any(m.name == "convert_hf_to_gguf.py" for m in members):
+                raise ExportError(f"{sdist} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
+            tar.extractall(staging, members=members, filter="data")
+        if progress:
+            progress(f"llama.cpp's converter put in {dest}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.move(str(staging), dest)
+    return dest
+
+
+# -- writing -----------------------------------------------------------------------------------
+def _run_converter(merged: Path, outfile: Path, outtype: str, progress) -> None:
+    runner = Path(__file__).with_name("_gguf_convert.py")
+    cmd = [sys.executable, str(runner), str(converter_dir()), str(merged), "--outfile", str(outfile)]
+    cmd += ["--outtype", outtype]
+    if progress:
+        progress(f"converting to GGUF ({outtype}) with llama.cpp's convert_hf_to_gguf.py")
+    env = {**os.environ, "NO_LOCAL_GGUF": "1", "HF_HUB_OFFLINE": "1"}  # gguf-py comes first on sys.path already
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0 or not outfile.is_file():
+        tail = [line for line in (out.stderr or out.stdout).strip().splitlines() if line.strip()][-1:] or ["no output"]
+        raise ExportError(f"llama.cpp's converter failed on the merged model: {tail[0]}")
+
+
+def quantize(src: Path, dst: Path, quant: str) -> None:
+    """llama.cpp's quantizer, through llama-cpp-python."""
+    import ctypes
+
+    import llama_cpp
+
+    ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[quant]
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = os.cpu_count() or 1
+    with _c_stderr_to_file() as log:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0 or not dst.is_file():
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        raise ExportError(f"llama.cpp's quantizer failed to make {quant} (code {rc}): {lines[-1] if lines else ''}")
+
+
+@contextlib.contextmanager
+def _c_stderr_to_file():
+    """The quantizer writes a line per tensor to the C stderr; keep them in a file (read for the
+    error message) instead of the terminal or the window's log."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "quantize.log"
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            with log.open("wb") as f:
+                os.dup2(f.fileno(), 2)
+                try:
+                    yield log
+                finally:
+                    os.dup2(saved, 2)
+        finally:
+            os.close(saved)
+
+
+def gguf_name(quant: str, filename: Optional[str]) -> str:
+    return filename or f"model-{quant}.gguf"
+
+
+def write(
+    source,
+    out: Path,
+    progress=None,
+    quant: str = DEFAULT_QUANT,
+    filename: Optional[str] = None,
+    merged_dir: Optional[Path] = None,
+    extras: Optional[dict] = None,
+    **_options,
+) -> None:
+    from engine.export import merged as merged_kind
+    from engine.export import modelfile
+    from engine.export.selfcheck import trained_tokenizer
+
+    if quant not in QUANTS:
+        raise ExportError(f"unknown GGUF type '{quant}' (choose {', '.join(QUANTS)})")
+    name = gguf_name(quant, filename)
+    scratch = None
+    if merged_dir is None:
+        scratch = out / ".merged-16bit"
+        scratch.mkdir()
+        if progress:
+            progress("writing the merged model in 16 bits for the converter")
+        merged_kind.write(source, scratch, progress)
+        merged_dir = scratch
+    try:
+        dtype = _stored_dtype(Path(merged_dir))
+        if quant in ("f16", "bf16"):
+            _run_converter(Path(merged_dir), out / name, quant, progress)
+        else:
+            wide = out / ".model-16bit.gguf"
+            _run_converter(Path(merged_dir), wide, "bf16" if dtype == "bfloat16" else "f16", progress)
+            if progress:
+                progress(f"quantizing to {quant} with llama.cpp")
+            quantize(wide, out / name, quant)
+            wide.unlink()
+        import json
+
+        gen_path = Path(merged_dir) / "generation_config.json"
+        gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
+        tokenizer = trained_tokenizer(source)
+        info = modelfile.write_modelfile(out, name, tokenizer, gen, runtime_adds_bos=_adds_bos(out / name))
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if extras is not None:
+        extras.update(info)
+        extras["gguf"] = name
+
+
+def _stored_dtype(folder: Path) -> str:
+    import json
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "bfloat16"
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+
+
+def _adds_bos(path: Path) -> bool:
+    """Whether llama.cpp adds a BOS token itself for this GGUF (tokenizer.ggml.add_bos_token)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).get_field("tokenizer.ggml.add_bos_token")
+        return bool(field is not None and field.contents())
+    except Exception:  # an unreadable field: assume it does not, and keep BOS in the template
+        return False
+
+
+def check(folder: Path) -> None:
+    ggufs = [p for p in folder.glob("*.gguf") if not p.name.startswith(".")]
+    if len(ggufs) != 1:
+        raise ExportError(f"the GGUF export holds {len(ggufs)} .gguf files, not one")
+    with ggufs[0].open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ExportError(f"{ggufs[0].name} is not a GGUF file")
+    if not (folder / "Modelfile").is_file():
+        raise ExportError("the GGUF export has no Modelfile")
+
+
+def estimate(source, quant: str = DEFAULT_QUANT, reuse_merged: bool = False, **_options) -> Optional[int]:
+    """The peak: the 16-bit merged scratch copy (unless the merged export is reused), the 16-bit
+    GGUF before quantizing, and the output."""
+    from engine.export.merged import base_parameters
+
+    params = base_parameters(source)
+    if params is None:
+        return None
+    total = _BYTES_PER_PARAM.get(quant, 2.0) * params
+    if quant not in ("f16", "bf16"):
+        total += 2 * params
+    if not reuse_merged:
+        total += 2 * params
+    return int(total) + 50_000_000
+
+
+# -- the self-check ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _plain_cpu_buffers(llama_cpp):
+    """Load with llama.cpp's plain CPU weight buffers (`use_extra_bufts` off: no runtime weight
+    repacking). llama.cpp 0.3.36's repacked q8_0 path crashes (SIGSEGV in decode) on tensors as
+    narrow as the demo model's (128 columns) on AVX-512/AMX CPUs; the plain buffers hold the
+    weights exactly as the file stores them, which is what the check is about. Llama() has no
+    argument for it, so its default-params factory is wrapped for the duration of the load."""
+    module = llama_cpp.llama.llama_cpp
+    original = module.llama_model_default_params
+
+    def params():
+        p = original()
+        p.use_extra_bufts = False
+        return p
+
+    module.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = original
+
+
+def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT, **_options):
+    """Load the GGUF with llama.cpp and compare it with the trained model; lint its metadata."""
+    import llama_cpp
+    import numpy as np
+    import torch
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from engine.export import selfcheck
+    from engine.export.selfcheck import MAX_GENERATE, STOP_WITHIN, TWO_TURNS, Lint
+
+    ref.build()
+    ref.release()
+    path = next(p for p in folder.glob("*.gguf") if not p.name.startswith("."))
+    tok = ref.tokenizer
+    n_ctx = max(512, max(len(p.ids) for p in ref.probes) + STOP_WITHIN + 8)
+    if progress:
+        progress("self-check: loading the GGUF with llama.cpp")
+    try:
+        with _plain_cpu_buffers(llama_cpp):
+            llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_batch=n_ctx,
+                logits_all=True,
+                n_gpu_layers=0,
+                n_threads=max(1, min(4, os.cpu_count() or 1)),
+                seed=0,
+                verbose=False,
+            )
+    except Exception as exc:  # llama.cpp says only "failed to load model"
+        return selfcheck.failed("gguf", path, f"llama.cpp cannot load the GGUF: {exc}")
+    try:
+        meta = dict(llm.metadata)
+        lints: list[Lint] = []
+
+        # EOS in the metadata: what llama.cpp, Ollama and LM Studio read to stop.
+        hf_eos = tok.eos_token_id
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        if eos is None:
+            lints.append(
+                Lint(
+                    "eos",
+                    False,
+                    "the GGUF's metadata has no tokenizer.ggml.eos_token_id: runtimes guess where a reply ends "
+                    "and may never stop",
+                )
+            )
+        elif hf_eos is not None and int(eos) != int(hf_eos):
+            lints.append(
+                Lint("eos", False, f"the GGUF's EOS is token {eos}, the tokenizer's is {hf_eos} ({tok.eos_token!r})")
+            )
+        else:
+            lints.append(Lint("eos", True, f"the GGUF's EOS is {tok.eos_token!r} (id {eos}), as in the tokenizer"))
+        end = selfcheck.turn_end_token(tok)
+        if end is not None:
+            vocab = llama_cpp.llama_model_get_vocab(llm.model)
+            ok = bool(llama_cpp.llama_vocab_is_eog(vocab, end))
+            name = tok.convert_ids_to_tokens(end)
+            lints.append(
+                Lint(
+                    "turn end",
+                    ok,
+                    f"llama.cpp stops at {name!r}, the template's end of turn"
+                    if ok
+                    else f"llama.cpp does not stop at {name!r}, the token that ends a turn in the template",
+                )
+            )
+
+        # The chat template in the metadata, rendered by llama-cpp-python's Jinja formatter.
+        template = meta.get("tokenizer.chat_template")
+        if not template:
+            lints.append(
+                Lint("template", False, "the GGUF's metadata holds no chat template: runtimes fall back to a guess")
+            )
+        else:
+            try:
+                rendered = Jinja2ChatFormatter(
+                    template=template, eos_token=tok.eos_token or "", bos_token=tok.bos_token or ""
+                )(messages=TWO_TURNS).prompt
+            except Exception as exc:  # a template llama.cpp's renderer cannot run is a failure too
+                rendered = f"<error: {exc}>"
+            same = rendered == ref.two_turns()
+            lints.append(
+                Lint(
+                    "template",
+                    same,
+                    "the GGUF's chat template renders a two-turn conversation as in training"
+                    if same
+                    else "the GGUF's chat template renders a two-turn conversation differently from training",
+                )
+            )
+
+        # llama.cpp's tokenizer against the trained one, on the rendered held-out conversations.
+        bad = 0
+        for p in ref.probes:
+            text = tok.decode(p.ids, skip_special_tokens=False)
+            if llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) != p.ids:
+                bad += 1
+        lints.append(
+            Lint(
+                "tokenizer",
+                bad == 0,
+                "llama.cpp tokenizes the held-out conversations exactly as the tokenizer does"
+                if bad == 0
+                else f"llama.cpp tokenizes {bad} of {len(ref.probes)} held-out conversations differently "
+                "from the tokenizer",
+            )
+        )
+
+        if progress:
+            progress(f"self-check: scoring {len(ref.probes)} held-out examples with llama.cpp")
+        art = []
+        for p in ref.probes:
+            llm.reset()
+            llm.eval(p.ids)
+            scores = np.asarray(llm.scores[: len(p.ids)], dtype=np.float32)[p.positions]
+            art.append(torch.log_softmax(torch.from_numpy(scores.copy()), -1))
+        metrics = selfcheck.compare(ref.logprobs, art, ref.probes)
+
+        replies, out = [], []
+        for p in ref.probes[:MAX_GENERATE]:
+            llm.reset()
+            res = llm.create_completion(prompt=p.prompt_ids, max_tokens=STOP_WITHIN, temperature=0.0, top_k=1)
+            choice = res["choices"][0]
+            stopped = choice.get("finish_reason") == "stop"
+            text = choice["text"].strip()
+            replies.append((text, stopped))
+            out.append({"prompt": p.prompt, "reply": text, "stopped": stopped})
+        lints += selfcheck.lint_stops(replies, ref, "llama.cpp")
+        same = sum(r == ref.decode(i) for (r, _), (i, _) in zip(replies, ref.replies))
+        metrics["same_replies"] = f"{same}/{len(replies)}"
+        metrics["quant"] = quant
+    finally:
+        llm.close()
+    key = f"gguf:{quant}"
+    return selfcheck.verdict("gguf", path, selfcheck.THRESHOLDS[key], metrics, lints, out, ref)
+
+
+def published(dst: Path, source, extras: dict, quant: str = DEFAULT_QUANT, **_options) -> None:
+    """The Modelfile's final path and the command that makes an Ollama model of it."""
+    from engine import runs
+    from engine.export import modelfile
+
+    folder = dst.parent if dst.suffix.lower() == ".gguf" else dst
+    run = runs.run_folder_of(source.adapter)
+    name = modelfile.model_name(f"{run.name}-{quant}")
+    extras["modelfile"] = str(folder / "Modelfile")
+    extras["ollama_command"] = modelfile.ollama_command(folder / "Modelfile", name)
+
+
+KIND = ExportKind(
+    name="gguf",
+    title="GGUF",
+    label="GGUF for llama.cpp / Ollama (with a Modelfile)",
+    help="GGUF file (OUT.gguf) or folder; the type is --quant",
+    stage="Converting to GGUF with llama.cpp…",
+    write=write,
+    check=check,
+    verify=verify,
+    estimate=estimate,
+    requires=("llama_cpp", "gguf", "sentencepiece", "torch", "transformers", "peft"),
+    also_missing=converter_missing,
+    file_suffix=".gguf",
+    companions=("Modelfile",),
+    published=published,
+)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m engine.export fetch-converter [SDIST]`: put llama.cpp's converter in place."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] != "fetch-converter":
+        print("usage: python -m engine.export fetch-converter [llama_cpp_python-X.tar.gz]", file=sys.stderr)
+        return 2
+    try:
+        print(fetch_converter(args[1] if len(args) > 1 else None, progress=print))
+    except (ExportError, OSError, StopIteration) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- installing the extra (the Export page's button, scripts/install.sh) ------------------------
+def extra_requirements() -> list[str]:
+    """The pinned requirements of `tunesmith[gguf]`, read from the installed project's metadata
+    (pyproject.toml is the one place they are written), else the pins above."""
+    from importlib import metadata
+
+    try:
+        reqs = metadata.requires("tunesmith") or []
+    except metadata.PackageNotFoundError:
+        reqs = []
+    pins = [r.split(";")[0].strip() for r in reqs if "extra ==" in r and "gguf" in r.split("extra ==")[1]]
+    return pins or [f"llama-cpp-python=={LLAMA_CPP_PYTHON}", f"gguf=={GGUF}", "sentencepiece==0.2.3"]
+
+
+def missing() -> list[str]:
+    """What the GGUF export lacks, as the registry names it (empty when it can run)."""
+    return KIND.missing()
+
+
+def install_extra(progress=None) -> Path:
+    """pip-install the [gguf] extra's pins into this Python (llama-cpp-python builds from source:
+    minutes), streaming pip's output to `progress`, then fetch llama.cpp's converter."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("llama_cpp", "gguf", "sentencepiece")):
+        cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
+        cmd += extra_requirements()
+        env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+        if progress:
+            progress("$ " + " ".join(cmd[2:]))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        tail: list[str] = []
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line:
+                tail = (tail + [line])[-5:]
+                if progress:
+                    progress(line)
+        if proc.wait() != 0:
+            raise ExportError(f"pip could not install {' '.join(extra_requirements())}: {tail[-1] if tail else ''}")
+    return fetch_converter(progress=progress)
