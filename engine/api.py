@@ -47,12 +47,16 @@ from engine.data.xray import XRay, xray
 # -- events ------------------------------------------------------------------------------------
 from engine.events import (
     CheckpointSaved,
+    DiskFull,
     Event,
     Failed,
     Finished,
     LogLine,
+    MemoryAdjusted,
     Paused,
+    PreflightResult,
     Resumed,
+    RolledBack,
     RunStarted,
     StepMetrics,
     event_from_dict,
@@ -63,20 +67,13 @@ from engine.export import (
     EXPORTERS,
     ExportError,
     ExportKind,
-    ExportResult,
-    SelfCheckFailed,
     destinations,
     export_adapter,
-    export_and_check,
     export_merged,
     find_adapter,
-    read_export_report,
     run_config_for,
     run_exports,
 )
-from engine.export.gguf import QUANTS as GGUF_QUANTS
-from engine.export.gguf import install_extra as install_gguf_extra
-from engine.export.gguf import missing as gguf_missing
 from engine.hardware.policy import apply_defaults, explain_defaults, format_profile, resolve_defaults
 
 # -- hardware profile and defaults -------------------------------------------------------------
@@ -199,6 +196,11 @@ __all__ = [
     "Finished",
     "Failed",
     "event_from_dict",
+    # events: recovery and the pre-flight (issue 15)
+    "MemoryAdjusted",
+    "RolledBack",
+    "DiskFull",
+    "PreflightResult",
     # run folders
     "RunFolder",
     "RunFolderError",
@@ -253,14 +255,6 @@ __all__ = [
     "export_merged",
     "find_adapter",
     "run_config_for",
-    # export self-check, GGUF and Ollama (issue 16)
-    "ExportResult",
-    "SelfCheckFailed",
-    "export_and_check",
-    "read_export_report",
-    "GGUF_QUANTS",
-    "gguf_missing",
-    "install_gguf_extra",
     # chat
     "load_chat_model",
     "generate_reply",

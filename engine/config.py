@@ -96,6 +96,14 @@ class TrainingConfig:
     save_every: int = 0  # steps between checkpoints; 0 = only at the end / on stop
     log_every: int = 1
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    # Before the first step, rehearse one forward + backward on the longest micro-batch and
+    # measure peak memory and step time; a rehearsal that runs out of memory picks smaller
+    # settings. "auto": on CUDA only (on a CPU there is no memory limit to find).
+    preflight: Literal["auto", "on", "off"] = "auto"
+    # A loss above this many times the median of recent losses (after warm-up) is a spike:
+    # the run rolls back to the last good state and halves the LR (NaN/inf always do); a
+    # second time it stops. 0 turns spike detection off (NaN/inf are still caught).
+    spike_factor: float = 3.0
 
 
 @dataclass
@@ -206,6 +214,10 @@ class RunConfig:
         positive("training.max_grad_norm", t.max_grad_norm, allow_zero=True)
         positive("training.save_every", t.save_every, allow_zero=True)
         positive("training.log_every", t.log_every)
+        if t.spike_factor != 0 and t.spike_factor <= 1:
+            raise ConfigError(
+                "training.spike_factor", f"must be 0 (off) or above 1 (a multiple of the median), got {t.spike_factor}"
+            )
         positive("fast_paths.ce_chunk_tokens", self.fast_paths.ce_chunk_tokens, allow_auto=True)
         if not self.model.name_or_path.strip():
             raise ConfigError("model.name_or_path", "must not be empty")

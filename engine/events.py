@@ -84,6 +84,8 @@ class CheckpointSaved(Event):
 @dataclass
 class Paused(Event):
     step: int
+    # Why the run paused when the person did not ask for it (a full disk); "" when they did.
+    reason: str = ""
 
 
 @dataclass
@@ -105,8 +107,90 @@ class Failed(Event):
     last_checkpoint: Optional[str] = None
 
 
+@dataclass
+class MemoryAdjusted(Event):
+    """The run ran out of memory and changed one setting to fit; nothing was lost. In the
+    pre-flight rehearsal (phase "preflight", step 0) before any step; mid-run (phase "step")
+    the step's partial gradients were dropped and `step` runs again from its start. Lowering
+    the micro-batch keeps the global batch (more micro-batches per step), so the optimisation
+    is unchanged."""
+
+    step: int  # the optimizer step (1-based) that runs again; 0 in the pre-flight
+    phase: str  # "preflight" | "step"
+    setting: str  # "micro_batch" | "gradient_checkpointing" | "offload" | "keep_attention"
+    before: Any
+    after: Any
+    message: str  # one sentence for the window, e.g. "micro-batch 4 → 2 rows: ..."
+    rows_per_micro_batch: int = 0  # packed rows per forward now
+    micro_batches_per_step: int = 0  # forwards per optimizer step now (the accumulation)
+
+
+@dataclass
+class RolledBack(Event):
+    """The loss turned NaN/inf or spiked (above `spike_factor` x the median of recent losses,
+    after warm-up): the adapters, optimizer, schedule and RNG went back to the last good state
+    (`to_step`) and the learning rate was halved; the steps after it run again."""
+
+    step: int  # the step whose loss was bad
+    to_step: int  # the good state the run continues from
+    reason: str  # "nan" | "inf" | "spike"
+    loss: float
+    lr_before: float  # the schedule's peak learning rate before and after
+    lr_after: float
+    message: str
+
+
+@dataclass
+class DiskFull(Event):
+    """A checkpoint (or the final adapter) did not fit on the disk: nothing partial was left,
+    the last good checkpoint is kept, and the run pauses (a Paused event follows) until there
+    is room (it continues by itself) or the person resumes or stops it."""
+
+    step: int
+    path: str  # the folder being written
+    mount: str  # the mount point of the disk that is full
+    needed: int  # bytes the write needs (estimate, with margin)
+    free: int  # bytes free on that disk
+    message: str  # the one sentence: which disk, how much needed, how much free
+    what: str = "checkpoint"  # "checkpoint" | "adapter"
+
+
+@dataclass
+class PreflightResult(Event):
+    """The measured pre-flight: one forward + backward rehearsed on the run's longest
+    micro-batch at the settings the run will use (after any MemoryAdjusted changes). Not a
+    training step: its gradients were discarded and the RNG restored."""
+
+    peak_bytes: int  # torch's peak allocated on CUDA, plus the optimizer state still to come; 0 on a CPU
+    mem_total: int  # the card's memory (0 on a CPU)
+    step_seconds: float  # estimated optimizer step time at the run's average step size
+    eta_seconds: float  # for the steps left in this run
+    rows_per_micro_batch: int
+    micro_batches_per_step: int
+    gradient_checkpointing: bool
+    offload: str  # "off" | "single" | "double"
+    tokens: int  # tokens in the rehearsed micro-batch
+    device: str
+    attempts: int  # rehearsals run (1 when the first settings fitted)
+    message: str  # one line for the window
+
+
 EVENT_TYPES = {
-    cls.__name__: cls for cls in (RunStarted, StepMetrics, LogLine, CheckpointSaved, Paused, Resumed, Finished, Failed)
+    cls.__name__: cls
+    for cls in (
+        RunStarted,
+        StepMetrics,
+        LogLine,
+        CheckpointSaved,
+        Paused,
+        Resumed,
+        Finished,
+        Failed,
+        MemoryAdjusted,
+        RolledBack,
+        DiskFull,
+        PreflightResult,
+    )
 }
 
 

@@ -39,6 +39,14 @@ HELP = {
     "training.offload": "Move checkpointed activations to CPU memory, hidden behind compute. auto: by VRAM.",
     "training.save_every": "Steps between checkpoints; 0 saves only at the end or on Stop.",
     "training.log_every": "Steps between metric reports.",
+    "training.preflight": (
+        "Before the first step, rehearse one step on the longest micro-batch to measure peak memory, step time "
+        "and the ETA; if it runs out of memory, smaller settings are picked. auto: on a GPU."
+    ),
+    "training.spike_factor": (
+        "A loss above this many times the recent median rolls the run back to its last good state with half "
+        "the learning rate (NaN always does); a second time the run stops. 0: NaN only."
+    ),
     "training.device": "Where to train. auto: the GPU when there is one, else the CPU (slow, for trying things).",
     "fast_paths.kernels": "Triton kernels for RMSNorm, RoPE and gated MLP activations.",
     "fast_paths.lora_autograd": "Fused LoRA MLP / QKV / O with a hand-written backward.",

@@ -1,13 +1,18 @@
 """Checkpoints: adapter, optimizer, scheduler, RNG states and data position, written atomically.
 
 A checkpoint folder `checkpoints/step-N/` appears only once complete: it is written as
-`step-N.tmp` and renamed. `adapter/` inside it is a standard PEFT adapter. Where things lie
-in a run folder is engine.runs' business; this module knows what goes inside a checkpoint.
+`step-N.tmp` and renamed; a write that fails (a full disk) removes the `.tmp` before the error
+goes on, so a failed checkpoint never keeps the disk full. `adapter/` inside it is a standard
+PEFT adapter. Where things lie in a run folder is engine.runs' business; this module knows what
+goes inside a checkpoint, how big it will be (`expected_bytes`), and how to tell a full disk
+from other write errors (`is_disk_full`, `disk_free`, `mount_of`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -15,13 +20,23 @@ from pathlib import Path
 import torch
 
 from engine.fastpath.lora_group import adapters_changed
-from engine.runs import ADAPTER, STATE_FILE, RunFolder, publish, tmp_for
+from engine.runs import ADAPTER, STATE_FILE, TMP_SUFFIX, RunFolder, publish, tmp_for
 
 
 def save_checkpoint(folder: Path, model, optimizer, scheduler, step: int, extra: dict, tokenizer=None) -> Path:
     final = Path(folder)
     tmp = tmp_for(final)
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write(tmp, model, optimizer, scheduler, step, extra, tokenizer)
+    except BaseException:
+        # A half-written step-N.tmp would keep a full disk full and confuse a resume.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return publish(tmp, final)
+
+
+def _write(tmp: Path, model, optimizer, scheduler, step: int, extra: dict, tokenizer) -> None:
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp / ADAPTER, safe_serialization=True)
     if tokenizer is not None:
@@ -34,7 +49,98 @@ def save_checkpoint(folder: Path, model, optimizer, scheduler, step: int, extra:
     torch.save(rng, tmp / "rng.pt")
     state = {"step": step, "python_random": _py_state(), **extra}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
-    return publish(tmp, final)
+
+
+def remove_partials(folder: RunFolder) -> list[Path]:
+    """Remove what a write cut short left in a run folder (`checkpoints/step-N.tmp`,
+    `adapter.tmp`): nothing reads them, and after a full disk they hold the space a resume
+    needs. Returns what was removed."""
+    found = []
+    if folder.checkpoints_dir.is_dir():
+        found += [p for p in folder.checkpoints_dir.iterdir() if p.name.endswith(TMP_SUFFIX)]
+    if folder.adapter_tmp.exists():
+        found.append(folder.adapter_tmp)
+    for p in found:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return found
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor in a (nested) state dict."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def folder_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def expected_bytes(params, optimizer, tokenizer_bytes: int = 0, previous: int = 0) -> int:
+    """What the next checkpoint will take on disk, with a margin: the adapter weights, the
+    optimizer state (AdamW's two moments, counted as such before the first step creates them),
+    the tokenizer files and small files; never less than the previous checkpoint took."""
+    params = list(params)
+    adapter = sum(p.numel() * p.element_size() for p in params)
+    state = tensor_bytes(list(optimizer.state.values()))
+    if state == 0:
+        state = 2 * sum(p.numel() * 4 for p in params)
+    estimate = max(adapter + state + tokenizer_bytes + 64 * 1024, previous)
+    return int(estimate * 1.05) + (1 << 20)
+
+
+def disk_free(path: Path) -> int:
+    """Free bytes on the disk holding `path` (or its nearest existing parent)."""
+    return shutil.disk_usage(_existing(path)).free
+
+
+def mount_of(path: Path) -> Path:
+    """The mount point of the disk holding `path`."""
+    p = _existing(path).resolve()
+    while not os.path.ismount(p) and p.parent != p:
+        p = p.parent
+    return p
+
+
+def _existing(path: Path) -> Path:
+    p = Path(path)
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    return p
+
+
+_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# How a full disk reads when it is not an OSError: torch.save's zip writer ("[enforce fail at
+# inline_container.cc:...] unexpected pos ..." or "file write failed"), safetensors (an IoError
+# "StorageFull" / "No space left on device").
+_FULL_TEXT = ("no space left", "unexpected pos", "file write failed", "storagefull", "disk quota exceeded")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` (or an error it came from) says the disk or quota is full."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+            return True
+        if any(t in str(exc).lower() for t in _FULL_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _py_state():

@@ -11,40 +11,124 @@ including failure, arrives as an event, and `run()` returns the last one.
 The run is a recipe of named steps (`_run`): `_setup_config` (hardware defaults, seeds, the
 run folder chosen), `_setup_data` (tokenizer, packed data; the run folder opens),
 `_setup_model` (LoRA, fast paths), `_setup_optimizer` (optimizer, step plan, schedule),
-`_restore` (a checkpoint when resuming), then `_train_loop` (pause/stop between steps;
-`_train_step` with `_forward_backward_or_retry` for the kept-attention OOM retry, and
-`_report_step` for counters and metrics) and `_finish` (last checkpoint, final adapter,
-Finished). Where files lie in the run folder is engine.runs' business.
+`_restore` (a checkpoint when resuming), `_preflight` (a measured rehearsal of one forward +
+backward on the longest micro-batch), then `_train_loop` (pause/stop between steps;
+`_train_step` with `_forward_backward_recovering`, and `_report_step` for counters and
+metrics) and `_finish` (last checkpoint, final adapter, Finished). Where files lie in the run
+folder is engine.runs' business.
+
+Recovery, so that an unattended run on a small card does not end for reasons it can fix itself:
+- Out of memory (in a step or the rehearsal): partial gradients are dropped, the RNG goes back
+  to the step's start, and one setting is lowered, in this order: stop keeping attention
+  outputs, double -> single offload, half the rows per forward (each planned micro-batch runs
+  as more, smaller forwards: the step's rows and its token normalizer are unchanged, so the
+  optimisation is too), gradient checkpointing, offload. The step then runs again
+  (MemoryAdjusted). The lowered settings are kept in checkpoints, so a resume keeps them.
+- NaN/inf or a spiking loss (`training.spike_factor` x the median of recent losses, after
+  warm-up): back to the last good in-memory snapshot (adapters, optimizer, schedule, RNG; taken
+  every SNAPSHOT_EVERY steps into host memory and trusted once the step after it had a good
+  loss), the learning rate halved (RolledBack); a second time the run stops (Failed) with the
+  last good state saved. The check reads the loss already fetched for the metrics: no new sync.
+- A full disk at a checkpoint or the final adapter: free space is checked against the expected
+  size first; a write that still fails leaves no `.tmp`; the run says which disk, how much is
+  needed and free (DiskFull), and pauses until there is room (polled) or Resume/Stop.
+
+`Faults` is the seam tests use to inject those failures where they really arise.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import random
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from engine.config import RunConfig
 from engine.counters import requested_but_not_run, reset_counters, split_counts
 from engine.data import plural
 from engine.events import (
     CheckpointSaved,
+    DiskFull,
     Event,
     Failed,
     Finished,
     LogLine,
+    MemoryAdjusted,
     Paused,
+    PreflightResult,
     Resumed,
+    RolledBack,
     RunStarted,
     StepMetrics,
 )
 from engine.runs import RunFolder, RunFolderError, publish, resume_checkpoint, step_of
 
-__all__ = ["TrainingSession", "RunFolderError"]
+__all__ = ["TrainingSession", "RunFolderError", "Faults", "TrainingDiverged"]
+
+# Steps between the in-memory snapshots a NaN or a loss spike rolls back to.
+SNAPSHOT_EVERY = 10
+# Recent good losses the spike check takes the median of, and how many it needs first.
+SPIKE_WINDOW = 20
+SPIKE_MIN_HISTORY = 5
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss went bad again after a rollback had halved the learning rate."""
+
+
+@dataclass
+class Faults:
+    """Failures injected for tests: `TrainingSession(config, ..., faults=Faults(...))`.
+
+    A documented seam, not a mock: each fault is raised (or the loss poisoned) inside the
+    session's own step at the place the real failure arises, so what a test sees is the
+    session's real recovery. Steps are 1-based, as StepMetrics numbers them; each entry of a
+    `*_at_steps` list fires once (list a step twice to make it fire on the step's rerun too).
+
+    oom_at_steps: the step's last micro-batch raises torch.OutOfMemoryError before its forward
+        (earlier micro-batches have left partial gradients by then).
+    oom_above_rows: any forward (a step's or the pre-flight rehearsal's) over more packed rows
+        than this raises torch.OutOfMemoryError, like a card that holds only that many.
+    oom_when: a predicate over the forward about to run, {"step", "rows", "rehearsal",
+        "gradient_checkpointing", "offload"}; True raises torch.OutOfMemoryError.
+    nan_at_steps / spike_at_steps: the step's loss is made NaN / 50x before its backward, so
+        its update is poisoned as a real one would be.
+    disk_free: replaces engine.train.checkpoint.disk_free(path) -> free bytes.
+    """
+
+    oom_at_steps: list[int] = field(default_factory=list)
+    oom_above_rows: Optional[int] = None
+    oom_when: Optional[Callable[[dict], bool]] = None
+    nan_at_steps: list[int] = field(default_factory=list)
+    spike_at_steps: list[int] = field(default_factory=list)
+    disk_free: Optional[Callable[[Path], int]] = None
+
+    def check_oom(self, attempt: dict, last_micro_batch: bool) -> None:
+        import torch
+
+        step = attempt["step"]
+        hit = last_micro_batch and not attempt["rehearsal"] and step in self.oom_at_steps
+        if hit:
+            self.oom_at_steps.remove(step)
+        rows = self.oom_above_rows
+        hit = hit or (rows is not None and attempt["rows"] > rows)
+        hit = hit or (self.oom_when is not None and self.oom_when(attempt))
+        if hit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by Faults: {attempt})")
+
+    def poison(self, step: int, loss):
+        for steps, factor in ((self.nan_at_steps, float("nan")), (self.spike_at_steps, 50.0)):
+            if step in steps:
+                steps.remove(step)
+                return loss * factor
+        return loss
 
 
 class TrainingSession:
@@ -54,10 +138,15 @@ class TrainingSession:
         on_event: Optional[Callable[[Event], None]] = None,
         run_dir: str | Path | None = None,
         resume_from: str | Path | None = None,
+        faults: Optional[Faults] = None,
     ):
-        """`resume_from`: a checkpoint folder, or a run folder (its latest checkpoint)."""
+        """`resume_from`: a checkpoint folder, or a run folder (its latest checkpoint).
+        `faults`: failures to inject, for tests only (see Faults)."""
         self.config = config
         self.on_event = on_event
+        self.faults = faults
+        # Seconds between looks at the free space while paused for a full disk.
+        self.disk_poll_seconds = 5.0
         self._run_dir = Path(run_dir) if run_dir else None
         self._resume_from = Path(resume_from) if resume_from else None
         self._stop = threading.Event()
@@ -86,12 +175,10 @@ class TrainingSession:
     # -- events -------------------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
         if self._metrics_file is not None:
-            self._metrics_file.write(json.dumps(event.to_dict(), default=str) + "\n")
-            self._metrics_file.flush()
+            _append(self._metrics_file, json.dumps(event.to_dict(), default=str) + "\n")
         if isinstance(event, LogLine) and self._log_file is not None:
             stamp = datetime.fromtimestamp(event.time).strftime("%H:%M:%S")
-            self._log_file.write(f"{stamp} {event.level}: {event.message}\n")
-            self._log_file.flush()
+            _append(self._log_file, f"{stamp} {event.level}: {event.message}\n")
         if self.on_event is not None:
             self.on_event(event)
 
@@ -145,6 +232,7 @@ class TrainingSession:
         self._setup_data()
         self._setup_model()
         self._setup_optimizer()
+        self._setup_loop_state()
         self._restore()
         self._emit(
             RunStarted(
@@ -157,6 +245,7 @@ class TrainingSession:
                 self._start_step,
             )
         )
+        self._preflight()
         step, stopped = self._train_loop()
         return self._finish(step, stopped)
 
@@ -222,10 +311,17 @@ class TrainingSession:
         )
 
     def _open_run_dir(self) -> None:
+        from engine.train import checkpoint as ckpt
+
         folder = self._folder.create(fresh=self._resume_from is None)
+        # Before anything is written: a write cut short by a full disk left these, and on a
+        # disk that is still nearly full they hold the room the resume needs.
+        removed = ckpt.remove_partials(folder)
         self._metrics_file = open(folder.metrics, "a", encoding="utf-8")
         self._log_file = open(folder.log, "a", encoding="utf-8")
         self.run_dir = folder.path
+        for p in removed:
+            self.log(f"Removed {p.name}, left behind by a write that did not finish")
 
     def _setup_model(self) -> None:
         """The model with LoRA attached and the fast paths on (engine.train.step.prepare_model)."""
@@ -241,6 +337,8 @@ class TrainingSession:
         prepared = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=t.offload)
         self._model, self._offloader, self._fast = prepared.model, prepared.offloader, prepared.report
         self._forward_loss = forward_loss
+        # What the out-of-memory recovery may change as the run goes (see _next_memory_change).
+        self._checkpointing = bool(t.gradient_checkpointing)
         model.train()
         self._params = lora_parameters(model)
         n_train = sum(p.numel() for p in self._params)
@@ -263,6 +361,28 @@ class TrainingSession:
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lr_lambda(t.scheduler, t.warmup_steps, total)
         )
+        # Packed rows per forward: the plan's micro-batch, until running out of memory splits
+        # each planned micro-batch into more, smaller forwards (same rows per optimizer step).
+        self._exec_rows = self._plan.rows_per_mb
+        self._rollbacks = 0
+
+    def _setup_loop_state(self) -> None:
+        """What every forward needs (the rehearsal's too), and the recovery's bookkeeping."""
+        import torch
+
+        device = self._device
+        self._is_cuda = device.type == "cuda"
+        self._mem_total = torch.cuda.get_device_properties(device).total_memory if self._is_cuda else _host_total()
+        self._use_fused = prepare_flag(self._fast.get("fused_ce", "on"))
+        chunk = self.config.fast_paths.ce_chunk_tokens
+        self._chunk = None if chunk == "auto" else int(chunk)
+        self._last_loss = float("nan")
+        self._tok_per_s = []
+        self._said = set()  # fallbacks and missing fast paths already logged (once each)
+        self._history: list[tuple[int, float]] = []  # (step, loss) of good steps, for the spike check
+        self._good = self._pending = None  # snapshots to roll back to (see _take_snapshot)
+        self._spare = None  # a released snapshot whose host buffers the next one reuses
+        self._last_ckpt_bytes = 0
 
     def _restore(self) -> None:
         """Resuming: adapter, optimizer, scheduler and RNG states from the checkpoint."""
@@ -278,45 +398,150 @@ class TrainingSession:
         self._start_step = state["step"]
         self.last_checkpoint = source
         self.log(f"Resumed from {source} at step {self._start_step}")
+        self._restore_recovery(state.get("recovery") or {})
 
-    def _save(self, step: int) -> None:
+    def _restore_recovery(self, saved: dict) -> None:
+        """Settings an earlier part of the run lowered to fit, and its rollback count: kept, so
+        the resumed run neither runs out of memory again nor forgets it already halved the LR."""
+        from engine.train.step import enable_checkpointing, install_offload
+
+        self._rollbacks = int(saved.get("rollbacks", 0))
+        changed = []
+        rows = int(saved.get("rows_per_forward", self._exec_rows))
+        if rows < self._exec_rows:
+            self._exec_rows = rows
+            changed.append(f"{plural(rows, 'row')} per forward")
+        if saved.get("gradient_checkpointing") and not self._checkpointing:
+            self._checkpointing = enable_checkpointing(self._model)
+            changed.append("gradient checkpointing")
+        mode = saved.get("offload", "off")
+        if mode != "off" and self._offloader is None and self._checkpointing:
+            self._offloader, self._fast["offload"] = install_offload(
+                self._model, mode, self._device, bool(self.config.fast_paths.keep_attention)
+            )
+            changed.append(f"{mode} offload")
+        if changed:
+            self.log("Kept what the run lowered to fit in memory: " + ", ".join(changed))
+
+    def _save(self, step: int) -> bool:
+        """Write the checkpoint of `step`. On a full disk: nothing partial is left, the run says
+        so and pauses until there is room, then tries again. False when the run was stopped
+        before the checkpoint could be written (the last good one stays)."""
         from engine.train import checkpoint as ckpt
 
-        path = ckpt.save_checkpoint(
-            self._folder.checkpoint(step),
-            self._model,
-            self._optimizer,
-            self._scheduler,
-            step,
-            {"total_steps": self._total, "epoch": self._plan.epoch_at(step)},
-            self._tokenizer,
-        )
+        target = self._folder.checkpoint(step)
+        recovery = {
+            "rows_per_forward": self._exec_rows,
+            "gradient_checkpointing": self._checkpointing,
+            "offload": self._offloader.mode if self._offloader is not None else "off",
+            "rollbacks": self._rollbacks,
+        }
+        extra = {"total_steps": self._total, "epoch": self._plan.epoch_at(step), "recovery": recovery}
+
+        def write() -> Path:
+            return ckpt.save_checkpoint(
+                target, self._model, self._optimizer, self._scheduler, step, extra, self._tokenizer
+            )
+
+        need = ckpt.expected_bytes(self._params, self._optimizer, self._tokenizer_bytes(), self._last_ckpt_bytes)
+        path = self._write_with_room(step, target, need, write, "checkpoint")
+        if path is None:
+            return False
+        self._last_ckpt_bytes = ckpt.folder_bytes(path)
         self.last_checkpoint = path
         self._emit(CheckpointSaved(step, str(path)))
+        return True
+
+    def _tokenizer_bytes(self) -> int:
+        """Bytes of the tokenizer files a checkpoint copies (the model folder's files less its
+        weights); 0 for a tokenizer from the Hub cache (the estimate's margin covers it)."""
+        source = Path(getattr(self._tokenizer, "name_or_path", "") or "")
+        if not source.is_dir():
+            return 0
+        weights = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
+        return sum(f.stat().st_size for f in source.iterdir() if f.is_file() and not f.name.endswith(weights))
+
+    def _disk_free(self, path: Path) -> int:
+        from engine.train import checkpoint as ckpt
+
+        probe = self.faults.disk_free if self.faults and self.faults.disk_free else ckpt.disk_free
+        return int(probe(path))
+
+    def _write_with_room(self, step: int, target: Path, need: int, write: Callable[[], Path], what: str):
+        """write() once the disk has `need` bytes free for `target`; a write that fails on a full
+        disk anyway (the estimate was short) is cleaned up and waited out the same way. The
+        written path, or None when the run was stopped while waiting."""
+        from engine.train import checkpoint as ckpt
+
+        while True:
+            free = self._disk_free(target.parent)
+            if free >= need:
+                try:
+                    return write()
+                except Exception as exc:
+                    if not ckpt.is_disk_full(exc):
+                        raise
+                    first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")
+                    self.log(f"Writing the {what} at step {step} failed: {type(exc).__name__}: {first}", "warning")
+                free = self._disk_free(target.parent)
+                if free >= need:  # the estimate was short: wait for more than there is now
+                    need = free + max(need // 2, 1 << 20)
+            if not self._wait_for_disk(step, target, need, free, what):
+                return None
+
+    def _wait_for_disk(self, step: int, target: Path, need: int, free: int, what: str) -> bool:
+        """Say which disk is full and pause until there is room (looked at every
+        disk_poll_seconds) or the person resumes; False when the run is to stop instead."""
+        from engine.train import checkpoint as ckpt
+
+        last = (
+            f" The last good checkpoint is {self.last_checkpoint}."
+            if self.last_checkpoint
+            else " No checkpoint has been written yet."
+        )
+        mount = ckpt.mount_of(target)
+        sentence = (
+            f"The disk at {mount} is full: the {what} at step {step} needs about {_size(need)} "
+            f"and {_size(free)} is free."
+        )
+        if self._stop.is_set():
+            self.log(f"{sentence} The run stops without it.{last}", "warning")
+            return False
+        message = f"{sentence} The run is paused: free some space and it continues by itself (or press Resume).{last}"
+        self._emit(DiskFull(step, str(target), str(mount), int(need), int(free), message, what))
+        self.log(message, "warning")
+        self._resume.clear()
+        self._emit(Paused(step, reason=message))
+        while not self._resume.wait(self.disk_poll_seconds):
+            try:
+                room = self._disk_free(target.parent) >= need
+            except OSError:
+                room = False
+            if room:
+                self.log(f"The disk at {mount} has room again")
+                self._resume.set()
+        if self._stop.is_set():
+            return False
+        self._emit(Resumed(step))
+        self.log(f"Resumed at step {step}")
+        return True
 
     # -- the loop -------------------------------------------------------------------------------
     def _train_loop(self) -> tuple[int, bool]:
         """Optimizer steps from the start step to the total, honouring pause and stop between
         them; returns (steps done, whether it was stopped)."""
-        import torch
-
-        t, device = self.config.training, self._device
-        self._is_cuda = device.type == "cuda"
-        self._mem_total = torch.cuda.get_device_properties(device).total_memory if self._is_cuda else _host_total()
-        self._use_fused = prepare_flag(self._fast.get("fused_ce", "on"))
-        chunk = self.config.fast_paths.ce_chunk_tokens
-        self._chunk = None if chunk == "auto" else int(chunk)
-        self._last_loss = float("nan")
-        self._tok_per_s = []
-        self._said = set()  # fallbacks and missing fast paths already logged (once each)
+        t = self.config.training
         step = self._start_step
+        self._good = self._take_snapshot(step)  # where the run started is good by definition
         reset_counters()
         while step < self._total:
             if self._wait_if_paused(step):
                 return step, True
-            step = self._train_step(step)
-            if t.save_every and step % t.save_every == 0 and step < self._total:
-                self._save(step)
+            new = self._train_step(step)
+            # After a rollback (new <= step) the steps run again and save when they get there.
+            if new > step and t.save_every and new % t.save_every == 0 and new < self._total:
+                self._save(new)
+            step = new
         return step, False
 
     def _wait_if_paused(self, step: int) -> bool:
@@ -330,46 +555,60 @@ class TrainingSession:
                 self.log(f"Resumed at step {step}")
         return self._stop.is_set()
 
-    def _micro_batches(self, step: int) -> list:
+    def _batch(self, row_ids: list[int]):
         from engine.data.collate import PackedBatch
 
         data, rows = self._data, self._data.packing.rows
-        micro = []
-        for row_ids in self._plan.micro_batches(step):
-            doc_ids = [d for r in row_ids for d in rows[r]]
-            micro.append(
-                PackedBatch.from_documents([data.docs[d] for d in doc_ids], [data.trained[d] for d in doc_ids])
-            )
-        return micro
+        doc_ids = [d for r in row_ids for d in rows[r]]
+        return PackedBatch.from_documents([data.docs[d] for d in doc_ids], [data.trained[d] for d in doc_ids])
+
+    def _micro_batches(self, step: int) -> list:
+        """[(rows, PackedBatch)] of the forwards of optimizer step `step` (0-based): the plan's
+        micro-batches, each split into forwards of at most `_exec_rows` rows."""
+        e = self._exec_rows
+        return [
+            (len(row_ids[i : i + e]), self._batch(row_ids[i : i + e]))
+            for row_ids in self._plan.micro_batches(step)
+            for i in range(0, max(1, len(row_ids)), e)
+        ]
 
     def _train_step(self, step: int) -> int:
-        """One optimizer step (all its micro-batches), then its metrics; returns the new step."""
+        """One optimizer step (all its micro-batches), then its metrics; returns the step to go
+        on from: step + 1, or an earlier one after a rollback."""
         import torch
 
         t, device = self.config.training, self._device
         t0 = time.perf_counter()
-        micro = self._micro_batches(step)
-        normalizer = max(1, sum(b.num_trained_tokens for b in micro))
-        loss_sum = self._forward_backward_or_retry(micro, normalizer, step)
+        if step > self._start_step and (step - self._start_step) % SNAPSHOT_EVERY == 0:
+            self._pending = self._take_snapshot(step)
+        micro, normalizer, loss_sum = self._forward_backward_recovering(step)
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
         self._optimizer.step()
         self._scheduler.step()
         self._optimizer.zero_grad(set_to_none=True)
-        self._last_loss = float(loss_sum)  # one sync per optimizer step
+        self._last_loss = float(loss_sum)  # one sync per optimizer step (the guard reads it too)
         if self._is_cuda:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         step += 1
-        self._report_step(step, micro, normalizer, grad_norm, dt)
+        bad = self._bad_loss(step, self._last_loss)
+        if bad is not None:
+            return self._roll_back(step, *bad)
+        self._good_loss(step, self._last_loss)
+        self._report_step(step, [b for _, b in micro], normalizer, grad_norm, dt)
         return step
 
-    def _forward_backward(self, micro: list, normalizer: int):
+    def _forward_backward(self, micro: list, normalizer: int, step: int, rehearsal: bool = False):
+        """Forward and backward over [(rows, PackedBatch)]; the summed loss (a device tensor).
+        `step`: the 1-based step it belongs to (for Faults)."""
         import torch
 
-        device = self._device
+        device, faults = self._device, self.faults
         loss_sum = torch.zeros((), device=device)
-        for batch in micro:
+        for i, (rows, batch) in enumerate(micro):
+            if faults is not None:
+                faults.check_oom(self._attempt(step, rows, rehearsal), last_micro_batch=i == len(micro) - 1)
             batch = batch.to(device)
             loss = self._forward_loss(
                 self._model,
@@ -380,32 +619,288 @@ class TrainingSession:
                 ce_chunk_tokens=self._chunk,
                 offloader=self._offloader,
             )
+            if faults is not None and i == 0 and not rehearsal:
+                loss = faults.poison(step, loss)
             loss.backward()
             loss_sum += loss.detach()
             batch.info.free()
         return loss_sum
 
-    def _forward_backward_or_retry(self, micro: list, normalizer: int, step: int):
+    def _attempt(self, step: int, rows: int, rehearsal: bool) -> dict:
+        return {
+            "step": step,
+            "rows": rows,
+            "rehearsal": rehearsal,
+            "gradient_checkpointing": self._checkpointing,
+            "offload": self._offloader.mode if self._offloader is not None else "off",
+        }
+
+    def _forward_backward_recovering(self, step: int):
+        """The step's forwards and backwards; on running out of memory, its partial gradients
+        are dropped, one setting is lowered (MemoryAdjusted) and the step runs again from its
+        start with the same RNG state. (micro-batches, normalizer, summed loss)."""
+        rng = _rng_state()
+        while True:
+            micro = self._micro_batches(step)
+            normalizer = max(1, sum(b.num_trained_tokens for _, b in micro))
+            try:
+                return micro, normalizer, self._forward_backward(micro, normalizer, step + 1)
+            except Exception as exc:
+                change = self._next_memory_change() if _is_oom(exc) else None
+                if change is None:
+                    raise
+            # Out of the except block: the traceback, and the activations its frames hold, are gone.
+            del micro
+            self._drop_partial_step()
+            _set_rng_state(rng)
+            self._apply_memory_change(change, "step", step + 1, f"step {step + 1} ran out of memory; it runs again")
+
+    def _drop_partial_step(self) -> None:
+        import gc
+
         import torch
 
-        try:
-            return self._forward_backward(micro, normalizer)
-        except torch.cuda.OutOfMemoryError:
-            # Kept attention outputs take at most half of the memory free at the step's
-            # start; if the step still ran out, stop keeping them and run it once more
-            # from scratch (partial LoRA gradients are dropped first).
-            offloader = self._offloader
-            if offloader is None or offloader.stats.attention_kept != "kept":
-                raise
-            self._optimizer.zero_grad(set_to_none=True)
-            offloader.stop_keeping_attention()
-            if self._is_cuda:
-                torch.cuda.empty_cache()
-            self.log(
-                f"Step {step + 1} ran out of GPU memory with attention outputs kept for the "
-                "recompute; they are no longer kept in this run, and the step runs again."
+        self._optimizer.zero_grad(set_to_none=True)
+        reset_counters()  # the failed attempt's calls are not the step's
+        gc.collect()
+        if self._is_cuda:
+            torch.cuda.empty_cache()
+
+    # -- out of memory: what to lower ----------------------------------------------------------
+    def _next_memory_change(self) -> Optional[tuple[str, Any, Any]]:
+        """(setting, before, after) of the cheapest change left that saves memory, or None."""
+        off = self._offloader
+        if off is not None and off.keep_attention_allowed and off.stats.attention_kept == "kept":
+            return ("keep_attention", "kept", "not kept")
+        if off is not None and off.mode == "double":
+            return ("offload", "double", "single")
+        if self._exec_rows > 1:
+            return ("micro_batch", self._exec_rows, self._exec_rows // 2)
+        if not self._checkpointing and getattr(_hf(self._model), "supports_gradient_checkpointing", False):
+            return ("gradient_checkpointing", False, True)
+        if off is None and self._checkpointing:
+            return ("offload", "off", "single")
+        return None
+
+    def _forwards_per_step(self) -> int:
+        return self._plan.grad_accum * math.ceil(self._plan.rows_per_mb / self._exec_rows)
+
+    def _apply_memory_change(self, change: tuple[str, Any, Any], phase: str, step: int, why: str) -> None:
+        from engine.train.step import enable_checkpointing, install_offload
+
+        setting, before, after = change
+        if setting == "keep_attention":
+            self._offloader.stop_keeping_attention()
+            what = "attention outputs are no longer kept for the recompute"
+        elif setting == "offload" and before == "double":
+            self._offloader.mode = "single"
+            self._fast["offload"] = self._fast.get("offload", "").replace("double", "single")
+            what = "offload double → single buffer"
+        elif setting == "micro_batch":
+            self._exec_rows = after
+            what = (
+                f"micro-batch {before} → {after} {'row' if after == 1 else 'rows'} "
+                f"({self._forwards_per_step()} forwards per step, the same "
+                f"{plural(self._plan.rows_per_mb * self._plan.grad_accum, 'row')} per optimizer step)"
             )
-            return self._forward_backward(micro, normalizer)
+        elif setting == "gradient_checkpointing":
+            self._checkpointing = enable_checkpointing(self._model)
+            what = "gradient checkpointing on"
+        else:
+            self._offloader, self._fast["offload"] = install_offload(
+                self._model, after, self._device, bool(self.config.fast_paths.keep_attention)
+            )
+            what = f"{after} offload on"
+        message = f"{what}: {why}."
+        self.log(message, "warning")
+        self._emit(
+            MemoryAdjusted(step, phase, setting, before, after, message, self._exec_rows, self._forwards_per_step())
+        )
+
+    # -- NaN / spike: roll back -----------------------------------------------------------------
+    def _bad_loss(self, step: int, loss: float) -> Optional[tuple[str, float, str]]:
+        """(reason, loss, how it reads) when this step's loss is NaN/inf or a spike, else None."""
+        if math.isnan(loss):
+            return ("nan", loss, "turned NaN")
+        if math.isinf(loss):
+            return ("inf", loss, "turned infinite")
+        t = self.config.training
+        recent = [v for _, v in self._history[-SPIKE_WINDOW:]]
+        if t.spike_factor > 0 and step > t.warmup_steps and len(recent) >= SPIKE_MIN_HISTORY:
+            median = sorted(recent)[len(recent) // 2]
+            if loss > t.spike_factor * median:
+                return (
+                    "spike",
+                    loss,
+                    f"spiked to {loss:.4g} ({loss / median:.1f}× the median {median:.4g} of recent steps)",
+                )
+        return None
+
+    def _good_loss(self, step: int, loss: float) -> None:
+        self._history.append((step, loss))
+        del self._history[: -4 * SPIKE_WINDOW]
+        # A snapshot taken before this step is trusted once the step it started had a good loss.
+        if self._pending is not None and self._pending["step"] == step - 1:
+            self._spare, self._good, self._pending = self._good, self._pending, None
+
+    def _take_snapshot(self, step: int) -> dict:
+        """The adapters, optimizer and schedule state and RNG at `step`, in host memory (pinned
+        on CUDA; the copies are queued, not waited for). Reuses a released snapshot's buffers."""
+        spare, self._spare = self._spare or {}, None
+        return {
+            "step": step,
+            "params": _copy_tree([p.detach() for p in self._params], spare.get("params")),
+            "optimizer": _copy_tree(self._optimizer.state_dict(), spare.get("optimizer")),
+            "scheduler": copy.deepcopy(self._scheduler.state_dict()),
+            "rng": _rng_state(),
+        }
+
+    def _load_snapshot(self, snap: dict) -> None:
+        import torch
+
+        from engine.fastpath.lora_group import adapters_changed
+
+        if self._is_cuda:
+            torch.cuda.synchronize(self._device)  # the snapshot's queued copies are done
+        with torch.no_grad():
+            for p, saved in zip(self._params, snap["params"]):
+                p.copy_(saved)
+        adapters_changed()  # the fused LoRA path's cached adapter copies are stale now
+        # Fresh copies: on the CPU load_state_dict would keep the snapshot's tensors as the state.
+        self._optimizer.load_state_dict(_copy_tree(snap["optimizer"]))
+        self._scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
+        self._optimizer.zero_grad(set_to_none=True)
+        _set_rng_state(snap["rng"])
+        self._history = [(s, v) for s, v in self._history if s <= snap["step"]]
+        self._pending = None
+        reset_counters()  # the bad step's calls are not the next step's
+
+    def _roll_back(self, step: int, reason: str, loss: float, how: str) -> int:
+        """Back to the last good snapshot with half the learning rate; returns its step. A second
+        time the run stops (TrainingDiverged) with the last good state saved."""
+        good = self._good
+        if self._rollbacks >= 1:
+            self._load_snapshot(good)
+            saved = ""
+            if self.last_checkpoint is None or step_of(self.last_checkpoint) < good["step"]:
+                if self._save(good["step"]):
+                    saved = f"; its checkpoint is {self.last_checkpoint}"
+            elif self.last_checkpoint is not None:
+                saved = f"; the last good checkpoint is {self.last_checkpoint}"
+            raise TrainingDiverged(
+                f"The loss {how} at step {step}, after a rollback had already halved the learning rate; "
+                f"the run stopped with the adapters of step {good['step']}{saved}. "
+                "Try a lower training.lr or a longer warm-up."
+            )
+        self._rollbacks += 1
+        lr_before = max(self._scheduler.base_lrs)
+        self._load_snapshot(good)
+        scheduler = self._scheduler
+        scheduler.base_lrs = [lr * 0.5 for lr in scheduler.base_lrs]
+        for group, base, fn in zip(self._optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * fn(scheduler.last_epoch)
+        scheduler._last_lr = [g["lr"] for g in self._optimizer.param_groups]
+        lr_after = max(scheduler.base_lrs)
+        message = (
+            f"The loss {how} at step {step}: back to the good state of step {good['step']}, learning rate "
+            f"halved ({lr_before:.3g} → {lr_after:.3g}); steps {good['step'] + 1}–{step} run again."
+        )
+        self.log(message, "warning")
+        self._emit(RolledBack(step, good["step"], reason, loss, lr_before, lr_after, message))
+        return good["step"]
+
+    # -- the measured pre-flight ----------------------------------------------------------------
+    def _preflight_wanted(self) -> bool:
+        mode = self.config.training.preflight
+        return mode == "on" or (mode == "auto" and self._is_cuda)
+
+    def _preflight(self) -> None:
+        """Rehearse one forward + backward on the longest micro-batch at the run's settings:
+        measure peak memory (CUDA) and time, and lower settings until it fits. Not a training
+        step: gradients dropped, RNG restored, the data plan untouched."""
+        if not self._preflight_wanted() or self._start_step >= self._total:
+            return
+        rng = _rng_state()
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                measured = self._rehearse()
+                break
+            except Exception as exc:
+                change = self._next_memory_change() if _is_oom(exc) else None
+                if change is None:
+                    raise
+            self._drop_partial_step()
+            self._apply_memory_change(change, "preflight", 0, "the rehearsal ran out of memory")
+        self._optimizer.zero_grad(set_to_none=True)
+        _set_rng_state(rng)
+        reset_counters()
+        self._emit_preflight(attempts, *measured)
+
+    def _row_tokens(self) -> list[int]:
+        data = self._data
+        return [sum(len(data.docs[d]) for d in row) for row in data.packing.rows]
+
+    def _rehearse(self) -> tuple[int, float, int]:
+        """(peak bytes or 0 on a CPU, seconds of one forward + backward, tokens) on the
+        `_exec_rows` longest packed rows."""
+        import torch
+
+        sizes = self._row_tokens()
+        longest = sorted(range(len(sizes)), key=lambda r: -sizes[r])[: self._exec_rows]
+        device = self._device
+        if self._is_cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        # On CUDA the first pass also compiles and autotunes kernels: time a second one.
+        seconds, tokens = 0.0, 0
+        for _ in range(2 if self._is_cuda else 1):
+            batch = self._batch(longest)
+            tokens = batch.num_tokens
+            t0 = time.perf_counter()
+            self._forward_backward([(len(longest), batch)], max(1, batch.num_trained_tokens), 0, rehearsal=True)
+            self._optimizer.zero_grad(set_to_none=True)
+            if self._is_cuda:
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated(device) if self._is_cuda else 0
+        return peak, seconds, tokens
+
+    def _emit_preflight(self, attempts: int, peak: int, seconds: float, tokens: int) -> None:
+        if peak and not self._optimizer.state:
+            # AdamW's moments appear at the first optimizer step: count them now.
+            peak += 2 * sum(p.numel() * 4 for p in self._params)
+        sizes = self._row_tokens()
+        step_tokens = sum(sizes) / max(1, len(sizes)) * self._plan.rows_per_mb * self._plan.grad_accum
+        step_seconds = seconds * step_tokens / max(1, tokens)
+        left = self._total - self._start_step
+        eta = step_seconds * left
+        mem_total = self._mem_total if self._is_cuda else 0
+        offload = self._offloader.mode if self._offloader is not None else "off"
+        peak_text = f"peak {_size(peak)} of {_size(mem_total)}" if self._is_cuda else "peak not measured on a CPU"
+        message = (
+            f"Pre-flight: {peak_text}, about {step_seconds:.2f} s per step, ETA {_duration(eta)} for "
+            f"{plural(left, 'step')} ({plural(self._exec_rows, 'row')} per forward × {self._forwards_per_step()} "
+            f"per step, checkpointing {'on' if self._checkpointing else 'off'}, offload {offload})"
+        )
+        self.log(message)
+        self._emit(
+            PreflightResult(
+                int(peak),
+                int(mem_total),
+                float(step_seconds),
+                float(eta),
+                self._exec_rows,
+                self._forwards_per_step(),
+                self._checkpointing,
+                offload,
+                int(tokens),
+                str(self._device),
+                attempts,
+                message,
+            )
+        )
 
     def _report_step(self, step: int, micro: list, normalizer: int, grad_norm, dt: float) -> None:
         """The step's fast-path counters (warnings once each) and, every log_every steps, StepMetrics."""
@@ -461,14 +956,7 @@ class TrainingSession:
             self._save(step)
         folder = self._folder
         if not stopped:
-            import shutil
-
-            tmp = folder.adapter_tmp
-            shutil.rmtree(tmp, ignore_errors=True)
-            self._model.save_pretrained(tmp, safe_serialization=True)
-            self._tokenizer.save_pretrained(tmp)
-            publish(tmp, folder.adapter)
-            self.log(f"Adapter saved to {folder.adapter}")
+            stopped = not self._write_adapter(step)
         result = Finished(
             str(folder.path),
             {
@@ -486,6 +974,119 @@ class TrainingSession:
         self._emit(result)
         self._close()
         return result
+
+    def _write_adapter(self, step: int) -> bool:
+        """The final adapter, written as adapter.tmp and published; on a full disk the run
+        pauses as for a checkpoint. False when stopped before it could be written."""
+        import shutil
+
+        folder = self._folder
+        tmp = folder.adapter_tmp
+
+        def write() -> Path:
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                self._model.save_pretrained(tmp, safe_serialization=True)
+                self._tokenizer.save_pretrained(tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            return publish(tmp, folder.adapter)
+
+        adapter = sum(p.numel() * p.element_size() for p in self._params)
+        need = int((adapter + self._tokenizer_bytes()) * 1.05) + (1 << 20)
+        if self._write_with_room(step, folder.adapter, need, write, "adapter") is None:
+            return False
+        self.log(f"Adapter saved to {folder.adapter}")
+        return True
+
+
+def _append(f, text: str) -> None:
+    """One line into the run's metrics or log file. On a full disk the line is dropped (the
+    event still reaches on_event, and the checkpoint guard says the disk is full) rather than
+    ending the run over its log."""
+    from engine.train.checkpoint import is_disk_full
+
+    try:
+        f.write(text)
+        f.flush()
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+
+
+def _hf(model):
+    from engine.peft_model import hf_model
+
+    return hf_model(model)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, or a RuntimeError that says CUDA (or another backend) ran out
+    of memory (older code paths, cuBLAS / cuDNN allocation failures)."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text or "cublas_status_alloc_failed" in text or "cudnn_status_alloc_failed" in text
+    )
+
+
+def _rng_state() -> dict:
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # The current device's generator: a host-side copy of its seed and offset, no sync.
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _copy_tree(obj, into=None):
+    """A copy of a nested state (dicts, lists, tensors) with every tensor in host memory
+    (pinned when it comes from a GPU, copied without waiting); `into`: an earlier copy of the
+    same structure whose tensors are reused."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if not (isinstance(into, torch.Tensor) and into.shape == obj.shape and into.dtype == obj.dtype):
+            into = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
+        into.copy_(obj.detach(), non_blocking=obj.is_cuda)
+        return into
+    if isinstance(obj, dict):
+        into = into if isinstance(into, dict) else {}
+        return {k: _copy_tree(v, into.get(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        into = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
+        return type(obj)(_copy_tree(v, i) for v, i in zip(obj, into))
+    return copy.deepcopy(obj)
+
+
+def _size(n: float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
 def prepare_flag(status: str) -> bool:
@@ -523,8 +1124,18 @@ def _human_message(exc: Exception) -> str:
     from engine.data.sources import DataError
     from engine.models.loading import ModelLoadError
 
-    if isinstance(exc, (ConfigError, DataError, ModelLoadError, RunFolderError, FileNotFoundError)):
+    if isinstance(exc, (ConfigError, DataError, ModelLoadError, RunFolderError, FileNotFoundError, TrainingDiverged)):
         return str(exc)
+    from engine.train.checkpoint import disk_free, is_disk_full, mount_of
+
+    if is_disk_full(exc):
+        where = getattr(exc, "filename", None)
+        if where:
+            return (
+                f"The disk at {mount_of(Path(where))} is full ({_size(disk_free(Path(where)))} free) while writing "
+                f"{where}: free some space, then resume the run."
+            )
+        return "The disk is full: free some space, then resume the run."
     name = type(exc).__name__
     if "OutOfMemory" in name or "out of memory" in str(exc).lower():
         return (

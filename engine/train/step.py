@@ -1,7 +1,9 @@
 """One micro-batch's forward and loss, shared by the TrainingSession and the benchmark harness.
 
 `prepare_model` switches on the fast paths once and returns a PreparedModel: the model, the
-ActivationOffloader it installed (or None) and the report of what is on. `forward_loss` runs the decoder over a
+ActivationOffloader it installed (or None) and the report of what is on; `enable_checkpointing`
+and `install_offload` add those to a prepared model later (the session's out-of-memory
+recovery). `forward_loss` runs the decoder over a
 PackedBatch and computes the loss straight from the last hidden states, so the full
 [tokens x vocab] logits never exist when the fused cross-entropy is on. The loss is a sum over
 trained tokens divided by `normalizer`, the trained-token count of the whole accumulated
@@ -83,6 +85,25 @@ def prepare_model(
         base, offload, device, gradient_checkpointing, bool(fast_paths.keep_attention)
     )
     return PreparedModel(model, offloader, report)
+
+
+def enable_checkpointing(model) -> bool:
+    """Turn gradient checkpointing on for a prepared model (also mid-run: the session does it
+    when a step runs out of memory at one row per micro-batch). False when the architecture
+    cannot checkpoint."""
+    base = hf_model(model)
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        return False
+    # Non-reentrant checkpointing needs no input grads and works with frozen embeddings.
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return True
+
+
+def install_offload(model, mode: str, device, keep_attention: bool = True):
+    """Offloaded checkpointing on a prepared model whose checkpointing is already on (the
+    session's last resort when a step runs out of memory); (the ActivationOffloader or None,
+    its report line)."""
+    return _install_offload(hf_model(model), mode, torch.device(device), True, keep_attention)
 
 
 def _install_offload(base, mode: str, device: torch.device, gradient_checkpointing: bool, keep_attention: bool):

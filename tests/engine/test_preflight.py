@@ -1,0 +1,104 @@
+"""The measured pre-flight on the CPU through the real TrainingSession: one forward + backward
+rehearsed on the longest micro-batch before the first step. When the first choice does not
+fit (the `Faults.oom_above_rows` seam: a forward over more rows runs out of memory) it picks a
+smaller micro-batch and says so; it is not a training step, so a run with it gives the same
+losses as one without, and a resume with it stays exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import ConfigError, RunConfig
+from engine.events import CheckpointSaved, Finished, MemoryAdjusted, PreflightResult, StepMetrics
+from engine.resources import DEMO_PRESET
+from engine.train.session import Faults, TrainingSession
+
+
+def config(tmp_path, steps=4, rows=4, accum=1, preflight="on", **training) -> RunConfig:
+    cfg = RunConfig.load(DEMO_PRESET)
+    cfg.model.dtype = "float32"
+    cfg.data.max_examples = 60
+    cfg.data.max_seq_len = 128
+    t = cfg.training
+    t.max_steps, t.rows_per_micro_batch, t.grad_accum, t.save_every, t.preflight = steps, rows, accum, 0, preflight
+    for k, v in training.items():
+        setattr(t, k, v)
+    cfg.output.dir = str(tmp_path)
+    return cfg
+
+
+def train(cfg, run_dir, faults=None, **kw):
+    events = []
+    result = TrainingSession(cfg, events.append, run_dir=run_dir, faults=faults, **kw).run()
+    assert isinstance(result, Finished), getattr(result, "message", "") + getattr(result, "detail", "")
+    return result, events
+
+
+def losses(events):
+    return [e.loss for e in events if isinstance(e, StepMetrics)]
+
+
+@pytest.fixture(scope="module")
+def without(tmp_path_factory):
+    """The run without a rehearsal (auto is off on a CPU)."""
+    tmp = tmp_path_factory.mktemp("without")
+    result, events = train(config(tmp, preflight="auto"), tmp / "run")
+    assert not [e for e in events if isinstance(e, PreflightResult)]
+    return result, events
+
+
+def test_the_rehearsal_is_not_a_training_step(tmp_path, without):
+    result, events = train(config(tmp_path), tmp_path / "run")
+    (pre,) = [e for e in events if isinstance(e, PreflightResult)]
+    assert pre.attempts == 1 and pre.rows_per_micro_batch == 4 and pre.micro_batches_per_step == 1
+    assert pre.step_seconds > 0 and pre.eta_seconds == pytest.approx(pre.step_seconds * 4)
+    assert pre.peak_bytes == 0 and pre.device == "cpu" and pre.tokens > 0  # the CPU reports time only
+    assert "Pre-flight" in pre.message and "ETA" in pre.message
+    kinds = [e.kind for e in events]
+    assert kinds.index("RunStarted") < kinds.index("PreflightResult") < kinds.index("StepMetrics")
+    assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4]
+    # Gradients discarded, RNG restored, data untouched: the same run, step for step.
+    assert losses(events) == pytest.approx(losses(without[1]), rel=1e-6)
+
+
+def test_it_picks_a_smaller_micro_batch_when_the_first_does_not_fit(tmp_path, without):
+    # Like a card that holds one forward of at most 2 rows.
+    result, events = train(config(tmp_path), tmp_path / "run", Faults(oom_above_rows=2))
+    changes = [e for e in events if isinstance(e, MemoryAdjusted)]
+    assert [(c.phase, c.step, c.setting, c.before, c.after) for c in changes] == [("preflight", 0, "micro_batch", 4, 2)]
+    assert changes[0].message.startswith("micro-batch 4 → 2 rows")
+    assert changes[0].message.endswith("the rehearsal ran out of memory.")
+    (pre,) = [e for e in events if isinstance(e, PreflightResult)]
+    assert (pre.attempts, pre.rows_per_micro_batch, pre.micro_batches_per_step) == (2, 2, 2)
+    kinds = [e.kind for e in events]
+    assert kinds.index("MemoryAdjusted") < kinds.index("PreflightResult") < kinds.index("StepMetrics")
+    # No step ran out of memory (the rehearsal found what fits), and the global batch is the
+    # same 4 rows: the losses equal the run without a rehearsal.
+    assert len(changes) == 1
+    assert losses(events) == pytest.approx(losses(without[1]), rel=1e-4)
+
+
+def test_resume_with_the_rehearsal_stays_exact(tmp_path, without):
+    cfg = config(tmp_path, save_every=2)
+    session = TrainingSession(cfg, None, run_dir=tmp_path / "run")
+
+    def stop_at_2(e):
+        if isinstance(e, CheckpointSaved) and e.step == 2:
+            session.request_stop()
+
+    session.on_event = stop_at_2
+    half = session.run()
+    assert isinstance(half, Finished) and half.stopped and half.summary["steps"] == 2
+    resumed, events = train(cfg, None, resume_from=tmp_path / "run")
+    assert [e.kind for e in events].count("PreflightResult") == 1
+    assert [e.step for e in events if isinstance(e, StepMetrics)] == [3, 4]
+    assert losses(events) == pytest.approx(losses(without[1])[2:], rel=1e-6)
+
+
+def test_preflight_and_spike_factor_are_validated():
+    cfg = RunConfig.from_dict({"training": {"preflight": "off", "spike_factor": 0}})
+    assert cfg.training.preflight == "off" and cfg.training.spike_factor == 0
+    with pytest.raises(ConfigError, match="training.preflight"):
+        RunConfig.from_dict({"training": {"preflight": "sometimes"}})
+    with pytest.raises(ConfigError, match="training.spike_factor"):
+        RunConfig.from_dict({"training": {"spike_factor": 0.5}})
