@@ -3,6 +3,11 @@ tokens/s, step time and memory; a progress bar with ETA; Pause, Resume, Stop; th
 warning when a fast path the run asked for did not run in a step, or ran on some layers only
 (the step's counted calls and fallbacks against the run's fast-path report).
 
+What the session did to keep the run going shows as a banner (`notice`): a setting lowered
+after running out of memory (MemoryAdjusted), a rollback after a NaN or a loss spike
+(RolledBack), a full disk (DiskFull, with the pause it causes); the measured pre-flight
+(PreflightResult) shows its peak, step time and ETA on a line under the status.
+
 Events append to numpy buffers as they arrive; the charts redraw from a timer, one chart
 per tick and only when it changed. A pyqtgraph chart costs 5-15 ms to repaint (mostly axis
 text); redrawing all six in one event-loop pass would stall the window for ~100 ms, one per
@@ -76,6 +81,11 @@ class MonitorPanel(QWidget):
         self.details.clicked.connect(self.open_details)
         self.details.hide()
         self.details_path = ""
+        # The measured pre-flight (peak memory, step time, ETA); fixed height, like the status.
+        self.preflight = caption("")
+        self.preflight.setObjectName("preflightLine")
+        self.preflight.setFixedHeight(22)
+        self.preflight.hide()
 
         self.loss = LiveChart("Loss")
         self.loss.add_series("loss", "#aab7b8", width=1)
@@ -132,12 +142,14 @@ class MonitorPanel(QWidget):
         status_row.addWidget(self.status, 1)
         status_row.addWidget(self.details, 0, Qt.AlignmentFlag.AlignTop)
         lay.addLayout(status_row)
+        lay.addWidget(self.preflight)
         lay.addLayout(controls)
         lay.addWidget(split, 1)
 
         self.last_step = 0
         self.total_steps = 0
         self.last_metrics = None
+        self.notices: list[str] = []  # the recovery banners of this run, in order
         self.fast_paths: dict[str, str] = {}  # the run's report: name -> "on" | why off
         self.fast_path_warning = ""  # what the banner says about fast paths that did not run
         self._missing_seen: set = set()
@@ -166,6 +178,9 @@ class MonitorPanel(QWidget):
         self.details_path = ""
         self.total_steps = 0
         self.status.setText("Preparing: loading the model and data…")
+        self.preflight.setText("")
+        self.preflight.hide()
+        self.notices: list[str] = []
         self.eta.setText("")
         self.last_step = 0
         self.last_metrics = None
@@ -273,9 +288,72 @@ class MonitorPanel(QWidget):
         self.eta.setText("")
         self.eta.setToolTip("")
 
-    def paused(self, step: int) -> None:
+    def paused(self, step: int, reason: str = "") -> None:
+        """`reason`: why the run paused itself (a full disk); "" when the person paused it."""
         self.set_controls("paused")
+        if reason:
+            first = reason.split(". ")[0].rstrip(".")
+            self.status.setText(f"Paused at step {step}: {first}. Resume tries again; Stop keeps the last checkpoint.")
+            self.status.setToolTip(reason)
+            return
         self.status.setText(f"Paused after step {step}. Resume continues from here; Stop saves a checkpoint.")
+
+    # -- what the session did to keep the run going ------------------------------------------
+    def notice(self, ev) -> bool:
+        """Show a MemoryAdjusted, RolledBack, DiskFull or PreflightResult event; False for any
+        other event (the window routes those itself)."""
+        kind = getattr(ev, "kind", "")
+        if kind == "PreflightResult":
+            self.show_preflight(ev)
+        elif kind == "MemoryAdjusted":
+            where = "in the pre-flight rehearsal" if ev.phase == "preflight" else f"at step {ev.step}"
+            self._warn(f"Ran out of memory {where}. Changed: {ev.message} Nothing is lost; the loss curve continues.")
+        elif kind == "RolledBack":
+            self._drop_points_after(ev.to_step)  # the steps after it run again
+            self._warn(ev.message, "warning")
+        elif kind == "DiskFull":
+            # The one sentence (which disk, needed, free) and what to do; the rest is in the log.
+            first = ev.message.split(". ")[0].rstrip(".")
+            self._warn(f"{first}. Free some space: the run continues by itself (or press Resume).", "error")
+        else:
+            return False
+        return True
+
+    def _drop_points_after(self, step: int) -> None:
+        """After a rollback: the curves end at the good step again, so the rerun steps draw on
+        from there instead of doubling back."""
+        for chart in self.charts:
+            for name in list(chart._series):
+                xs, ys = (a.copy() for a in chart.series(name).view())
+                chart.series(name).clear()
+                for x, y in zip(xs, ys):
+                    if x <= step:
+                        chart.append(name, float(x), float(y))
+        if step == 0:
+            self.ema.reset()
+        self.last_step = step
+        self.progress.setValue(min(step, self.total_steps))
+
+    def _warn(self, text: str, level: str = "warning") -> None:
+        self.notices.append(text)
+        self.banner.show_message(text, level)
+
+    def show_preflight(self, ev) -> None:
+        """The rehearsal's measurement: peak memory against the card (CUDA), step time, ETA."""
+        if ev.peak_bytes and ev.mem_total:
+            peak = f"peak {fmt_bytes(ev.peak_bytes)} of {fmt_bytes(ev.mem_total)} ({ev.peak_bytes / ev.mem_total:.0%})"
+        else:
+            peak = "peak memory is measured on a GPU"
+        rows = f"{ev.rows_per_micro_batch} {'row' if ev.rows_per_micro_batch == 1 else 'rows'}"
+        text = (
+            f"Pre-flight: {peak} · {ev.step_seconds:.2f} s per step · ETA {fmt_seconds(ev.eta_seconds)} · "
+            f"{rows} × {ev.micro_batches_per_step} per step"
+        )
+        self.preflight.setText(text)
+        self.preflight.setToolTip(ev.message)
+        self.preflight.show()
+        if not self.eta.text():
+            self.eta.setText(f"ETA {fmt_seconds(ev.eta_seconds)} (pre-flight estimate)")
 
     def resumed(self, step: int) -> None:
         self.set_controls("running")

@@ -1,6 +1,7 @@
 """Train page: presets, the hyperparameter form with the engine's validation next to each
 field, the values hardware detection chose (marked "auto"), save/load of the resolved config
-as YAML, and the Train button."""
+as YAML, the Train button, and what the last run's pre-flight measured (peak, step time, ETA,
+and any setting it had to lower)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class TrainingPanel(QWidget):
         self.train_reason.setStyleSheet("color: #c0392b;")
         self.train_reason.hide()
         self.blocker = ""  # the model or data reason Train is disabled for ("" when none)
+        self._preflight_changes: list[str] = []  # the rehearsal's MemoryAdjusted messages
         self.running = False  # a run is in progress: Train stays disabled
 
         top = QHBoxLayout()
@@ -91,6 +93,11 @@ class TrainingPanel(QWidget):
         side_lay.addWidget(self.auto_text, 1)
         self.summary = caption("")
         side_lay.addWidget(self.summary)
+        # Filled by the run's measured pre-flight (show_preflight); the estimate above is a formula.
+        self.preflight = caption("")
+        self.preflight.setObjectName("preflightMeasured")
+        self.preflight.hide()
+        side_lay.addWidget(self.preflight)
 
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(scroll)
@@ -109,6 +116,35 @@ class TrainingPanel(QWidget):
         state.changed.connect(self._state_changed)
         state.profile_changed.connect(lambda _p: self.validate())
         self.validate()
+
+    # -- the measured pre-flight ------------------------------------------------------------
+    def show_preflight(self, ev) -> None:
+        """A PreflightResult (or a MemoryAdjusted of the rehearsal, which comes first): what the
+        run measured before its first step, beside the formula's choices."""
+        from studio.panels.common import fmt_bytes, fmt_seconds
+
+        if getattr(ev, "kind", "") == "MemoryAdjusted":
+            self._preflight_changes.append(ev.message)
+            return
+        if ev.peak_bytes and ev.mem_total:
+            peak = f"peak {fmt_bytes(ev.peak_bytes)} of {fmt_bytes(ev.mem_total)}"
+        else:
+            peak = "peak not measured on a CPU"
+        lines = [
+            f"<b>Measured before step 1</b>: {peak}, {ev.step_seconds:.2f} s per step, "
+            f"ETA {fmt_seconds(ev.eta_seconds)} ({ev.rows_per_micro_batch} rows × {ev.micro_batches_per_step} "
+            f"per step, checkpointing {'on' if ev.gradient_checkpointing else 'off'}, offload {ev.offload})."
+        ]
+        lines += [f"Changed: {c}" for c in self._preflight_changes]
+        self._preflight_changes = []
+        self.preflight.setText("<br>".join(lines))
+        self.preflight.setToolTip(ev.message)
+        self.preflight.show()
+
+    def clear_preflight(self) -> None:
+        self._preflight_changes = []
+        self.preflight.setText("")
+        self.preflight.hide()
 
     # -- presets and files ------------------------------------------------------------------
     def apply_preset(self, name: str, quiet: bool = False) -> None:
