@@ -67,13 +67,20 @@ from engine.export import (
     EXPORTERS,
     ExportError,
     ExportKind,
+    ExportResult,
+    SelfCheckFailed,
     destinations,
     export_adapter,
+    export_and_check,
     export_merged,
     find_adapter,
+    read_export_report,
     run_config_for,
     run_exports,
 )
+from engine.export.gguf import QUANTS as GGUF_QUANTS
+from engine.export.gguf import install_extra as install_gguf_extra
+from engine.export.gguf import missing as gguf_missing
 from engine.hardware.policy import apply_defaults, explain_defaults, format_profile, resolve_defaults
 
 # -- hardware profile and defaults -------------------------------------------------------------
@@ -102,6 +109,9 @@ from engine.runs import (
     run_folder_of,
     summarize_runs,
 )
+
+# -- several processes (torchrun) ---------------------------------------------------------------
+from engine.train.distributed import DistContext, launch_command, visible_gpus
 
 if TYPE_CHECKING:
     from engine.train.session import TrainingSession
@@ -255,6 +265,14 @@ __all__ = [
     "export_merged",
     "find_adapter",
     "run_config_for",
+    # export self-check, GGUF and Ollama (issue 16)
+    "ExportResult",
+    "SelfCheckFailed",
+    "export_and_check",
+    "read_export_report",
+    "GGUF_QUANTS",
+    "gguf_missing",
+    "install_gguf_extra",
     # chat
     "load_chat_model",
     "generate_reply",
@@ -265,6 +283,10 @@ __all__ = [
     "DEMO_HELDOUT_FILE",
     "DEMO_PRESET",
     "PRESETS_DIR",
+    # several processes
+    "DistContext",
+    "launch_command",
+    "visible_gpus",
     # startup and the command line
     "warm_up",
     "cli_main",

@@ -8,8 +8,11 @@ engine.api's names only, as the window does.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from engine.api import (
@@ -54,10 +57,17 @@ def _print_event(event) -> None:
         print(f"FAILED: {event.message}", file=sys.stderr, flush=True)
 
 
-def _train(config, output, resume) -> int:
+def _print_json_event(event) -> None:
+    """--events-json: every event as one JSON line on stdout (the window reads a multi-process
+    run this way; under torchrun only rank 0 reports)."""
+    print(json.dumps(event.to_dict(), default=str), flush=True)
+
+
+def _train(config, output, resume, events_json: bool = False) -> int:
     from engine.api import TrainingSession
 
-    session = TrainingSession(config, _print_event, run_dir=output, resume_from=resume)
+    report = _print_json_event if events_json else _print_event
+    session = TrainingSession(config, report, run_dir=output, resume_from=resume)
 
     def on_sigint(signum, frame):
         print("\nstopping after this step (a checkpoint will be saved) ...", flush=True)
@@ -79,7 +89,61 @@ def cmd_train(args) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return _train(config, args.output, args.resume)
+    if args.gpus is not None and args.gpus > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args, config)
+    return _train(config, args.output, args.resume, args.events_json)
+
+
+def _launch(args, config) -> int:
+    """`--gpus N`: the same command under torchrun, one process per GPU (gloo processes on a
+    machine without CUDA). The run folder is fixed here so every rank and the caller agree."""
+    import subprocess
+
+    from engine.api import DistContext, launch_command, visible_gpus
+
+    n = args.gpus
+    gpus = visible_gpus()
+    if gpus and n > gpus:
+        print(
+            f"error: --gpus {n}, but this machine shows {gpus} CUDA {'GPU' if gpus == 1 else 'GPUs'}", file=sys.stderr
+        )
+        return 2
+    why = DistContext(0, n, 0).check_plan(config.training.grad_accum)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    output = args.output
+    if output is None and args.resume is None:
+        name = config.output.run_name
+        if name == "auto":
+            name = datetime.now().strftime("run-%Y%m%d-%H%M%S")
+        output = str(Path(config.output.dir) / name)
+    engine_args = ["train", args.config]
+    for flag, value in (("--output", output), ("--resume", args.resume), ("--max-steps", args.max_steps)):
+        if value is not None:
+            engine_args += [flag, str(value)]
+    if args.events_json:
+        engine_args.append("--events-json")
+    if not gpus:
+        print(f"no CUDA GPU: {n} CPU processes (gloo)", file=sys.stderr, flush=True)
+    cmd = launch_command(n, engine_args)
+    # torchrun forwards Ctrl+C to every rank; they agree to stop after the step and rank 0
+    # saves a checkpoint. Here Ctrl+C only waits for that.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        rc = subprocess.run(cmd).returncode
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if rc != 0:
+        where = output or args.resume
+        print(
+            f"error: a training process ended with status {rc}, so the run stopped on every GPU "
+            f"(its own error is above). The checkpoints in {where} are intact: continue with "
+            f"`tunesmith train {args.config} --resume {where} --gpus {n}`.",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -138,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", help="run folder (default: output.dir/output.run_name from the config)")
     t.add_argument("--resume", help="resume from a run folder (latest checkpoint) or a checkpoint folder")
     t.add_argument("--max-steps", type=int, help="override training.max_steps")
+    t.add_argument(
+        "--gpus",
+        type=int,
+        help="train on N GPUs of this machine (torchrun, DDP over the adapters); without CUDA, N CPU processes",
+    )
+    t.add_argument("--events-json", action="store_true", help="print every event as a JSON line (for the window)")
     t.set_defaults(func=cmd_train)
     d = sub.add_parser("demo", help="run the built-in demo fine-tune headless")
     d.add_argument("--output", help="run folder")

@@ -45,12 +45,13 @@ import random
 import threading
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from engine.config import RunConfig
+from engine.config import ConfigError, RunConfig
 from engine.counters import requested_but_not_run, reset_counters, split_counts
 from engine.data import plural
 from engine.events import (
@@ -69,6 +70,8 @@ from engine.events import (
     StepMetrics,
 )
 from engine.runs import RunFolder, RunFolderError, publish, resume_checkpoint, step_of
+from engine.train.distributed import CONTROL_FILE, DistContext, read_control, share_from_main
+from engine.train.guard import RunGuard
 
 __all__ = ["TrainingSession", "RunFolderError", "Faults", "TrainingDiverged"]
 
@@ -156,6 +159,10 @@ class TrainingSession:
         self._log_file = None
         self.last_checkpoint: Optional[Path] = None
         self.run_dir: Optional[Path] = None
+        # Under torchrun: this process's rank (engine.train.distributed); one process: a no-op.
+        self._dist = DistContext.from_env()
+        self._ddp = None
+        self._guard = None
 
     # -- control (thread-safe) ----------------------------------------------------------------
     def request_pause(self) -> None:
@@ -174,6 +181,8 @@ class TrainingSession:
 
     # -- events -------------------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
+        if not self._dist.is_main:
+            return  # rank 0 reports for the run
         if self._metrics_file is not None:
             _append(self._metrics_file, json.dumps(event.to_dict(), default=str) + "\n")
         if isinstance(event, LogLine) and self._log_file is not None:
@@ -246,8 +255,24 @@ class TrainingSession:
             )
         )
         self._preflight()
-        step, stopped = self._train_loop()
+        # The sleep lock and battery/throttle warnings belong to the process that reports.
+        guard_cm = (
+            RunGuard(f"training {Path(self.run_dir).name}", gpu_index=self._gpu_index())
+            if self._dist.is_main
+            else nullcontext()
+        )
+        with guard_cm as guard:
+            self._guard = guard
+            if guard is not None:
+                self.log(guard.note)
+            step, stopped = self._train_loop()
+        self._guard = None
         return self._finish(step, stopped)
+
+    def _gpu_index(self) -> Optional[int]:
+        if self._device.type != "cuda" or not self._dist.is_main:
+            return None
+        return self._device.index or 0
 
     def _setup_config(self) -> None:
         """Hardware defaults applied to the config, seeds set, the run folder chosen (not made)."""
@@ -261,8 +286,12 @@ class TrainingSession:
         # defaults need it; without it the policy keeps to what it can decide safely.
         info = policy.model_info_for(self.config)
         self.config = config = policy.apply_defaults(self.config, self._profile, info)
+        self._device = torch.device(self._dist.device(config.training.device))
+        self._dist.init(self._device)
+        why = self._dist.check_plan(config.training.grad_accum)
+        if why:
+            raise ConfigError(why)
         self._folder = self._plan_run_dir(config)
-        self._device = torch.device(config.training.device)
         torch.manual_seed(config.training.seed)
         random.seed(config.training.seed)
 
@@ -274,10 +303,11 @@ class TrainingSession:
             folder = RunFolder(self._run_dir)
         else:
             name = config.output.run_name
-            if name == "auto":
-                name = datetime.now().strftime("run-%Y%m%d-%H%M%S")
+            if name == "auto":  # every rank takes rank 0's clock
+                name = share_from_main(self._dist, datetime.now().strftime("run-%Y%m%d-%H%M%S"))
             folder = RunFolder(Path(config.output.dir) / name)
-        folder.check_free(config.output.overwrite)
+        if self._dist.is_main:  # the others would see rank 0's new folder
+            folder.check_free(config.output.overwrite)
         return folder
 
     def _setup_data(self) -> None:
@@ -291,7 +321,8 @@ class TrainingSession:
         self._data = data = prepare_dataset(config.data, self._tokenizer)
         self._summary = summary = data.summary()
         self._open_run_dir()
-        config.save(self._folder.config)
+        if self._dist.is_main:
+            config.save(self._folder.config)
         self.log(f"Run folder: {self.run_dir}")
         if data.used_fallback_template:
             self.log("The tokenizer has no chat template; using a plain ChatML template", "warning")
@@ -313,6 +344,10 @@ class TrainingSession:
     def _open_run_dir(self) -> None:
         from engine.train import checkpoint as ckpt
 
+        if not self._dist.is_main:  # rank 0 alone writes the run folder
+            self._dist.barrier()  # ... and has made it
+            self.run_dir = self._folder.path
+            return
         folder = self._folder.create(fresh=self._resume_from is None)
         # Before anything is written: a write cut short by a full disk left these, and on a
         # disk that is still nearly full they hold the room the resume needs.
@@ -320,6 +355,7 @@ class TrainingSession:
         self._metrics_file = open(folder.metrics, "a", encoding="utf-8")
         self._log_file = open(folder.log, "a", encoding="utf-8")
         self.run_dir = folder.path
+        self._dist.barrier()
         for p in removed:
             self.log(f"Removed {p.name}, left behind by a write that did not finish")
 
@@ -337,6 +373,8 @@ class TrainingSession:
         prepared = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=t.offload)
         self._model, self._offloader, self._fast = prepared.model, prepared.offloader, prepared.report
         self._forward_loss = forward_loss
+        # Several processes: DDP over the adapters' gradients (None with one process).
+        self._ddp = self._dist.wrap(self._model, self._loss, device)
         # What the out-of-memory recovery may change as the run goes (see _next_memory_change).
         self._checkpointing = bool(t.gradient_checkpointing)
         model.train()
@@ -429,6 +467,8 @@ class TrainingSession:
         before the checkpoint could be written (the last good one stays)."""
         from engine.train import checkpoint as ckpt
 
+        if not self._dist.is_main:  # every rank holds the same adapters: rank 0 writes them
+            return True
         target = self._folder.checkpoint(step)
         recovery = {
             "rows_per_forward": self._exec_rows,
@@ -545,15 +585,33 @@ class TrainingSession:
         return step, False
 
     def _wait_if_paused(self, step: int) -> bool:
-        """Blocks while paused; True when the run is to stop."""
-        if not self._resume.is_set():
+        """Blocks while paused; True when the run is to stop. Several processes: rank 0 reads
+        the window's control file and waits; the others learn its decision in `agree`."""
+        dist = self._dist
+        if dist.enabled and dist.is_main:
+            self._read_control()
+        if dist.is_main and not self._resume.is_set():
             self._emit(Paused(step))
             self.log(f"Paused at step {step}")
-            self._resume.wait()
+            while not self._resume.wait(0.5 if dist.enabled else None):
+                self._read_control()
             if not self._stop.is_set():
                 self._emit(Resumed(step))
                 self.log(f"Resumed at step {step}")
-        return self._stop.is_set()
+        _, stop = dist.agree(False, self._stop.is_set())
+        return stop
+
+    def _read_control(self) -> None:
+        """The window's request for a run under torchrun (a file in the run folder)."""
+        if self.run_dir is None:
+            return
+        request = read_control(Path(self.run_dir) / CONTROL_FILE)
+        if request == "pause":
+            self.request_pause()
+        elif request == "resume":
+            self.request_resume()
+        elif request == "stop":
+            self.request_stop()
 
     def _batch(self, row_ids: list[int]):
         from engine.data.collate import PackedBatch
@@ -597,6 +655,9 @@ class TrainingSession:
             return self._roll_back(step, *bad)
         self._good_loss(step, self._last_loss)
         self._report_step(step, [b for _, b in micro], normalizer, grad_norm, dt)
+        if self._guard is not None:
+            for warning in self._guard.check():  # battery, throttling: each said once
+                self.log(warning, "warning")
         return step
 
     def _forward_backward(self, micro: list, normalizer: int, step: int, rehearsal: bool = False):
@@ -604,27 +665,38 @@ class TrainingSession:
         `step`: the 1-based step it belongs to (for Faults)."""
         import torch
 
-        device, faults = self._device, self.faults
+        device, faults, dist = self._device, self.faults, self._dist
         loss_sum = torch.zeros((), device=device)
-        for i, (rows, batch) in enumerate(micro):
+        # Several processes: this rank's share of the step's forwards, through DDP (the
+        # rehearsal measures one rank's forward alone, with no gradient exchange).
+        ddp = None if rehearsal else self._ddp
+        mine = micro if ddp is None else [mb for k, mb in enumerate(micro) if k % dist.world_size == dist.rank]
+        scale = dist.world_size if ddp is not None else 1  # DDP averages; the step wants the sum
+        for i, (rows, batch) in enumerate(mine):
+            last = i == len(mine) - 1
             if faults is not None:
-                faults.check_oom(self._attempt(step, rows, rehearsal), last_micro_batch=i == len(micro) - 1)
+                faults.check_oom(self._attempt(step, rows, rehearsal), last_micro_batch=last)
             batch = batch.to(device)
-            loss = self._forward_loss(
-                self._model,
-                batch,
-                normalizer,
-                fused_ce=self._use_fused,
-                cached_metadata=self.config.fast_paths.cached_metadata,
-                ce_chunk_tokens=self._chunk,
-                offloader=self._offloader,
-            )
-            if faults is not None and i == 0 and not rehearsal:
-                loss = faults.poison(step, loss)
-            loss.backward()
+            with dist.sync_context(ddp, last):
+                loss = ddp(batch, normalizer) if ddp is not None else self._loss(self._model, batch, normalizer)
+                if faults is not None and i == 0 and not rehearsal:
+                    loss = faults.poison(step, loss)
+                (loss * scale if scale != 1 else loss).backward()
             loss_sum += loss.detach()
             batch.info.free()
-        return loss_sum
+        return dist.sum(loss_sum) if ddp is not None else loss_sum
+
+    def _loss(self, model, batch, normalizer):
+        """One forward's loss: the engine's forward_loss with the run's settings."""
+        return self._forward_loss(
+            model,
+            batch,
+            normalizer,
+            fused_ce=self._use_fused,
+            cached_metadata=self.config.fast_paths.cached_metadata,
+            ce_chunk_tokens=self._chunk,
+            offloader=self._offloader,
+        )
 
     def _attempt(self, step: int, rows: int, rehearsal: bool) -> dict:
         return {
@@ -646,7 +718,9 @@ class TrainingSession:
             try:
                 return micro, normalizer, self._forward_backward(micro, normalizer, step + 1)
             except Exception as exc:
-                change = self._next_memory_change() if _is_oom(exc) else None
+                # Several processes: the others wait in the step's all-reduce, so a rank that
+                # runs out of memory ends the run (torchrun stops them all; the checkpoint stays).
+                change = self._next_memory_change() if _is_oom(exc) and not self._dist.enabled else None
                 if change is None:
                     raise
             # Out of the except block: the traceback, and the activations its frames hold, are gone.
@@ -820,6 +894,11 @@ class TrainingSession:
         step: gradients dropped, RNG restored, the data plan untouched."""
         if not self._preflight_wanted() or self._start_step >= self._total:
             return
+        if self._dist.enabled:
+            # Each rank would measure its own card and could settle on other settings: the
+            # ranks must run the same forwards, so several processes skip the rehearsal.
+            self.log("Pre-flight skipped: it runs for single-process runs only")
+            return
         rng = _rng_state()
         attempts = 0
         while True:
@@ -973,6 +1052,8 @@ class TrainingSession:
         self.model, self.tokenizer = self._model, self._tokenizer  # for callers that chat or export in-process
         self._emit(result)
         self._close()
+        self._dist.barrier()  # no rank leaves while rank 0 still writes
+        self._dist.close()
         return result
 
     def _write_adapter(self, step: int) -> bool:
@@ -981,6 +1062,8 @@ class TrainingSession:
         import shutil
 
         folder = self._folder
+        if not self._dist.is_main:
+            return True
         tmp = folder.adapter_tmp
 
         def write() -> Path:
