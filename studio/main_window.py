@@ -34,6 +34,7 @@ from studio.panels.model import ModelPanel
 from studio.panels.monitor import MonitorPanel, one_sentence
 from studio.panels.runs import RunsPanel
 from studio.panels.training import TrainingPanel
+from studio.process_worker import ProcessWorker
 from studio.settings import Settings
 from studio.state import StudioState, model_problems
 from studio.tasks import run_task
@@ -313,7 +314,11 @@ class MainWindow(QMainWindow):
         for step, st in ((TRAIN, "done"), (MONITOR, "active")):
             self.steps.set_state(step, st)
         self.training_panel.set_running(True)
-        self.worker = TrainingWorker(config, resume_from=resume_from)
+        nproc = self.hardware_panel.processes()
+        if nproc > 1:  # torchrun's ranks are processes of their own (studio.process_worker)
+            self.worker = ProcessWorker(config, nproc, resume_from=resume_from)
+        else:
+            self.worker = TrainingWorker(config, resume_from=resume_from)
         # Queued explicitly: the slot must run on the GUI thread, never on the worker thread.
         self.worker.event.connect(self._on_event, Qt.ConnectionType.QueuedConnection)
         self.worker.finished.connect(self._worker_done)
@@ -408,13 +413,21 @@ class MainWindow(QMainWindow):
             self.runs_panel.active_run = event.run_dir
             if self.pages.currentWidget() is self.runs_panel:
                 self.runs_panel.refresh()
+            # The pre-flight of this run follows RunStarted; the last run's must not linger.
+            self.training_panel.clear_preflight()
             m.run_started(event)
             self.state.run_dir_changed.emit(event.run_dir)
         elif isinstance(event, api.CheckpointSaved):
             m.append_log(f"Checkpoint saved at step {event.step}: {event.path}")
         elif isinstance(event, api.Paused):
-            m.paused(event.step)
+            m.paused(event.step, event.reason)
             self.statusBar().showMessage(f"Paused at step {event.step}")
+        elif isinstance(event, (api.MemoryAdjusted, api.RolledBack, api.DiskFull, api.PreflightResult)):
+            m.notice(event)
+            if isinstance(event, api.PreflightResult) or (
+                isinstance(event, api.MemoryAdjusted) and event.phase == "preflight"
+            ):
+                self.training_panel.show_preflight(event)
         elif isinstance(event, api.Resumed):
             m.resumed(event.step)
             self.statusBar().showMessage("Training…")

@@ -121,3 +121,24 @@ def test_a_rollback_and_a_full_disk_show_as_banners(tmp_path, monitor):
     screenshot(monitor, "monitor-disk-full")
     feed(monitor, events[len(upto_pause) :])
     assert monitor.mode == "idle" and monitor.status.text().startswith("✓ Finished at step 3")
+
+
+def test_the_window_routes_recovery_events_to_the_monitor_and_train_pages(tmp_path, window):
+    # The same events, delivered as the worker delivers them: through MainWindow._on_event.
+    events = run_events(tmp_path, Faults(oom_above_rows=2))
+    window.monitor_panel.begin()
+    for e in events:
+        if e.kind != "Finished":
+            window._on_event(e)
+    m, page = window.monitor_panel, window.training_panel
+    assert m.notices and m.notices[0].startswith("Ran out of memory in the pre-flight rehearsal")
+    assert not m.preflight.isHidden() and m.preflight.text().startswith("Pre-flight:")
+    assert "micro-batch 4 → 2 rows" in page.preflight.text()
+    # A new run clears the last run's pre-flight from the Train page until its own arrives.
+    window._on_event(next(e for e in events if e.kind == "RunStarted"))
+    assert page.preflight.isHidden()
+    # A pause the run took by itself says why.
+    from engine.api import Paused
+
+    window._on_event(Paused(3, reason="The disk at / is full"))
+    assert m.status.text().startswith("Paused at step 3: The disk at / is full")
