@@ -111,7 +111,7 @@ from engine.runs import (
 )
 
 # -- several processes (torchrun) ---------------------------------------------------------------
-from engine.train.distributed import DistContext, launch_command, visible_gpus
+from engine.train.distributed import CONTROL_FILE, DistContext, launch_command, visible_gpus
 
 if TYPE_CHECKING:
     from engine.train.session import TrainingSession
@@ -285,6 +285,7 @@ __all__ = [
     "PRESETS_DIR",
     # several processes
     "DistContext",
+    "CONTROL_FILE",
     "launch_command",
     "visible_gpus",
     # startup and the command line

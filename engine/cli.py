@@ -128,12 +128,18 @@ def _launch(args, config) -> int:
         print(f"no CUDA GPU: {n} CPU processes (gloo)", file=sys.stderr, flush=True)
     cmd = launch_command(n, engine_args)
     # torchrun forwards Ctrl+C to every rank; they agree to stop after the step and rank 0
-    # saves a checkpoint. Here Ctrl+C only waits for that.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # saves a checkpoint. Here Ctrl+C only waits for that. A SIGTERM (the window closing, a
+    # job scheduler) is passed on, so torchrun ends its ranks and nothing is left running.
+    proc = subprocess.Popen(cmd)
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM)),
+    }
     try:
-        rc = subprocess.run(cmd).returncode
+        rc = proc.wait()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if rc != 0:
         where = output or args.resume
         print(

@@ -1,10 +1,25 @@
 """Hardware page: what the engine's hardware detection found on this machine and the defaults its policy
-chooses for the current config, with the reason for each."""
+chooses for the current config, with the reason for each. With more than one GPU it offers "Train on
+N GPUs": such a run is N processes under torchrun (studio.process_worker), not the in-process worker.
+
+`TUNESMITH_CPU_PROCESSES=N` offers N processes on a machine without GPUs (gloo): for trying the
+multi-process path on a laptop CPU and for the tests."""
 
 from __future__ import annotations
 
+import os
+
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
 
 from studio.panels.common import Banner, card, fmt_bytes, title, value_label
 
@@ -30,6 +45,24 @@ class HardwarePanel(QWidget):
         ):
             form.addRow(label, self.fields[key])
         prof_lay.addLayout(form)
+        # Several GPUs: how many a run uses (1 = in this process, as always).
+        self.gpus = QSpinBox()
+        self.gpus.setRange(1, 1)
+        self.gpus.setToolTip(
+            "More than 1: the run is that many processes under torchrun, one per GPU; each trains on its "
+            "share of every step and the adapters' gradients are averaged (training.grad_accum must be a "
+            "multiple of the number)."
+        )
+        self.gpus_row = QWidget()
+        gl = QHBoxLayout(self.gpus_row)
+        gl.setContentsMargins(0, 0, 0, 0)
+        gl.addWidget(QLabel("Train on"))
+        gl.addWidget(self.gpus)
+        self.gpus_unit = QLabel("GPUs")
+        gl.addWidget(self.gpus_unit)
+        gl.addStretch(1)
+        self.gpus_row.hide()
+        prof_lay.addWidget(self.gpus_row)
         again = QPushButton("Detect again")
         again.clicked.connect(self.redetect_requested)
         head = QHBoxLayout()
@@ -53,10 +86,28 @@ class HardwarePanel(QWidget):
         state.profile_changed.connect(lambda _p: self.refresh())
         state.changed.connect(lambda _p: self.refresh() if self.isVisible() else None)
 
+    def processes(self) -> int:
+        """How many processes the next run uses (1: in this process)."""
+        return self.gpus.value() if self.gpus_row.isVisible() or self.gpus.value() > 1 else 1
+
+    def _offer_gpus(self, p) -> None:
+        count = p.gpu_count if p.gpu_name else 0
+        unit = "GPUs"
+        if count < 2:
+            try:
+                count = int(os.environ.get("TUNESMITH_CPU_PROCESSES", "0")) if not p.gpu_name else 0
+            except ValueError:
+                count = 0
+            unit = "CPU processes (gloo)"
+        self.gpus.setRange(1, max(1, count))
+        self.gpus_unit.setText(unit)
+        self.gpus_row.setVisible(count > 1)
+
     def refresh(self) -> None:
         p = self.state.profile
         if p is None:
             return
+        self._offer_gpus(p)
         cap = f"compute {p.compute_capability[0]}.{p.compute_capability[1]}" if p.compute_capability else ""
         self.fields["kind"].setText(f"<b>{p.kind}</b> — {p.kind_reason}")
         self.fields["gpu"].setText(
