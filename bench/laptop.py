@@ -1,0 +1,273 @@
+"""Laptop cards emulated on a big GPU (issue 15, WORKLOADS.md W8): `tunesmith train` as a user runs it.
+
+For each case (a memory cap in GiB and a model shape) this builds a local model folder with random
+bf16 weights of the real shape and the demo tokenizer, writes a learnable JSONL, and runs
+``python -m engine train`` in its own process with a studio preset and every setting "auto", under
+``TUNESMITH_EMULATE_GPU="<card name>:<GiB>"`` (the engine caps the process with
+``torch.cuda.set_per_process_memory_fraction`` and reports the card's name and the cap, see
+engine/hardware/profile.py). Each run's record: what the policy chose (from the run's
+config.yaml and its reasons), the peak memory, its share of the cap, tokens/s and the loss, or
+how it failed.
+
+    python -m bench.laptop --cases 8:qwen3-1.7b,8:qwen3-4b-qlora --steps 20 --out $OUT/laptop.jsonl
+    python -m bench.laptop --table bench/results/laptop.jsonl      # the markdown table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Real shapes (public configs); the weights are random: memory and speed do not depend on them.
+_QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151_936, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+_LLAMA = dict(model_type="llama", head_dim=128, vocab_size=128_256, rope_theta=500_000.0, rms_norm_eps=1e-5)
+MODELS = {
+    "qwen3-1.7b": dict(
+        _QWEN3,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.2-3b": dict(
+        _LLAMA,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(
+        _QWEN3,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        _QWEN3,
+        hidden_size=4096,
+        intermediate_size=12_288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-14b": dict(
+        _QWEN3,
+        hidden_size=5120,
+        intermediate_size=17_408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+}
+# The card a cap stands for (the name the policy reads to know it is a laptop).
+CARDS = {
+    6: "NVIDIA GeForce RTX 4050 Laptop GPU",
+    8: "NVIDIA GeForce RTX 4060 Laptop GPU",
+    12: "NVIDIA GeForce RTX 4080 Laptop GPU",
+    16: "NVIDIA GeForce RTX 4090 Laptop GPU",
+}
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_MODEL = ROOT / "resources" / "demo_model"
+STUDIO_PRESETS = ROOT / "studio" / "presets"
+
+
+def parse_case(text: str) -> tuple[int, str, bool]:
+    """ "8:qwen3-4b-qlora" -> (8, "qwen3-4b", True)."""
+    cap, _, model = text.partition(":")
+    qlora = model.endswith("-qlora")
+    model = model.removesuffix("-qlora")
+    if model not in MODELS or int(cap) not in CARDS:
+        raise SystemExit(f"unknown case {text!r}: caps {sorted(CARDS)}, models {sorted(MODELS)} (+ '-qlora')")
+    return int(cap), model, qlora
+
+
+def model_folder(root: Path, name: str) -> Path:
+    """A local Hugging Face folder of `name`'s shape: random bf16 weights and the demo tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = root / name
+    if (folder / "config.json").exists():
+        return folder
+    spec = dict(MODELS[name])
+    cfg = AutoConfig.for_model(
+        spec.pop("model_type"),
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+        max_position_embeddings=40_960,
+        **spec,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                torch.nn.init.normal_(p, std=0.02)
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (DEMO_MODEL / f).exists():
+            shutil.copy(DEMO_MODEL / f, tmp / f)
+    del model
+    torch.cuda.empty_cache()
+    tmp.rename(folder)
+    return folder
+
+
+def run_config(folder: Path, data: Path, qlora: bool, steps: int, out: Path) -> Path:
+    """The studio's preset for the case, with the model and data a user would pick."""
+    import yaml
+
+    preset = "laptop-qlora" if qlora else "quality"
+    cfg = yaml.safe_load((STUDIO_PRESETS / f"{preset}.yaml").read_text())
+    cfg["model"]["name_or_path"] = str(folder)
+    if not qlora:
+        cfg["model"]["load_in_4bit"] = "auto"
+    cfg["data"].update(source=str(data), format="auto")
+    cfg["training"].update(max_steps=steps, save_every=0)
+    cfg["output"] = {"dir": str(out.parent), "run_name": out.name}
+    path = out.parent / f"{out.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def summarize_run(run: Path, cap_gib: int) -> dict:
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [e for e in events if e.get("event") == "StepMetrics"]
+    rec: dict = {"steps": len(steps)}
+    if steps:
+        peak = max(e.get("mem_peak", 0) for e in steps)
+        timed = steps[2:] or steps  # the first steps compile kernels and warm the allocator
+        rec.update(
+            peak_gib=round(peak / 2**30, 2),
+            cap_used=round(peak / (cap_gib * 2**30), 3),
+            tokens_per_s=round(statistics.median(e["tokens_per_second"] for e in timed)),
+            step_s=round(statistics.median(e["step_seconds"] for e in timed), 3),
+            loss_first=steps[0]["loss"],
+            loss_last=steps[-1]["loss"],
+            offload=steps[-1].get("offload", ""),
+        )
+    cfg_file = run / "config.yaml"
+    if cfg_file.exists():
+        import yaml
+
+        cfg = yaml.safe_load(cfg_file.read_text())
+        t, m = cfg.get("training", {}), cfg.get("model", {})
+        rec["chosen"] = {
+            "load_in_4bit": m.get("load_in_4bit"),
+            "rows_per_micro_batch": t.get("rows_per_micro_batch"),
+            "grad_accum": t.get("grad_accum"),
+            "max_seq_len": cfg.get("data", {}).get("max_seq_len"),
+            "gradient_checkpointing": t.get("gradient_checkpointing"),
+            "offload": t.get("offload"),
+        }
+        rec["reasons"] = cfg.get("auto_reasons") or {}
+    last = events[-1] if events else {}
+    rec["outcome"] = last.get("event")
+    if last.get("event") == "Failed":
+        rec["error"] = str(last.get("message") or last)[:400]
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.laptop", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="8:qwen3-1.7b,8:qwen3-4b-qlora,8:qwen3-8b-qlora")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", default="laptop.jsonl", help="JSON-lines file the records are appended to")
+    p.add_argument("--work", default="/tmp/tunesmith-laptop", help="model folders, data and runs")
+    p.add_argument("--max-seconds", type=float, default=540.0, help="skip cases that would start after this")
+    p.add_argument("--table", default=None, help="print the markdown table of a records file and exit")
+    args = p.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
+
+    from engine.data.synthetic import write_text_jsonl
+
+    t0 = time.monotonic()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "data.jsonl"
+    if not data.exists():
+        write_text_jsonl(data, 3000, seed=0, words_per_doc=(200, 700))
+    failed = 0
+    for case in args.cases.split(","):
+        cap, name, qlora = parse_case(case)
+        label = f"{cap} GiB {name}{' QLoRA' if qlora else ''}"
+        if time.monotonic() - t0 > args.max_seconds:
+            print(f"[laptop] {label}: skipped (time budget)", flush=True)
+            continue
+        folder = model_folder(work / "models", name)
+        run = work / "runs" / f"{cap}g-{name}{'-qlora' if qlora else ''}"
+        shutil.rmtree(run, ignore_errors=True)
+        cfg = run_config(folder, data, qlora, args.steps, run)
+        env = dict(os.environ, TUNESMITH_EMULATE_GPU=f"{CARDS[cap]}:{cap}")
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "engine", "train", str(cfg), "--output", str(run)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        rec = {"case": case, "cap_gib": cap, "card": CARDS[cap], "model": name, "qlora": qlora, "rc": proc.returncode}
+        rec["wall_s"] = round(time.monotonic() - start, 1)
+        if (run / "metrics.jsonl").exists():
+            rec.update(summarize_run(run, cap))
+        if proc.returncode != 0:
+            rec["stderr_tail"] = proc.stderr[-1500:]
+            failed += 1
+        with open(args.out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"[laptop] {label}: {json.dumps({k: v for k, v in rec.items() if k != 'stderr_tail'})}", flush=True)
+        if proc.returncode != 0:
+            print(proc.stderr[-1500:], flush=True)
+    return 1 if failed else 0
+
+
+def table(path: str) -> str:
+    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    out = [
+        "| cap (card) | model | chosen | peak | of cap | tokens/s | loss first -> last | outcome |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r.get("chosen") or {}
+        chosen = (
+            f"{'4-bit' if c.get('load_in_4bit') else '16-bit'}, {c.get('rows_per_micro_batch')} row(s) of "
+            f"{c.get('max_seq_len')} x {c.get('grad_accum')} accum, checkpointing "
+            f"{'on' if c.get('gradient_checkpointing') else 'off'}, offload {r.get('offload') or c.get('offload')}"
+        )
+        out.append(
+            f"| {r['cap_gib']} GiB ({r['card'].replace('NVIDIA GeForce ', '')}) | {r['model']}"
+            f"{' QLoRA' if r.get('qlora') else ''} | {chosen} | {r.get('peak_gib', '-')} GiB | "
+            f"{100 * r['cap_used']:.0f}% | {r.get('tokens_per_s', 0):,} | "
+            f"{r.get('loss_first', float('nan')):.3f} -> {r.get('loss_last', float('nan')):.3f} | "
+            f"{r.get('outcome')}{'' if r.get('rc') == 0 else ' (rc ' + str(r.get('rc')) + ')'} |"
+            if r.get("steps")
+            else f"| {r['cap_gib']} GiB | {r['model']} | - | - | - | - | - | {r.get('outcome')} rc {r.get('rc')} |"
+        )
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
