@@ -46,9 +46,11 @@ def verify(folder: Path, source, ref, progress=None, **_options):
     ref.build()
     model = ref.model()
     try:
-        with quiet_third_party():
+        with quiet_third_party(), selfcheck.strict_adapter_load(folder):
             model.load_adapter(str(folder), adapter_name="exported")
     except Exception as exc:  # PEFT raises many types for a bad adapter; all mean "does not load"
+        if "exported" in getattr(model, "peft_config", {}):
+            model.delete_adapter("exported")
         return selfcheck.failed("adapter", folder, f"PEFT cannot load the exported adapter: {exc}")
     try:
         model.set_adapter("exported")
