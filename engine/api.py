@@ -81,6 +81,7 @@ from engine.export import (
 from engine.export.gguf import QUANTS as GGUF_QUANTS
 from engine.export.gguf import install_extra as install_gguf_extra
 from engine.export.gguf import missing as gguf_missing
+from engine.export.hub import push as push_to_hub
 from engine.hardware.policy import apply_defaults, explain_defaults, format_profile, resolve_defaults
 
 # -- hardware profile and defaults -------------------------------------------------------------
@@ -273,6 +274,7 @@ __all__ = [
     "GGUF_QUANTS",
     "gguf_missing",
     "install_gguf_extra",
+    "push_to_hub",
     # chat
     "load_chat_model",
     "generate_reply",

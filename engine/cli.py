@@ -32,6 +32,7 @@ from engine.api import (
     detect,
     export_and_check,
     format_profile,
+    push_to_hub,
 )
 
 
@@ -191,6 +192,16 @@ def cmd_export(args) -> int:
         if not gguf.get("template_translated"):
             print(f"Modelfile: no TEMPLATE, the chat template cannot be translated ({gguf['template_reason']})")
         print(f"for Ollama: {gguf['ollama_command']}")
+    if args.push:
+        kind = "merged" if "merged" in requests else "adapter" if "adapter" in requests else None
+        if kind is None:
+            print("error: --push needs --adapter or --merged (the folder that is pushed)", file=sys.stderr)
+            return 2
+        try:
+            print(f"pushed to {push_to_hub(requests[kind], args.push, args.run, kind, progress=print)}")
+        except ExportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -225,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument(f"--{kind.name}", dest=kind.name, metavar=metavar, help=kind.help)
     e.add_argument("--quant", choices=GGUF_QUANTS, default=GGUF_QUANTS[0], help="GGUF type (default %(default)s)")
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    e.add_argument(
+        "--push", metavar="USER/REPO", help="push the merged model (else the adapter) to the Hugging Face Hub"
+    )
     e.set_defaults(func=cmd_export)
     h = sub.add_parser("hw", help="show the detected hardware and the defaults chosen for it")
     h.set_defaults(func=cmd_hw)

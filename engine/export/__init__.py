@@ -24,6 +24,7 @@ sentence naming the disk, the space needed and the space free).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -368,6 +369,14 @@ def _export_one(
                     list(verdicts or [v]),
                 )
         files = _commit(tmp, dst, kind)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:  # the estimate fell short: still one sentence, not the errno text
+            raise ExportError(
+                f"the disk mounted at {mount_point(dst)} filled up while the {kind.title} was being written "
+                f"({_gb(disk_free(dst))} free now); nothing was left behind"
+            ) from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -124,12 +124,19 @@ class Probe:
 
 
 def heldout_rows(cfg, limit: int) -> tuple[list, str]:
-    """(messages per example, where they came from). The demo's held-out file for the demo data;
-    otherwise the last rows of the training data, said as such (no held-out split exists)."""
+    """(messages per example, where they came from). The run's held-out file (data.eval_source)
+    when it has one; the demo's held-out file for the demo data; otherwise the last rows of the
+    training data, said as such."""
     from engine.data.formats import detect_format, row_to_messages
     from engine.data.sources import load_raw
 
-    if cfg.data.source == "demo":
+    eval_source = getattr(cfg.data, "eval_source", "")  # a run's own held-out file, when it names one
+    if eval_source:
+        from dataclasses import replace
+
+        raw = load_raw(replace(cfg.data, source=eval_source, max_examples=0))
+        origin = f"the run's held-out file ({eval_source})"
+    elif cfg.data.source == "demo":
         import datasets
 
         from engine.resources import DEMO_HELDOUT_FILE

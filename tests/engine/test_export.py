@@ -164,3 +164,21 @@ def test_a_full_disk_is_one_sentence_before_anything_is_written(tmp_path, monkey
     assert msg.startswith("not enough disk space on the disk mounted at /") and msg.count(". ") == 0
     assert "needs about" in msg and msg.endswith("and 10 bytes is free")
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+
+
+def test_a_disk_that_fills_up_while_writing_is_one_sentence_too(tmp_path, monkeypatch):
+    """The estimate can fall short (another program writes too): ENOSPC in the middle of a write
+    becomes one sentence and the partial folder goes."""
+    import errno
+
+    run = _fake_run(tmp_path)
+    kind = EXPORTERS["adapter"]
+
+    def write(source, out, progress=None, **_options):
+        (out / "half").write_bytes(b"x")
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "adapter_model.safetensors"))
+
+    monkeypatch.setitem(EXPORTERS, "adapter", ExportKind(**{**kind.__dict__, "write": write}))
+    with pytest.raises(ExportError, match=r"^the disk mounted at /\S* filled up while the adapter was being written"):
+        run_exports(run, {"adapter": tmp_path / "out"}, verify=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()

@@ -245,3 +245,23 @@ def test_a_template_that_cannot_be_translated_says_why(tmp_path):
 def test_gguf_tests_skip_only_when_the_extra_is_missing():
     installed = importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("gguf") is not None
     assert bool(GGUF_MISSING) == (not installed or not (gguf_kind.converter_dir() / "convert_hf_to_gguf.py").is_file())
+
+
+# -- the Hub (optional) ----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_hub_push_offline_is_one_sentence_and_the_card_comes_from_the_run(trained, exported, monkeypatch):
+    from engine.export import ExportError, hub
+
+    _, out, _ = exported
+    card = hub.model_card(trained, "adapter")
+    assert "Fine-tuned with Tunesmith (LoRA) from **demo**" in card and "verified" in card
+    assert "final_loss" in card and "max_seq_len 512" in card and "```yaml" in card
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ExportError, match=r"^the Hugging Face Hub is switched off here \(HF_HUB_OFFLINE is set\)"):
+        hub.push(out / "adapter", "someone/demo", trained, "adapter")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    # A Hub that cannot be reached (nothing listens on this port): one sentence, nothing else breaks.
+    with pytest.raises(ExportError) as err:
+        hub.push(out / "adapter", "someone/demo", trained, "adapter", token="x", endpoint="http://127.0.0.1:9")
+    assert str(err.value) == "cannot reach the Hugging Face Hub (127.0.0.1:9), so nothing was pushed"
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
