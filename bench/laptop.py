@@ -196,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="laptop.jsonl", help="JSON-lines file the records are appended to")
     p.add_argument("--work", default="/tmp/tunesmith-laptop", help="model folders, data and runs")
     p.add_argument("--max-seconds", type=float, default=540.0, help="skip cases that would start after this")
+    p.add_argument("--case-seconds", type=float, default=150.0, help="stop a case after this (its steps so far count)")
     p.add_argument("--table", default=None, help="print the markdown table of a records file and exit")
     args = p.parse_args(argv)
     if args.table:
-        print(table(args.table))
+        print(table(args.table) if Path(args.table).exists() else f"no records in {args.table}")
         return 0
 
     from engine.data.synthetic import write_text_jsonl
@@ -223,24 +224,33 @@ def main(argv: list[str] | None = None) -> int:
         cfg = run_config(folder, data, qlora, args.steps, run)
         env = dict(os.environ, TUNESMITH_EMULATE_GPU=f"{CARDS[cap]}:{cap}")
         start = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "engine", "train", str(cfg), "--output", str(run)],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        rec = {"case": case, "cap_gib": cap, "card": CARDS[cap], "model": name, "qlora": qlora, "rc": proc.returncode}
+        # A case that runs past its time is stopped, and what it measured so far is still
+        # recorded (metrics.jsonl is written step by step): a call's time limit loses nothing.
+        left = args.max_seconds - (time.monotonic() - t0)
+        limit = max(30.0, min(args.case_seconds, left + args.case_seconds / 2))
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "engine", "train", str(cfg), "--output", str(run)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=limit,
+            )
+            rc, err = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, err = "timeout", (exc.stderr or b"").decode("utf-8", "replace") if isinstance(exc.stderr, bytes) else ""
+        rec = {"case": case, "cap_gib": cap, "card": CARDS[cap], "model": name, "qlora": qlora, "rc": rc}
         rec["wall_s"] = round(time.monotonic() - start, 1)
         if (run / "metrics.jsonl").exists():
             rec.update(summarize_run(run, cap))
-        if proc.returncode != 0:
-            rec["stderr_tail"] = proc.stderr[-1500:]
+        if rc != 0:
+            rec["stderr_tail"] = (err or "")[-1500:]
             failed += 1
         with open(args.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"[laptop] {label}: {json.dumps({k: v for k, v in rec.items() if k != 'stderr_tail'})}", flush=True)
-        if proc.returncode != 0:
-            print(proc.stderr[-1500:], flush=True)
+        if rc != 0:
+            print((err or "")[-1500:], flush=True)
     return 1 if failed else 0
 
 
