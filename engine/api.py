@@ -48,9 +48,11 @@ from engine.data.xray import XRay, xray
 from engine.events import (
     CheckpointSaved,
     DiskFull,
+    EvalMetrics,
     Event,
     Failed,
     Finished,
+    GalleryAnswers,
     LogLine,
     MemoryAdjusted,
     Paused,
@@ -104,6 +106,7 @@ from engine.runs import (
     RunHistory,
     RunInfo,
     RunSummary,
+    best_label,
     config_differences,
     list_runs,
     read_run,
@@ -115,10 +118,10 @@ from engine.runs import (
 from engine.train.distributed import CONTROL_FILE, DistContext, launch_command, visible_gpus
 
 if TYPE_CHECKING:
-    from engine.train.session import TrainingSession
+    from engine.train.session import ProbeUnavailable, TrainingSession
 
 # Names resolved on first use, because their modules import torch at the top.
-_LAZY = {"TrainingSession": "engine.train.session"}
+_LAZY = {"TrainingSession": "engine.train.session", "ProbeUnavailable": "engine.train.session"}
 
 # What warm_up() imports: everything a training run, an export and a chat load.
 _HEAVY = (
@@ -212,6 +215,11 @@ __all__ = [
     "RolledBack",
     "DiskFull",
     "PreflightResult",
+    # evaluation while training, the gallery, the probe (issue 14)
+    "EvalMetrics",
+    "GalleryAnswers",
+    "ProbeUnavailable",
+    "best_label",
     # run folders
     "RunFolder",
     "RunFolderError",

@@ -69,6 +69,13 @@ class DataConfig:
     overlong: Literal["truncate", "drop"] = "truncate"
     # Limit the number of examples (0 = all), handy for a quick look at a big set.
     max_examples: int = 0
+    # Held-out examples for the eval loss, drawn from the data with training.seed and never
+    # trained on: this share of the examples, at most 200, and only when there are at least
+    # 200 examples (a smaller set has none to spare). 0 turns the split off.
+    eval_fraction: float = 0.05
+    # A separate file of held-out examples (same format and columns as data.source); when set,
+    # nothing is split off the training data. "" = none.
+    eval_source: str = ""
 
 
 @dataclass
@@ -104,6 +111,17 @@ class TrainingConfig:
     # the run rolls back to the last good state and halves the LR (NaN/inf always do); a
     # second time it stops. 0 turns spike detection off (NaN/inf are still caught).
     spike_factor: float = 3.0
+    # Optimizer steps between eval losses on the held-out examples (see data.eval_fraction);
+    # "auto": about 10 per run; 0: never.
+    eval_every: Union[int, Literal["auto"]] = "auto"
+    # Stop when this many evals in a row have not improved the best eval loss (a checkpoint
+    # and the final adapter are written); 0: never stop early.
+    early_stopping_patience: int = 0
+    # Prompts the model answers (greedily, up to 64 new tokens) at every checkpoint, stored in
+    # the run folder's gallery.jsonl; empty: up to gallery_size prompts of held-out examples.
+    gallery_prompts: list[str] = field(default_factory=list)
+    # How many held-out prompts the gallery takes when gallery_prompts is empty; 0: no gallery.
+    gallery_size: int = 3
 
 
 @dataclass
@@ -128,6 +146,12 @@ class OutputConfig:
     dir: str = "runs"
     run_name: str = "auto"
     overwrite: bool = False
+    # Scalars (loss, LR, grad norm, tokens/s, memory, eval loss) into <run>/tensorboard/ for
+    # TensorBoard; needs the `tensorboard` package (the run says so when it is missing).
+    tensorboard: bool = False
+    # Weights & Biases: offline (files under <run>/wandb) unless WANDB_MODE or WANDB_API_KEY say
+    # otherwise; needs the `wandb` package. Logging never fails a run.
+    wandb: bool = False
 
 
 @dataclass
@@ -218,6 +242,16 @@ class RunConfig:
             raise ConfigError(
                 "training.spike_factor", f"must be 0 (off) or above 1 (a multiple of the median), got {t.spike_factor}"
             )
+        if not 0.0 <= self.data.eval_fraction < 0.5:
+            raise ConfigError(
+                "data.eval_fraction", f"must be in [0, 0.5) (0 = no held-out split), got {self.data.eval_fraction}"
+            )
+        positive("training.eval_every", t.eval_every, allow_zero=True, allow_auto=True)
+        positive("training.early_stopping_patience", t.early_stopping_patience, allow_zero=True)
+        positive("training.gallery_size", t.gallery_size, allow_zero=True)
+        for i, prompt in enumerate(t.gallery_prompts):
+            if not prompt.strip():
+                raise ConfigError(f"training.gallery_prompts[{i}]", "must not be empty")
         positive("fast_paths.ce_chunk_tokens", self.fast_paths.ce_chunk_tokens, allow_auto=True)
         if not self.model.name_or_path.strip():
             raise ConfigError("model.name_or_path", "must not be empty")

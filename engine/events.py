@@ -175,6 +175,35 @@ class PreflightResult(Event):
     message: str  # one line for the window
 
 
+@dataclass
+class EvalMetrics(Event):
+    """The loss on the held-out examples after optimizer step `step` (no gradients, no RNG,
+    the data position untouched), with the best so far. `stopping`: this eval ran out the
+    early-stopping patience, and the run ends here with a checkpoint."""
+
+    step: int
+    eval_loss: float  # mean loss per trained token over the held-out examples
+    tokens: int  # trained tokens the loss is the mean over
+    examples: int = 0
+    seconds: float = 0.0
+    best_loss: float = float("nan")
+    best_step: int = 0
+    best_checkpoint: Optional[str] = None  # the checkpoint folder of the best eval loss, once written
+    evals_without_improvement: int = 0
+    stopping: bool = False
+
+
+@dataclass
+class GalleryAnswers(Event):
+    """The gallery prompts answered greedily by the model at the checkpoint of `step` (also one
+    line each in the run folder's gallery.jsonl)."""
+
+    step: int
+    prompts: list[str] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+    checkpoint: Optional[str] = None
+
+
 EVENT_TYPES = {
     cls.__name__: cls
     for cls in (
@@ -190,6 +219,8 @@ EVENT_TYPES = {
         RolledBack,
         DiskFull,
         PreflightResult,
+        EvalMetrics,
+        GalleryAnswers,
     )
 }
 

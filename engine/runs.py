@@ -11,12 +11,17 @@ A run folder::
         optimizer.pt scheduler.pt rng.pt trainer_state.json
       adapter/                 the final adapter of a finished run (written as adapter.tmp)
       exports/<kind>.json      the report an export wrote about itself (kind: "adapter", "merged", ...)
+      best.json                the checkpoint of the best eval loss so far: {step, eval_loss, checkpoint}
+      gallery.jsonl            the gallery's answers at each checkpoint: {step, prompt, answer} a line
+      running.lock             {pid, host, started} while a process trains the run (removed at its end)
+      tensorboard/             TensorBoard scalars (output.tensorboard)
 
 API
 ---
 Names: ``CONFIG``, ``METRICS``, ``LOG``, ``CHECKPOINTS``, ``ADAPTER``, ``EXPORTS``,
 ``STATE_FILE`` (trainer_state.json), ``ADAPTER_FILES`` (what makes a folder a PEFT adapter),
-``TMP_SUFFIX`` (".tmp").
+``TMP_SUFFIX`` (".tmp"), ``BEST`` (best.json), ``GALLERY`` (gallery.jsonl), ``LOCK``
+(running.lock), ``TENSORBOARD``.
 
 ``RunFolder(path)`` -- paths and questions about one run folder:
   ``.path .config .metrics .log .checkpoints_dir .adapter .adapter_tmp .exports_dir``
@@ -29,6 +34,12 @@ Names: ``CONFIG``, ``METRICS``, ``LOG``, ``CHECKPOINTS``, ``ADAPTER``, ``EXPORTS
   ``.final_adapter()``          adapter/ when it holds a complete adapter, else None
   ``.last_event()``             the last line of metrics.jsonl as a dict, or None
   ``.status()``                 "finished", "stopped", "failed" or "incomplete" (from the last event)
+  ``.best()``                   best.json as a dict ({step, eval_loss, checkpoint}), or None
+  ``.write_best(d)``            replaces best.json (written whole, then renamed)
+  ``.gallery()``                [{step, prompt, answer, ...}] from gallery.jsonl (unreadable lines skipped)
+  ``.append_gallery(records)``  appends records to gallery.jsonl
+  ``.lock(pid)`` / ``.unlock()``  write / remove running.lock
+  ``.is_running()``             running.lock is there and names a live process on this machine
   ``.info()``                   a RunInfo
   ``.check_free(overwrite)``    raises RunFolderError when a new run may not start here
   ``.create(fresh)``            makes the folder and checkpoints/; ``fresh`` clears an old run first
@@ -50,8 +61,9 @@ Functions:
   ``read_run(path)``            a RunInfo, or None when ``path`` is not a run folder
   ``list_runs(root)``           RunInfo of every run folder directly under ``root``, newest first
 
-``RunInfo(path, adapter, checkpoints, status)`` with ``.name`` and ``.sources()``: what can be
-exported or chatted with, the final adapter first, then checkpoints newest first.
+``RunInfo(path, adapter, checkpoints, status, best)`` with ``.name`` and ``.sources()``: what can
+be exported or chatted with: the best checkpoint (by eval loss, when best.json names one that
+exists) first, then the final adapter, then checkpoints newest first.
 
 Run history (the Runs page; never raises for a broken folder, it names the problem instead):
   ``RunFolder.history()``       a RunHistory: per-step curves read back from metrics.jsonl
@@ -85,6 +97,10 @@ EXPORTS = "exports"
 STATE_FILE = "trainer_state.json"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 TMP_SUFFIX = ".tmp"
+BEST = "best.json"
+GALLERY = "gallery.jsonl"
+LOCK = "running.lock"
+TENSORBOARD = "tensorboard"
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -187,24 +203,46 @@ class RunInfo:
     adapter: Optional[Path]  # final adapter/ of a finished run
     checkpoints: list[tuple[int, Path]] = field(default_factory=list)  # (step, folder), ascending
     status: str = ""  # "finished", "stopped", "failed", "incomplete" from the last event
+    best: Optional[dict] = None  # best.json: {step, eval_loss, checkpoint}
 
     @property
     def name(self) -> str:
         return self.path.name
 
+    def best_checkpoint(self) -> Optional[tuple[int, Path, float]]:
+        """(step, folder, eval loss) of the best checkpoint by eval loss, when it still exists."""
+        best = self.best or {}
+        step, loss = best.get("step"), best.get("eval_loss")
+        if not isinstance(step, int) or not isinstance(loss, (int, float)):
+            return None
+        for s, p in self.checkpoints:
+            if s == step:
+                return s, p, float(loss)
+        return None
+
     def sources(self) -> list[tuple[str, Path]]:
-        """What can be exported or chatted with: the final adapter, then checkpoints, newest first."""
+        """What can be exported or chatted with: the best checkpoint by eval loss first (when
+        the run measured one), then the final adapter, then the checkpoints, newest first."""
         out = []
+        best = self.best_checkpoint()
+        if best is not None:
+            out.append((best_label(best[2], best[0]), best[1]))
         if self.adapter is not None:
             out.append(("final adapter", self.path))
-        out += [(f"checkpoint step {s}", p) for s, p in reversed(self.checkpoints)]
+        out += [(f"checkpoint step {s}", p) for s, p in reversed(self.checkpoints) if best is None or s != best[0]]
         return out
+
+
+def best_label(eval_loss: float, step: int) -> str:
+    """How Chat and Export name the best checkpoint."""
+    return f"best (eval loss {eval_loss:.4f} at step {step})"
 
 
 # What a run's history keeps of each StepMetrics line (the Runs page's charts).
 CURVES = ("loss", "lr", "grad_norm", "tokens_per_second", "step_seconds", "mem_peak")
-# A run with no outcome yet whose files were written to this recently is taken as still running;
-# older, its process ended without writing one (killed, crashed): "incomplete".
+# And of each EvalMetrics line: NaN at the steps without an eval.
+EVAL_CURVES = ("eval_loss",)
+# An unfinished last line of metrics.jsonl written this recently is a writer mid-line, not damage.
 RUNNING_WINDOW_S = 300.0
 # Keys that differ between any two runs without saying anything about how they trained.
 _NOT_A_DIFFERENCE = ("output.run_name", "auto_fields", "auto_reasons")
@@ -248,6 +286,7 @@ class RunSummary:
     checkpoints: list[tuple[int, Path]] = field(default_factory=list)
     adapter: Optional[Path] = None
     config: dict[str, Any] = field(default_factory=dict)  # config.yaml as plain data ({} unreadable)
+    best: Optional[dict] = None  # best.json: the checkpoint of the best eval loss
 
     @property
     def name(self) -> str:
@@ -259,7 +298,7 @@ class RunSummary:
         return self.status in ("stopped", "failed", "incomplete") and bool(self.checkpoints)
 
     def sources(self) -> list[tuple[str, Path]]:
-        return RunInfo(self.path, self.adapter, self.checkpoints, self.status).sources()
+        return RunInfo(self.path, self.adapter, self.checkpoints, self.status, self.best).sources()
 
 
 class RunFolder:
@@ -348,8 +387,89 @@ class RunFolder:
 
     def info(self) -> RunInfo:
         return RunInfo(
-            path=self.path, adapter=self.final_adapter(), checkpoints=self.checkpoints(), status=self.status()
+            path=self.path,
+            adapter=self.final_adapter(),
+            checkpoints=self.checkpoints(),
+            status=self.status(),
+            best=self.best(),
         )
+
+    # -- best checkpoint, gallery, lock ---------------------------------------------------------
+    @property
+    def best_file(self) -> Path:
+        return self.path / BEST
+
+    @property
+    def gallery_file(self) -> Path:
+        return self.path / GALLERY
+
+    @property
+    def lock_file(self) -> Path:
+        return self.path / LOCK
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.path / TENSORBOARD
+
+    def best(self) -> Optional[dict]:
+        try:
+            data = json.loads(self.best_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def write_best(self, data: dict) -> None:
+        tmp = self.path / (BEST + TMP_SUFFIX)
+        tmp.write_text(json.dumps(data, default=str) + "\n", encoding="utf-8")
+        os.replace(tmp, self.best_file)
+
+    def gallery(self) -> list[dict]:
+        try:
+            lines = self.gallery_file.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a full disk or a kill
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                out.append(record)
+        return out
+
+    def append_gallery(self, records: list[dict]) -> None:
+        with self.gallery_file.open("a", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, default=str) + "\n")
+
+    def lock(self, pid: Optional[int] = None) -> None:
+        """Mark the run as being trained by `pid` (this process by default)."""
+        import socket
+
+        info = {"pid": int(pid or os.getpid()), "host": socket.gethostname(), "started": time.time()}
+        self.lock_file.write_text(json.dumps(info) + "\n", encoding="utf-8")
+
+    def unlock(self) -> None:
+        try:
+            self.lock_file.unlink()
+        except FileNotFoundError:
+            pass
+
+    def is_running(self) -> bool:
+        """A process is training this run: running.lock names a process that is alive (on this
+        machine; a lock from another host is taken at its word). A run whose process was killed
+        leaves a lock whose pid is gone: not running."""
+        import socket
+
+        try:
+            info = json.loads(self.lock_file.read_text(encoding="utf-8"))
+            pid = int(info["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if info.get("host") not in (None, socket.gethostname()):
+            return True
+        return _pid_alive(pid)
 
     # -- history (the Runs page) ---------------------------------------------------------------
     def looks_like_run(self) -> bool:
@@ -387,7 +507,7 @@ class RunFolder:
     def history(self, now: Optional[float] = None) -> RunHistory:
         """Read metrics.jsonl back. Unreadable lines are skipped and named in `problems`, except
         an unfinished last line of a run still being written (the writer is mid-line)."""
-        hist = RunHistory(curves={name: [] for name in CURVES})
+        hist = RunHistory(curves={name: [] for name in CURVES + EVAL_CURVES})
         try:
             raw = self.metrics.read_bytes()
         except FileNotFoundError:
@@ -400,6 +520,7 @@ class RunFolder:
         written = self.last_write() or 0.0
         lines = raw.split(b"\n")
         by_step: dict[int, dict[str, float]] = {}
+        evals: dict[int, dict[str, float]] = {}
         segment: list[float] = []  # first and last event time of the session being read
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -426,6 +547,8 @@ class RunFolder:
                     continue
                 by_step[step] = {name: _float(event.get(name)) for name in CURVES}
                 hist.total_steps = _int(event.get("total_steps"), hist.total_steps)
+            elif kind == "EvalMetrics" and isinstance(event.get("step"), int):
+                evals[event["step"]] = {name: _float(event.get(name)) for name in EVAL_CURVES}
             elif kind in ("Finished", "Failed"):
                 hist.outcome = event
                 if len(segment) == 2:
@@ -436,6 +559,9 @@ class RunFolder:
         hist.steps = sorted(by_step)
         for name in CURVES:
             hist.curves[name] = [by_step[s][name] for s in hist.steps]
+        nan = {name: math.nan for name in EVAL_CURVES}
+        for name in EVAL_CURVES:
+            hist.curves[name] = [evals.get(s, nan)[name] for s in hist.steps]
         return hist
 
     def summary(self, now: Optional[float] = None) -> RunSummary:
@@ -454,7 +580,7 @@ class RunFolder:
         elif outcome.get("event") == "Failed":
             status = "failed"
         else:
-            status = "running" if now - (self.last_write() or 0.0) < RUNNING_WINDOW_S else "incomplete"
+            status = "running" if self.is_running() else "incomplete"
         losses = [(v, s) for s, v in zip(hist.steps, hist.curves["loss"]) if math.isfinite(v)]
         best = min(losses) if losses else None
         speeds = [v for v in hist.curves["tokens_per_second"] if math.isfinite(v) and v > 0]
@@ -482,6 +608,7 @@ class RunFolder:
             checkpoints=self.checkpoints(),
             adapter=self.final_adapter(),
             config=config,
+            best=self.best(),
         )
 
     def rename(self, new_name: str) -> "RunFolder":
@@ -548,6 +675,20 @@ def list_runs(root: str | Path) -> list[RunInfo]:
     runs = [r for r in (read_run(p) for p in root.iterdir() if p.is_dir()) if r is not None]
     runs.sort(key=lambda r: r.path.stat().st_mtime, reverse=True)
     return runs
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def _parse_event(line: bytes) -> dict | str:

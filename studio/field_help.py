@@ -47,6 +47,28 @@ HELP = {
         "A loss above this many times the recent median rolls the run back to its last good state with half "
         "the learning rate (NaN always does); a second time the run stops. 0: NaN only."
     ),
+    "training.eval_every": (
+        "Steps between eval losses on the held-out examples (the dashed curve on the Loss chart). auto: about "
+        "10 per run; 0: never."
+    ),
+    "training.early_stopping_patience": (
+        "Stop when this many evals in a row did not beat the best eval loss; the best checkpoint is kept and "
+        "offered first on Chat and Export. 0: never stop early."
+    ),
+    "training.gallery_prompts": (
+        "Prompts the model answers at every checkpoint (the Gallery tab on the Monitor page), one per line. "
+        "Empty: up to gallery_size prompts of held-out examples."
+    ),
+    "training.gallery_size": "How many held-out examples the gallery takes when no prompts are typed; 0: no gallery.",
+    "data.eval_fraction": (
+        "Share of the examples held out for the eval loss (never trained on; chosen with the seed), at most "
+        "200 and only for 200+ examples. 0: no held-out split."
+    ),
+    "data.eval_source": "A separate file of held-out examples for the eval loss, in the same format as the data.",
+    "output.tensorboard": (
+        "Write loss, learning rate, memory and eval loss to <run>/tensorboard/ (pip install tensorboard)."
+    ),
+    "output.wandb": "Log to Weights & Biases (pip install wandb): offline in the run folder unless you are logged in.",
     "training.device": "Where to train. auto: the GPU when there is one, else the CPU (slow, for trying things).",
     "fast_paths.kernels": "Triton kernels for RMSNorm, RoPE and gated MLP activations.",
     "fast_paths.lora_autograd": "Fused LoRA MLP / QKV / O with a hand-written backward.",

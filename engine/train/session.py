@@ -14,8 +14,19 @@ run folder chosen), `_setup_data` (tokenizer, packed data; the run folder opens)
 `_restore` (a checkpoint when resuming), `_preflight` (a measured rehearsal of one forward +
 backward on the longest micro-batch), then `_train_loop` (pause/stop between steps;
 `_train_step` with `_forward_backward_recovering`, and `_report_step` for counters and
-metrics) and `_finish` (last checkpoint, final adapter, Finished). Where files lie in the run
-folder is engine.runs' business.
+metrics; `_evaluate` every eval_every steps) and `_finish` (last checkpoint, final adapter,
+Finished). Where files lie in the run folder is engine.runs' business.
+
+Between steps, without changing what the run trains (engine.train.evaluation: RNG saved and
+restored, eval mode, no grad, data position untouched):
+- the eval loss on held-out examples (`data.eval_fraction` split off with the seed, or
+  `data.eval_source`) every `training.eval_every` steps (EvalMetrics); a new best eval loss gets
+  a checkpoint and best.json; `training.early_stopping_patience` evals without a new best end
+  the run with its checkpoint and adapter;
+- the prompt gallery, answered greedily at every checkpoint (GalleryAnswers, gallery.jsonl);
+- `probe(prompt)`: while paused, another thread talks to the current weights; the loop takes
+  the same lock before it resumes, so a probe in flight finishes first.
+The run folder holds running.lock (this pid) while the session runs.
 
 Recovery, so that an unattended run on a small card does not end for reasons it can fix itself:
 - Out of memory (in a step or the rehearsal): partial gradients are dropped, the RNG goes back
@@ -57,9 +68,11 @@ from engine.data import plural
 from engine.events import (
     CheckpointSaved,
     DiskFull,
+    EvalMetrics,
     Event,
     Failed,
     Finished,
+    GalleryAnswers,
     LogLine,
     MemoryAdjusted,
     Paused,
@@ -73,7 +86,7 @@ from engine.runs import RunFolder, RunFolderError, publish, resume_checkpoint, s
 from engine.train.distributed import CONTROL_FILE, DistContext, read_control, share_from_main
 from engine.train.guard import RunGuard
 
-__all__ = ["TrainingSession", "RunFolderError", "Faults", "TrainingDiverged"]
+__all__ = ["TrainingSession", "RunFolderError", "Faults", "TrainingDiverged", "ProbeUnavailable"]
 
 # Steps between the in-memory snapshots a NaN or a loss spike rolls back to.
 SNAPSHOT_EVERY = 10
@@ -84,6 +97,11 @@ SPIKE_MIN_HISTORY = 5
 
 class TrainingDiverged(RuntimeError):
     """The loss went bad again after a rollback had halved the learning rate."""
+
+
+class ProbeUnavailable(RuntimeError):
+    """`TrainingSession.probe` was called while the run is not paused between steps (or it runs
+    in several processes); the message says which."""
 
 
 @dataclass
@@ -163,6 +181,13 @@ class TrainingSession:
         self._dist = DistContext.from_env()
         self._ddp = None
         self._guard = None
+        # The live probe: held by a probe while it runs the model and by the loop before it
+        # leaves a pause, so the two never use the model at once. `_paused_at`: the step the
+        # loop is paused after (set only while it waits in _wait_if_paused).
+        self._probe_lock = threading.Lock()
+        self._paused_at: Optional[int] = None
+        self._locked = False
+        self._loggers = None
 
     # -- control (thread-safe) ----------------------------------------------------------------
     def request_pause(self) -> None:
@@ -233,6 +258,15 @@ class TrainingSession:
             if f is not None:
                 f.close()
         self._metrics_file = self._log_file = None
+        if self._loggers is not None:
+            self._loggers.close()
+            self._loggers = None
+        if self._locked:  # the run is no longer trained by this process, whatever the outcome
+            self._locked = False
+            try:
+                self._folder.unlock()
+            except OSError:
+                pass
 
     # -- the recipe ----------------------------------------------------------------------------
     def _run(self) -> Event:
@@ -318,12 +352,18 @@ class TrainingSession:
         config = self.config
         self.log(f"Loading tokenizer and data ({config.data.source})")
         self._tokenizer = load_tokenizer(config.model)
-        self._data = data = prepare_dataset(config.data, self._tokenizer)
+        self._data = prepare_dataset(config.data, self._tokenizer)
+        heldout_note = self._setup_heldout()
+        data = self._data
         self._summary = summary = data.summary()
+        summary["eval_examples"] = len(self._heldout) if self._heldout is not None else 0
         self._open_run_dir()
         if self._dist.is_main:
             config.save(self._folder.config)
         self.log(f"Run folder: {self.run_dir}")
+        self._open_loggers()
+        if heldout_note:
+            self.log(heldout_note)
         if data.used_fallback_template:
             self.log("The tokenizer has no chat template; using a plain ChatML template", "warning")
         for idx, reason in data.skipped[:20]:
@@ -341,6 +381,40 @@ class TrainingSession:
             f"{summary['row_tokens']} tokens ({summary['packing_efficiency']:.1%} full)"
         )
 
+    def _setup_heldout(self) -> str:
+        """The held-out examples (split off the data with the seed, or a separate file) and the
+        gallery's prompts; returns the sentence the log gets once the run folder is open."""
+        from engine.train import evaluation
+
+        config = self.config
+        if config.data.eval_source.strip():
+            self._heldout, note = evaluation.load_heldout(config.data, config.data.eval_source, self._tokenizer)
+        else:
+            self._data, self._heldout, note = evaluation.split_heldout(
+                self._data, config.data.eval_fraction, config.training.seed
+            )
+        t = config.training
+        chat = self._data.spec.kind != "text"
+        if t.gallery_prompts:
+            self._gallery = [(p, evaluation.encode_prompt(self._tokenizer, p, chat)) for p in t.gallery_prompts]
+        elif self._heldout is not None and t.gallery_size:
+            self._gallery = [
+                (self._tokenizer.decode(ids, skip_special_tokens=True).strip(), ids)
+                for ids in self._heldout.prompt_ids(t.gallery_size)
+            ]
+        else:
+            self._gallery = []
+        return note
+
+    def _open_loggers(self) -> None:
+        """TensorBoard / W&B when output asks for them (rank 0; never a reason to fail)."""
+        out = self.config.output
+        if not self._dist.is_main or not (out.tensorboard or out.wandb):
+            return
+        from engine.train.loggers import Loggers
+
+        self._loggers = Loggers.open(out, self._folder.path, self.config.to_dict(), lambda m, lvl: self.log(m, lvl))
+
     def _open_run_dir(self) -> None:
         from engine.train import checkpoint as ckpt
 
@@ -352,6 +426,8 @@ class TrainingSession:
         # Before anything is written: a write cut short by a full disk left these, and on a
         # disk that is still nearly full they hold the room the resume needs.
         removed = ckpt.remove_partials(folder)
+        folder.lock()  # "running" on the Runs page while this process lives (removed in _close)
+        self._locked = True
         self._metrics_file = open(folder.metrics, "a", encoding="utf-8")
         self._log_file = open(folder.log, "a", encoding="utf-8")
         self.run_dir = folder.path
@@ -421,6 +497,25 @@ class TrainingSession:
         self._good = self._pending = None  # snapshots to roll back to (see _take_snapshot)
         self._spare = None  # a released snapshot whose host buffers the next one reuses
         self._last_ckpt_bytes = 0
+        self._setup_eval_state()
+
+    def _setup_eval_state(self) -> None:
+        """When the eval runs and what it remembers (kept in checkpoints, so a resume goes on
+        with the same best and patience)."""
+        t = self.config.training
+        every = t.eval_every
+        if every == "auto":
+            every = max(1, round(self._total / 10))
+        self._eval_every = int(every) if self._heldout is not None else 0
+        if t.early_stopping_patience and not self._eval_every:
+            why = "there are no held-out examples" if self._heldout is None else "training.eval_every is 0"
+            self.log(f"Early stopping is off: {why}", "warning")
+        self._eval_batches = None  # packed on first use
+        self._best: Optional[dict] = None  # {"step", "eval_loss", "checkpoint"}
+        self._bad_evals = 0
+        self._best_only: list[int] = []  # checkpoints written only because they were the best
+        self._early_stopped = False
+        self._gallery_done: set[int] = set()  # steps the gallery answered at, this session
 
     def _restore(self) -> None:
         """Resuming: adapter, optimizer, scheduler and RNG states from the checkpoint."""
@@ -437,6 +532,10 @@ class TrainingSession:
         self.last_checkpoint = source
         self.log(f"Resumed from {source} at step {self._start_step}")
         self._restore_recovery(state.get("recovery") or {})
+        saved = state.get("eval") or {}
+        self._best = saved.get("best")
+        self._bad_evals = int(saved.get("bad_evals", 0))
+        self._best_only = [int(s) for s in saved.get("best_only", [])]
 
     def _restore_recovery(self, saved: dict) -> None:
         """Settings an earlier part of the run lowered to fit, and its rollback count: kept, so
@@ -461,10 +560,12 @@ class TrainingSession:
         if changed:
             self.log("Kept what the run lowered to fit in memory: " + ", ".join(changed))
 
-    def _save(self, step: int) -> bool:
+    def _save(self, step: int, gallery: bool = True) -> bool:
         """Write the checkpoint of `step`. On a full disk: nothing partial is left, the run says
         so and pauses until there is room, then tries again. False when the run was stopped
-        before the checkpoint could be written (the last good one stays)."""
+        before the checkpoint could be written (the last good one stays). `gallery`: the
+        gallery answers at it (not for a checkpoint written only as the best so far: those come
+        with every improving eval, and the gallery would cost more than the eval)."""
         from engine.train import checkpoint as ckpt
 
         if not self._dist.is_main:  # every rank holds the same adapters: rank 0 writes them
@@ -476,7 +577,13 @@ class TrainingSession:
             "offload": self._offloader.mode if self._offloader is not None else "off",
             "rollbacks": self._rollbacks,
         }
-        extra = {"total_steps": self._total, "epoch": self._plan.epoch_at(step), "recovery": recovery}
+        evaluation = {"best": self._best, "bad_evals": self._bad_evals, "best_only": self._best_only}
+        extra = {
+            "total_steps": self._total,
+            "epoch": self._plan.epoch_at(step),
+            "recovery": recovery,
+            "eval": evaluation,
+        }
 
         def write() -> Path:
             return ckpt.save_checkpoint(
@@ -490,6 +597,8 @@ class TrainingSession:
         self._last_ckpt_bytes = ckpt.folder_bytes(path)
         self.last_checkpoint = path
         self._emit(CheckpointSaved(step, str(path)))
+        if gallery:
+            self._run_gallery(step, path)
         return True
 
     def _tokenizer_bytes(self) -> int:
@@ -581,6 +690,8 @@ class TrainingSession:
             # After a rollback (new <= step) the steps run again and save when they get there.
             if new > step and t.save_every and new % t.save_every == 0 and new < self._total:
                 self._save(new)
+            if new > step and self._eval_due(new) and self._evaluate(new):
+                return new, False  # early stopping: a finished run, with its adapter
             step = new
         return step, False
 
@@ -591,10 +702,14 @@ class TrainingSession:
         if dist.enabled and dist.is_main:
             self._read_control()
         if dist.is_main and not self._resume.is_set():
+            with self._probe_lock:  # before Paused is reported: a probe may follow at once
+                self._paused_at = step
             self._emit(Paused(step))
             self.log(f"Paused at step {step}")
             while not self._resume.wait(0.5 if dist.enabled else None):
                 self._read_control()
+            with self._probe_lock:  # a probe in flight finishes before the model trains again
+                self._paused_at = None
             if not self._stop.is_set():
                 self._emit(Resumed(step))
                 self.log(f"Resumed at step {step}")
@@ -1001,30 +1116,178 @@ class TrainingSession:
             else:
                 rss = _rss()
                 mem = (rss, rss, rss)
-            self._emit(
-                StepMetrics(
-                    step=step,
-                    total_steps=self._total,
-                    epoch=self._plan.epoch_at(step),
-                    loss=self._last_loss,
-                    lr=self._scheduler.get_last_lr()[0],
-                    grad_norm=float(grad_norm),
-                    tokens=ntok,
-                    trained_tokens=normalizer,
-                    step_seconds=dt,
-                    tokens_per_second=ntok / dt,
-                    mem_allocated=mem[0],
-                    mem_reserved=mem[1],
-                    mem_peak=mem[2],
-                    mem_total=self._mem_total,
-                    device=str(device),
-                    metadata_builds=counters.get("metadata_builds", 0),
-                    host_syncs=counters.get("host_syncs", 0),
-                    offload=_offload_note(self._offloader),
-                    fast_path_calls=calls,
-                    fallbacks=fallbacks,
-                )
+            metrics = StepMetrics(
+                step=step,
+                total_steps=self._total,
+                epoch=self._plan.epoch_at(step),
+                loss=self._last_loss,
+                lr=self._scheduler.get_last_lr()[0],
+                grad_norm=float(grad_norm),
+                tokens=ntok,
+                trained_tokens=normalizer,
+                step_seconds=dt,
+                tokens_per_second=ntok / dt,
+                mem_allocated=mem[0],
+                mem_reserved=mem[1],
+                mem_peak=mem[2],
+                mem_total=self._mem_total,
+                device=str(device),
+                metadata_builds=counters.get("metadata_builds", 0),
+                host_syncs=counters.get("host_syncs", 0),
+                offload=_offload_note(self._offloader),
+                fast_path_calls=calls,
+                fallbacks=fallbacks,
             )
+            self._emit(metrics)
+            if self._loggers is not None:
+                self._loggers.step(metrics)
+
+    # -- between steps: the eval loss, the gallery, the probe -----------------------------------
+    def _eval_due(self, step: int) -> bool:
+        every = self._eval_every
+        return bool(every) and (step % every == 0 or step == self._total)
+
+    def _eval_loss(self) -> tuple[float, int]:
+        """(mean loss per trained token, trained tokens) over the held-out examples, through the
+        run's own forward (fast paths, fused CE); each rank takes a share of the batches."""
+        import torch
+
+        from engine.train import evaluation
+
+        if self._eval_batches is None:
+            self._eval_batches = evaluation.eval_batches(self._heldout, self._data.packing.row_tokens, self._exec_rows)
+        batches, dist = self._eval_batches, self._dist
+        tokens = max(1, sum(b.num_trained_tokens for b in batches))
+        total = torch.zeros((), device=self._device)
+        with evaluation.side_effect_free(self._model):
+            for k, batch in enumerate(batches):
+                if dist.enabled and k % dist.world_size != dist.rank:
+                    continue
+                on_device = batch.to(self._device)
+                total += self._loss(self._model, on_device, tokens).detach()
+                on_device.info.free()
+            total = dist.sum(total) if dist.enabled else total
+            loss = float(total)
+        return loss, tokens
+
+    def _evaluate(self, step: int) -> bool:
+        """The eval loss after `step` (EvalMetrics); a new best gets a checkpoint and best.json.
+        True when early stopping ends the run here."""
+        from engine.train import evaluation
+
+        t0 = time.perf_counter()
+        loss, tokens = self._eval_loss()
+        seconds = time.perf_counter() - t0
+        best = self._best
+        if evaluation.best_improved(loss, best["eval_loss"] if best else None):
+            self._bad_evals = 0
+            self._mark_best(step, loss)
+        else:
+            self._bad_evals += 1
+        patience = self.config.training.early_stopping_patience
+        stop = bool(patience) and self._bad_evals >= patience and step < self._total
+        _, stop = self._dist.agree(False, stop)  # every rank stops at the same step
+        best = self._best or {}
+        self._emit(
+            EvalMetrics(
+                step,
+                loss,
+                tokens,
+                len(self._heldout),
+                round(seconds, 3),
+                best.get("eval_loss", float("nan")),
+                best.get("step", 0),
+                best.get("checkpoint"),
+                self._bad_evals,
+                stop,
+            )
+        )
+        if self._loggers is not None:
+            self._loggers.eval(step, loss)
+        if stop:
+            self._early_stopped = True
+            self.log(
+                f"Early stopping at step {step}: the eval loss has not improved for {plural(patience, 'eval')} "
+                f"(best {best.get('eval_loss', float('nan')):.4f} at step {best.get('step')}, now {loss:.4f}); "
+                "saving a checkpoint and the adapter"
+            )
+        return stop
+
+    def _mark_best(self, step: int, loss: float) -> None:
+        """Record the best eval loss: its checkpoint (written now when there is none for this
+        step) in best.json; a checkpoint written only for an earlier best is removed."""
+        import shutil
+
+        had = self.last_checkpoint is not None and step_of(self.last_checkpoint) == step
+        previous = list(self._best_only)
+        self._best = {"step": step, "eval_loss": loss, "checkpoint": None}
+        if not had:
+            self._best_only = previous + [step]  # saved in the checkpoint's state as well
+            if not self._save(step, gallery=False):
+                self._best_only = previous
+                return
+        if self._dist.is_main and self.last_checkpoint is not None and step_of(self.last_checkpoint) == step:
+            self._best["checkpoint"] = str(self.last_checkpoint)
+            self._folder.write_best(self._best)
+            for old in previous:
+                if old != step:
+                    shutil.rmtree(self._folder.checkpoint(old), ignore_errors=True)
+            self._best_only = [s for s in self._best_only if s == step]
+
+    def _run_gallery(self, step: int, checkpoint: Path) -> None:
+        """The gallery's prompts answered greedily by the weights of `step` (GalleryAnswers and
+        gallery.jsonl). Rank 0 only; a failure is logged, never the end of the run."""
+        if not self._gallery or not self._dist.is_main:
+            return
+        self._gallery_done.add(step)
+        try:
+            answers = [self._answer(ids, None) for _, ids in self._gallery]
+        except Exception as exc:
+            self.log(f"The gallery at step {step} failed: {type(exc).__name__}: {exc}", "warning")
+            return
+        prompts = [p for p, _ in self._gallery]
+        try:
+            self._folder.append_gallery(
+                [
+                    {"step": step, "prompt": p, "answer": a, "checkpoint": str(checkpoint)}
+                    for p, a in zip(prompts, answers)
+                ]
+            )
+        except OSError as exc:
+            self.log(f"gallery.jsonl was not written at step {step}: {exc}", "warning")
+        self._emit(GalleryAnswers(step, prompts, answers, str(checkpoint)))
+
+    def _answer(self, prompt_ids: list[int], max_new_tokens: Optional[int], device=None) -> str:
+        from engine.train import evaluation
+
+        n = max_new_tokens or evaluation.GALLERY_NEW_TOKENS
+        with evaluation.side_effect_free(self._model, device):
+            out = evaluation.greedy_answer(
+                self._model,
+                prompt_ids,
+                n,
+                evaluation.stop_token_ids(self._tokenizer),
+                self._device,
+                int(self.config.data.max_seq_len),
+            )
+        return self._tokenizer.decode(out, skip_special_tokens=True).strip()
+
+    def probe(self, prompt: str, max_new_tokens: int = 64) -> tuple[int, str]:
+        """(step, reply): the current weights answer `prompt` (greedy, through the chat template
+        for a chat run) while the run is paused. Thread-safe; call it from any thread but the
+        session's. It changes no weight, RNG state or data position, so resuming stays exact.
+        ProbeUnavailable when the run is not paused between steps."""
+        from engine.train import evaluation
+
+        if self._dist.enabled:
+            raise ProbeUnavailable("A run in several processes cannot be probed from the window.")
+        with self._probe_lock:
+            step = self._paused_at
+            if step is None:
+                raise ProbeUnavailable("The run is not paused: pause it to talk to its current weights.")
+            chat = self._data.spec.kind != "text"
+            ids = evaluation.encode_prompt(self._tokenizer, prompt, chat)
+            return step, self._answer(ids, max_new_tokens, device=self._device)
 
     # -- the end --------------------------------------------------------------------------------
     def _finish(self, step: int, stopped: bool) -> Event:
@@ -1033,6 +1296,8 @@ class TrainingSession:
             self.log(f"Stopped at step {step}; saving a checkpoint")
         if self.last_checkpoint is None or step_of(self.last_checkpoint) != step:
             self._save(step)
+        elif step not in self._gallery_done:  # written as the best so far, without the gallery
+            self._run_gallery(step, self.last_checkpoint)
         folder = self._folder
         if not stopped:
             stopped = not self._write_adapter(step)
@@ -1046,6 +1311,10 @@ class TrainingSession:
                 "median_tokens_per_second": _median(self._tok_per_s),
                 "adapter": str(folder.adapter) if not stopped else None,
                 "last_checkpoint": str(self.last_checkpoint),
+                "early_stopped": self._early_stopped,
+                "best_eval_loss": self._best["eval_loss"] if self._best else None,
+                "best_step": self._best["step"] if self._best else None,
+                "best_checkpoint": self._best.get("checkpoint") if self._best else None,
             },
             stopped=stopped,
         )

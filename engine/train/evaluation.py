@@ -1,0 +1,231 @@
+"""Running the model between optimizer steps without changing what the run trains: the held-out
+split and its eval loss, the prompt gallery, and the live probe of a paused run.
+
+Everything here must leave a run exactly where it was, so that a resumed or uninterrupted run
+computes the same losses with or without it: `side_effect_free` saves and restores the RNG
+states, switches the model to eval mode under `torch.no_grad()` and back to train mode, and
+clears the fast-path counters (the next step's StepMetrics counts its own calls only). The
+data position is not touched (the held-out examples are packed here, apart from the step
+plan), and no adapter weight is written, so the fused LoRA path's cached adapter copies
+(keyed on the optimizer-step generation) stay valid.
+
+The split is drawn with its own `random.Random(seed)`, never the global generators, so it is
+the same on a resume and on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+# The default held-out split: only for data sets with at least this many examples (a smaller
+# one has none to spare), and never more than this many examples (an eval should cost a few
+# steps' time, not an epoch's).
+EVAL_MIN_EXAMPLES = 200
+EVAL_MAX_EXAMPLES = 200
+# New tokens a gallery answer (and, by default, a probe reply) may have.
+GALLERY_NEW_TOKENS = 64
+# A held-out example of plain text has no prompt part: its first tokens (at most this many)
+# are the prompt the model continues.
+TEXT_PROMPT_TOKENS = 32
+
+
+@dataclass
+class HeldOut:
+    """The examples the eval loss is measured on: token ids and trained masks, as training's."""
+
+    docs: list[list[int]]
+    trained: list[list[bool]]
+    source: str  # "split" (of data.source) or the data.eval_source path
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def prompt_ids(self, n: int) -> list[list[int]]:
+        """The prompts of the first `n` held-out examples (the gallery's default prompts)."""
+        return [prompt_ids_of(d, t) for d, t in zip(self.docs[:n], self.trained[:n])]
+
+
+def split_heldout(data, fraction: float, seed: int):
+    """(training data, HeldOut or None, one sentence for the log). The held-out examples are
+    drawn with `seed` and removed from the training data, which is packed again."""
+    from engine.data import plural
+    from engine.data.packing import pack_best_fit_decreasing
+
+    n = len(data.docs)
+    if fraction <= 0:
+        return data, None, ""
+    if n < EVAL_MIN_EXAMPLES:
+        return (
+            data,
+            None,
+            f"No held-out split: {plural(n, 'example')} (it takes {EVAL_MIN_EXAMPLES} or more; "
+            "data.eval_source can name a separate file)",
+        )
+    k = max(1, min(EVAL_MAX_EXAMPLES, round(n * fraction)))
+    held = sorted(random.Random(seed).sample(range(n), k))
+    chosen = set(held)
+    keep = [i for i in range(n) if i not in chosen]
+    docs = [data.docs[i] for i in keep]
+    trained = [data.trained[i] for i in keep]
+    packing = pack_best_fit_decreasing([len(d) for d in docs], data.packing.row_tokens)
+    train = dataclasses.replace(data, docs=docs, trained=trained, packing=packing)
+    heldout = HeldOut([data.docs[i] for i in held], [data.trained[i] for i in held], "split")
+    note = (
+        f"Held out {plural(k, 'example')} of {n} for the eval loss ({k / n:.1%}, drawn with seed {seed}; "
+        "never trained on)"
+    )
+    return train, heldout, note
+
+
+def load_heldout(data_config, source: str, tokenizer):
+    """(HeldOut, one sentence) of a separate file read like the training data (its first
+    EVAL_MAX_EXAMPLES usable examples)."""
+    from engine.data import plural
+    from engine.data.dataset import prepare_dataset
+
+    cfg = dataclasses.replace(data_config, source=source, max_examples=0)
+    prepared = prepare_dataset(cfg, tokenizer)
+    docs, trained = prepared.docs[:EVAL_MAX_EXAMPLES], prepared.trained[:EVAL_MAX_EXAMPLES]
+    capped = f" (the first {EVAL_MAX_EXAMPLES} of {len(prepared.docs)})" if len(prepared.docs) > len(docs) else ""
+    return HeldOut(docs, trained, source), f"Eval loss on {plural(len(docs), 'example')} of {source}{capped}"
+
+
+def eval_batches(held: HeldOut, row_tokens: int, rows_per_batch: int) -> list:
+    """The held-out examples packed into rows as training packs them, `rows_per_batch` rows per
+    forward; [(PackedBatch)] on the host, built once per run."""
+    from engine.data.collate import PackedBatch
+    from engine.data.packing import pack_best_fit_decreasing
+
+    packing = pack_best_fit_decreasing([len(d) for d in held.docs], row_tokens)
+    rows = packing.rows
+    out = []
+    for i in range(0, len(rows), max(1, rows_per_batch)):
+        ids = [d for r in rows[i : i + rows_per_batch] for d in r]
+        out.append(PackedBatch.from_documents([held.docs[d] for d in ids], [held.trained[d] for d in ids]))
+    return out
+
+
+def rng_state() -> dict:
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextmanager
+def side_effect_free(model, device=None):
+    """Run the model for evaluation or generation and leave the run as it was: RNG states
+    restored, train mode back, no autograd graph, the counters of these forwards dropped.
+    `device`: a CUDA device to make current (a probe runs on a thread of its own)."""
+    import torch
+
+    from engine.counters import reset_counters
+
+    was_training = model.training
+    state = rng_state()
+    device_cm = torch.cuda.device(device) if device is not None and device.type == "cuda" else _nothing()
+    try:
+        with device_cm, torch.no_grad():
+            model.eval()
+            yield
+    finally:
+        if was_training:
+            model.train()
+        set_rng_state(state)
+        reset_counters()
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def prompt_ids_of(doc: list[int], trained: list[bool]) -> list[int]:
+    """The prompt part of an example: its tokens up to the first trained one (the rendered
+    conversation up to the assistant's turn), or the first tokens of a plain text."""
+    first = next((i for i, t in enumerate(trained) if t), len(doc))
+    if first >= 2:
+        return list(doc[:first])
+    return list(doc[: max(1, min(TEXT_PROMPT_TOKENS, len(doc) // 2))])
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """A typed prompt as the model sees it: a user turn through the chat template with the
+    assistant's turn opened (as the Chat page does), or plain text for a text-format run."""
+    if chat:
+        from engine.data.render import ensure_chat_template
+
+        ensure_chat_template(tokenizer)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    """The tokens that end an answer: EOS and the common end-of-turn tokens the vocabulary has."""
+    stops = set()
+    eos = tokenizer.eos_token_id
+    for e in eos if isinstance(eos, (list, tuple)) else [eos]:
+        if isinstance(e, int):
+            stops.add(e)
+    unk = tokenizer.unk_token_id
+    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid >= 0 and tid != unk:
+            stops.add(tid)
+    return stops
+
+
+def greedy_answer(
+    model, prompt_ids: list[int], max_new_tokens: int, stops: set[int], device, max_len: int
+) -> list[int]:
+    """The greedy continuation of `prompt_ids` (at most `max_new_tokens`, ending before a stop
+    token), through the same packed forward as training. Call it inside side_effect_free.
+
+    No KV cache: each token runs the whole sequence again, which costs more compute but keeps
+    the packed attention path the run trains with (it has no cache), so the answer is what
+    the trained weights say on the run's own code path."""
+    from engine.data.collate import PackedBatch
+    from engine.peft_model import hf_model
+
+    base = hf_model(model)
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    keep = max(1, max_len - max_new_tokens)
+    ids = list(prompt_ids)[-keep:]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        batch = PackedBatch.from_documents([ids]).to(device)
+        hidden = decoder(**batch.model_kwargs(), use_cache=False).last_hidden_state
+        token = int(head(hidden.reshape(-1, hidden.shape[-1])[-1]).argmax())
+        batch.info.free()
+        if token in stops:
+            break
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+def best_improved(loss: float, best: Optional[float]) -> bool:
+    """A new best eval loss: lower than the best so far by more than rounding."""
+    import math
+
+    if not math.isfinite(loss):
+        return False
+    return best is None or loss < best - 1e-9 * max(1.0, abs(best))
