@@ -154,3 +154,50 @@ def test_a_rank_that_dies_ends_the_run_cleanly(tmp_path):
     # The last checkpoint is whole: it resumes.
     resumed = _train(cfg, "--resume", run, "--max-steps", steps[-1] + 1)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+def test_two_nodes_on_one_host(tmp_path):
+    """Multi-node through torchrun's own rendezvous (README, "More than one GPU"): two launchers,
+    one process each, node ranks 0 and 1, meeting at one address. Same losses as one process."""
+    import socket
+
+    cfg = _config(tmp_path, steps=3, save_every=0)
+    one = tmp_path / "one"
+    assert _train(cfg, "--output", one).returncode == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    run = tmp_path / "nodes"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={k}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "-m",
+                "engine",
+                "train",
+                str(cfg),
+                "--output",
+                str(run),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for k in (0, 1)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    l1, l2 = _losses(one), _losses(run)
+    assert sorted(l2) == [1, 2, 3]
+    for step in l1:
+        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
