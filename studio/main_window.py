@@ -422,6 +422,14 @@ class MainWindow(QMainWindow):
         elif isinstance(event, api.Paused):
             m.paused(event.step, event.reason)
             self.statusBar().showMessage(f"Paused at step {event.step}")
+            # The live probe: Chat talks to the paused run's current weights (in-process runs).
+            probe = getattr(self.worker, "probe", None)
+            if probe is not None and not event.reason:
+                self.chat_panel.set_probe(probe, event.step)
+        elif isinstance(event, api.EvalMetrics):
+            m.eval_metrics(event)
+        elif isinstance(event, api.GalleryAnswers):
+            m.gallery_answers(event)
         elif isinstance(event, (api.MemoryAdjusted, api.RolledBack, api.DiskFull, api.PreflightResult)):
             m.notice(event)
             if isinstance(event, api.PreflightResult) or (
@@ -429,18 +437,22 @@ class MainWindow(QMainWindow):
             ):
                 self.training_panel.show_preflight(event)
         elif isinstance(event, api.Resumed):
+            self.chat_panel.clear_probe()
             m.resumed(event.step)
             self.statusBar().showMessage("Training…")
         elif isinstance(event, api.Finished):
+            self.chat_panel.clear_probe()
             self.finished_event = event
             self.state.last_run_dir = event.run_dir
             m.finished(event)
             self.steps.set_state(MONITOR, "done")
             self.statusBar().showMessage(("Stopped" if event.stopped else "Finished") + f": {event.run_dir}", 10000)
-            # The run that just ended is the one to export or chat with (its newest adapter).
+            # The run that just ended is the one to export or chat with (its newest adapter; its
+            # best checkpoint by eval loss, when it has one, is listed first beside it).
             self.export_panel.refresh(select=str(event.run_dir))
             self.chat_panel.refresh(select=str(event.run_dir))
         elif isinstance(event, api.Failed):
+            self.chat_panel.clear_probe()
             self.finished_event = event
             m.failed(event, self._write_details(event))
             for step in (TRAIN, MONITOR):

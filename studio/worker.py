@@ -5,6 +5,10 @@ The session's `run()` blocks its thread until the run finishes, fails or stops, 
 resume and stop do not travel through that thread's event loop: they call the session's
 thread-safe `request_*` methods directly from the GUI thread. A request that arrives before
 the session exists is remembered and applied as soon as it does.
+
+`probe(prompt)` (the Chat page's "Talk to step N (paused)") runs the paused session's model on
+the calling thread, which must be a pool thread, never the GUI thread: the session thread is
+blocked in its pause, and the session's lock keeps it there until the probe is done.
 """
 
 from __future__ import annotations
@@ -77,6 +81,17 @@ class TrainingWorker(QObject):
 
     def stop(self) -> None:
         self._request("request_stop")
+
+    def probe(self, prompt: str, max_new_tokens: int = 64) -> tuple[int, str]:
+        """(step, reply) of the paused run's current weights; engine.api.ProbeUnavailable when
+        the run is not paused. Blocks: call it from a pool thread (studio.tasks.run_task)."""
+        with self._lock:
+            session = self._session
+        if session is None:
+            from engine.api import ProbeUnavailable
+
+            raise ProbeUnavailable("The run has not started yet.")
+        return session.probe(prompt, max_new_tokens)
 
     def is_running(self) -> bool:
         return self.thread.isRunning()

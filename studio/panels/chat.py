@@ -1,6 +1,11 @@
 """Chat page: talk to the result. Load a run's adapter onto its base model and compare the
 fine-tuned reply with the base model's for the same prompt (greedy decoding, so the two
-differ only by the adapter)."""
+differ only by the adapter).
+
+A run's best checkpoint by eval loss is listed first, labelled with its eval loss and step.
+While a run in this window is paused, the first entry is "Talk to step N (paused)": the
+session's own model answers on the training device, through the worker's probe on a pool
+thread; it changes nothing the run trains with, so resuming stays exact."""
 
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ from studio import chat_backend
 from studio.panels.common import Banner, caption, card, title
 from studio.tasks import run_task
 
+# The source combo's data for the paused run's live weights.
+PROBE = "probe:"
+
 
 class ChatPanel(QWidget):
     replied = Signal(dict)
@@ -31,6 +39,8 @@ class ChatPanel(QWidget):
         self.state = state
         self.model = None
         self._loaded_source = None
+        self._probe = None  # the worker's probe(prompt, max_new_tokens) while a run is paused
+        self.probe_step = None
         self.banner = Banner()
         self.source = QComboBox()
         self.source.setObjectName("chatSource")
@@ -85,12 +95,17 @@ class ChatPanel(QWidget):
         lay.addWidget(self.prompt)
         lay.addLayout(ask)
         lay.addLayout(replies, 1)
+        self._busy = False
+        self.source.currentIndexChanged.connect(lambda _i: self._set_busy(self._busy))
         self._set_busy(False)
 
     def refresh(self, select: str | None = None) -> None:
         current = select or self.source.currentData()
         self.source.clear()
+        if self._probe is not None:
+            self.source.addItem(f"Talk to step {self.probe_step} (paused) — the run's current weights", PROBE)
         for run in list_runs(self.state.get("output.dir")):
+            # The best checkpoint by eval loss comes first (RunInfo.sources), then the final adapter.
             for label, path in run.sources():
                 self.source.addItem(f"{run.name} — {label}", str(path))
         if current:
@@ -102,8 +117,27 @@ class ChatPanel(QWidget):
                 self.source.setCurrentIndex(i)
         self._set_busy(False)
 
+    # -- the live probe of a paused run ------------------------------------------------------
+    def set_probe(self, probe, step: int) -> None:
+        """The run is paused at `step`: offer its current weights first (and select them)."""
+        self._probe, self.probe_step = probe, int(step)
+        self.refresh(select=PROBE)
+        self.loaded.setText(
+            f"The run is paused at step {step}: its current weights answer here, on the training device "
+            "(greedy). Resume continues the run exactly as if it had not been asked."
+        )
+
+    def clear_probe(self) -> None:
+        if self._probe is None:
+            return
+        self._probe, self.probe_step = None, None
+        self.refresh()
+        if self.model is None:
+            self.loaded.setText("Nothing loaded.")
+
     def _set_busy(self, busy: bool, what: str = "") -> None:
-        self.load_button.setEnabled(not busy and self.source.count() > 0)
+        self._busy = busy
+        self.load_button.setEnabled(not busy and self.source.count() > 0 and self.source.currentData() != PROBE)
         self.send.setEnabled(not busy and self.source.count() > 0)
         if what:
             self.loaded.setText(what)
@@ -129,6 +163,9 @@ class ChatPanel(QWidget):
         if not prompt:
             self.banner.show_message("Type a prompt first.", "warning")
             return
+        if self.source.currentData() == PROBE:
+            self._ask_probe(prompt)
+            return
         if self.model is None or self._loaded_source != self.source.currentData():
             self.load_model(then_generate=True)
             return
@@ -145,6 +182,22 @@ class ChatPanel(QWidget):
             on_done=self._replied,
             on_error=self._failed,
         )
+
+    def _ask_probe(self, prompt: str) -> None:
+        if self._probe is None:
+            self.banner.show_message("The run is no longer paused: pause it to talk to its current weights.", "warning")
+            return
+        self.banner.clear()
+        self._set_busy(True, f"Step {self.probe_step} is answering…")
+        self.tuned.setPlainText("…")
+        self.base.setPlainText("(the base model is not loaded while talking to a paused run)")
+        run_task(self._probe, prompt, self.max_tokens.value(), owner=self, on_done=self._probed, on_error=self._failed)
+
+    def _probed(self, result) -> None:
+        step, reply = result
+        self._set_busy(False, f"Step {step} (paused) answered with the run's current weights.")
+        self.tuned.setPlainText(reply)
+        self.replied.emit({"tuned": reply, "base": None, "step": step})
 
     def _replied(self, result: dict) -> None:
         self._set_busy(False, f"Loaded {self.model.base_name} + adapter {self.model.adapter_dir}.")

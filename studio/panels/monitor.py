@@ -8,6 +8,12 @@ after running out of memory (MemoryAdjusted), a rollback after a NaN or a loss s
 (RolledBack), a full disk (DiskFull, with the pause it causes); the measured pre-flight
 (PreflightResult) shows its peak, step time and ETA on a line under the status.
 
+The eval loss on held-out examples (EvalMetrics) is a second curve on the Loss chart; the
+gallery's answers at each checkpoint (GalleryAnswers) fill the Gallery tab beside the log. On a
+GPU the Memory chart also shows the whole card's used memory (every process: the desktop, a
+browser), polled once a second through engine.api.device_memory, against the card's total.
+After a Stop, Resume continues the stopped run from its checkpoint.
+
 Events append to numpy buffers as they arrive; the charts redraw from a timer, one chart
 per tick and only when it changed. A pyqtgraph chart costs 5-15 ms to repaint (mostly axis
 text); redrawing all six in one event-loop pass would stall the window for ~100 ms, one per
@@ -28,11 +34,13 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QSplitter,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
 from studio.panels.common import Banner, caption, fmt_bytes, fmt_seconds, title
+from studio.widgets.gallery import GalleryView
 from studio.widgets.live_chart import LiveChart
 from studio.widgets.series import Ema
 
@@ -90,6 +98,7 @@ class MonitorPanel(QWidget):
         self.loss = LiveChart("Loss")
         self.loss.add_series("loss", "#aab7b8", width=1)
         self.loss.add_series("smoothed", "#2471a3", width=2)
+        self.loss.add_series("eval", "#d35400", width=2, dashed=True)
         self.lr = LiveChart("Learning rate")
         self.lr.add_series("lr", "#7d3c98")
         self.grad = LiveChart("Gradient norm")
@@ -101,12 +110,14 @@ class MonitorPanel(QWidget):
         # Always GiB and a fixed title: changing either mid-run re-lays out the plot.
         self.memory = LiveChart("Memory", "GiB")
         self.memory.setToolTip(
-            "GPU: torch allocated / reserved / peak against the card's total. "
+            "GPU: torch allocated / reserved / peak of this run, and the whole card's used memory (every "
+            "process on it) against the card's total: the headroom that is really left. "
             "CPU: the process's resident memory (all three curves)."
         )
         self.memory.add_series("allocated", "#2874a6")
         self.memory.add_series("reserved", "#85c1e9", dashed=True)
         self.memory.add_series("peak", "#cb4335")
+        self.memory.add_series("card used", "#7f8c8d", width=2, dashed=True)
         self.charts = [self.loss, self.lr, self.grad, self.tps, self.step_time, self.memory]
         self.ema = Ema(0.9)
 
@@ -121,10 +132,14 @@ class MonitorPanel(QWidget):
         self.log.setObjectName("logView")
         self.log.setReadOnly(True)
         self.log.setMaximumBlockCount(5000)  # bounded, so a long run cannot grow it forever
+        self.gallery = GalleryView()
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.log, "Log")
+        self.tabs.addTab(self.gallery, "Gallery")
 
         split = QSplitter(Qt.Orientation.Vertical)
         split.addWidget(charts)
-        split.addWidget(self.log)
+        split.addWidget(self.tabs)
         split.setStretchFactor(0, 4)
         split.setStretchFactor(1, 1)
 
@@ -157,6 +172,12 @@ class MonitorPanel(QWidget):
         self._next_chart = 0
         self._redraw = QTimer(self, interval=40)
         self._redraw.timeout.connect(self._refresh_one)
+        # The card as every process sees it; polled while a GPU run goes on (NVML: cheap).
+        self.card_memory = None  # the last engine.api.DeviceMemory read
+        self._card = None  # (gpu index, unified memory) of the run's device, None on a CPU
+        self._card_timer = QTimer(self, interval=1000)
+        self._card_timer.timeout.connect(self.poll_card)
+        self.evals: list[tuple[int, float]] = []  # (step, eval loss) of this run
 
     # -- run lifecycle ----------------------------------------------------------------------
     def set_controls(self, mode: str) -> None:
@@ -189,6 +210,12 @@ class MonitorPanel(QWidget):
         self._missing_seen = set()
         self._started = time.monotonic()
         self.set_controls("running")
+        self.resume.setToolTip("")
+        self.gallery.clear()
+        self.evals = []
+        self._card = None
+        self.card_memory = None
+        self.memory.set_limit(None)
         self._redraw.start()
 
     def run_started(self, ev) -> None:
@@ -206,6 +233,7 @@ class MonitorPanel(QWidget):
         if summary:
             self.append_log("data: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
         self.fast_paths = dict(ev.fast_paths or {})
+        self._watch_card(hw, (ev.config or {}).get("training", {}).get("device", ""))
         if ev.fast_paths:
             self.append_log("fast paths: " + ", ".join(f"{k}: {v}" for k, v in ev.fast_paths.items()))
 
@@ -224,13 +252,63 @@ class MonitorPanel(QWidget):
         self.memory.append("allocated", x, m.mem_allocated / u)
         self.memory.append("reserved", x, m.mem_reserved / u)
         self.memory.append("peak", x, m.mem_peak / u)
-        if on_gpu:
+        if on_gpu and self.card_memory is None:
             self.memory.set_limit(m.mem_total / u, f"card {fmt_bytes(m.mem_total)}")
         self.progress.setMaximum(max(1, self.total_steps))
         self.progress.setValue(min(self.last_step, self.total_steps))
         self.last_metrics = m
         self._update_eta(m)
         self._check_fast_paths(m)
+
+    # -- evaluation and the gallery -----------------------------------------------------------
+    def eval_metrics(self, ev) -> None:
+        """An EvalMetrics: a point on the eval curve; the status says the best so far."""
+        self.evals.append((int(ev.step), float(ev.eval_loss)))
+        self.loss.append("eval", float(ev.step), float(ev.eval_loss))
+        best = f" (best {ev.best_loss:.4f} at step {ev.best_step})" if ev.best_step else ""
+        self.append_log(f"eval loss {ev.eval_loss:.4f} at step {ev.step}{best}")
+        if ev.stopping:
+            self.append_log(
+                f"early stopping: {ev.evals_without_improvement} evals without a better eval loss; "
+                f"the best checkpoint is step {ev.best_step}"
+            )
+
+    def gallery_answers(self, ev) -> None:
+        self.gallery.add(ev.step, list(ev.prompts), list(ev.answers))
+
+    # -- the card's memory, every process ----------------------------------------------------
+    def _watch_card(self, hardware: dict, device: str) -> None:
+        """Poll the card's device-wide memory while a GPU run goes on (not on a CPU)."""
+        if not hardware.get("gpu_name") or str(device).startswith("cpu"):
+            return
+        index = 0
+        if str(device).startswith("cuda:"):
+            index = int(str(device).split(":", 1)[1] or 0)
+        self._card = (index, bool(hardware.get("integrated_memory")))
+        self.poll_card()
+        self._card_timer.start()
+
+    def poll_card(self) -> None:
+        """One read of the card's used / total (NVML, or the OS on unified memory); a point on
+        the Memory chart at the run's current step and the card's total as its limit line."""
+        if self._card is None:
+            self._card_timer.stop()
+            return
+        from engine.api import device_memory
+
+        try:
+            mem = device_memory(self._card[0], unified=self._card[1])
+        except Exception:  # a driver hiccup must not disturb the run's page
+            mem = None
+        if mem is None:
+            return
+        self.card_memory = mem
+        self.memory.append("card used", float(self.last_step), mem.used / GiB)
+        free = max(0, mem.total - mem.used)
+        self.memory.set_limit(mem.total / GiB, f"card {fmt_bytes(mem.total)} · {fmt_bytes(free)} free")
+
+    def _stop_card(self) -> None:
+        self._card_timer.stop()
 
     def _check_fast_paths(self, m) -> None:
         """Warn when a requested fast path did not run in this step, or ran on some layers only.
@@ -366,12 +444,22 @@ class MonitorPanel(QWidget):
 
     def finished(self, ev) -> None:
         self._clear_eta()
+        self._stop_card()
         # The redraw timer finishes drawing chart by chart, then stops itself.
         self.set_controls("idle")
+        if ev.stopped:
+            # Resume continues the stopped run from its checkpoint (the window's resume()).
+            self.resume.setEnabled(True)
+            self.resume.setToolTip("Continue this run from its last checkpoint")
         summary = ev.summary or {}
         what = "Stopped" if ev.stopped else "Finished"
         loss = summary.get("final_loss", summary.get("loss"))
         extra = f", final loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
+        best, best_step = summary.get("best_eval_loss"), summary.get("best_step")
+        if isinstance(best, (int, float)) and best_step:
+            extra += f", best eval loss {best:.4f} at step {best_step}"
+        if summary.get("early_stopped"):
+            what = "Stopped early (the eval loss stopped improving)"
         self.status.setText(
             f"✓ {what} at step {summary.get('steps', self.last_step)}{extra}. Run folder: {ev.run_dir}. "
             "Export it on the Export page, or try it on the Chat page."
@@ -382,6 +470,7 @@ class MonitorPanel(QWidget):
         """One sentence in the window; the traceback is in `details_path` (the run's log.txt),
         behind the Details button."""
         self._clear_eta()
+        self._stop_card()
         self.set_controls("idle")
         self.progress.setRange(0, max(1, self.total_steps))
         if not self.total_steps:

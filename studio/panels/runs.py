@@ -453,6 +453,9 @@ class RunsPanel(QWidget):
                     continue
                 steps, values = hist.curve(curve)
                 lines.append((s.name, steps, values, color_for(i)))
+                if curve == "loss" and any(v == v for v in hist.curves.get("eval_loss", [])):
+                    # The held-out eval loss, dashed in the run's colour (NaN between evals).
+                    lines.append((f"{s.name} eval", *hist.curve("eval_loss"), color_for(i), True))
             chart.show_curves(lines)
 
     def _show_diff(self, chosen: list) -> None:
@@ -584,7 +587,7 @@ class RunsPanel(QWidget):
 
 def _status_help(status: str) -> str:
     return {
-        "running": "Training now (its files were written to in the last few minutes).",
+        "running": "Training now (a live process on this machine holds its running.lock).",
         "finished": "Trained to the end; the final adapter is saved.",
         "stopped": "Stopped before the end; Resume continues from its last checkpoint.",
         "failed": "The run failed; its log.txt says why. Resume retries from its last checkpoint.",

@@ -1,7 +1,9 @@
 """Train page: presets, the hyperparameter form with the engine's validation next to each
 field, the values hardware detection chose (marked "auto"), save/load of the resolved config
 as YAML, the Train button, and what the last run's pre-flight measured (peak, step time, ETA,
-and any setting it had to lower)."""
+and any setting it had to lower). The gallery's prompts are typed one per line in a box of
+their own (training.gallery_prompts; a prompt may hold commas, which the form's list field
+would split on)."""
 
 from __future__ import annotations
 
@@ -98,6 +100,24 @@ class TrainingPanel(QWidget):
         self.preflight.setObjectName("preflightMeasured")
         self.preflight.hide()
         side_lay.addWidget(self.preflight)
+        side_lay.addWidget(QLabel("<b>Gallery prompts</b>"))
+        side_lay.addWidget(
+            caption(
+                "One per line: answered at every checkpoint (the Monitor's Gallery tab). Empty: up to "
+                "training.gallery_size prompts of the held-out examples."
+            )
+        )
+        self.gallery_prompts = QPlainTextEdit()
+        self.gallery_prompts.setObjectName("galleryPrompts")
+        self.gallery_prompts.setPlaceholderText("e.g. What is 12 plus 7?")
+        self.gallery_prompts.setMaximumHeight(90)
+        self.gallery_prompts.textChanged.connect(self._gallery_edited)
+        side_lay.addWidget(self.gallery_prompts)
+        listed = self.form.fields.get("training.gallery_prompts")
+        if listed is not None:  # edited in the box above, one per line
+            listed.editor.setReadOnly(True)
+            listed.editor.setToolTip("Type the gallery prompts one per line in the box on the right.")
+        self._load_gallery_prompts()
 
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(scroll)
@@ -206,8 +226,26 @@ class TrainingPanel(QWidget):
             return
         self.banner.show_message(f"Loaded {path}.", "success")
 
+    # -- the gallery's prompts ---------------------------------------------------------------
+    def gallery_prompt_list(self) -> list[str]:
+        return [line.strip() for line in self.gallery_prompts.toPlainText().splitlines() if line.strip()]
+
+    def _gallery_edited(self) -> None:
+        prompts = self.gallery_prompt_list()
+        if prompts != list(self.state.get("training.gallery_prompts") or []):
+            self.state.set("training.gallery_prompts", prompts)
+
+    def _load_gallery_prompts(self) -> None:
+        prompts = list(self.state.get("training.gallery_prompts") or [])
+        if prompts != self.gallery_prompt_list():
+            self.gallery_prompts.blockSignals(True)
+            self.gallery_prompts.setPlainText("\n".join(prompts))
+            self.gallery_prompts.blockSignals(False)
+
     # -- validation -------------------------------------------------------------------------
     def _state_changed(self, path: str) -> None:
+        if path in ("", "training.gallery_prompts", "training"):
+            self._load_gallery_prompts()
         if path == "" or path in self.form.fields or path.startswith(("model.", "data.")):
             self.form.load_from_state()
             self.validate()

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtCore import Qt
 
 # One colour per run, in selection order; distinct on white and for most colour vision.
 PALETTE = ("#2471a3", "#cb4335", "#1e8449", "#b9770e", "#7d3c98", "#17a589", "#5d6d7e", "#d35400")
@@ -39,19 +40,21 @@ class HistoryChart(pg.PlotWidget):
         self.setMinimumHeight(150)
         self.curves: dict[str, pg.PlotDataItem] = {}  # label -> the line shown
 
-    def show_curves(self, curves: list[tuple[str, list[float], list[float], str]]) -> None:
-        """Replace what is shown by `curves`: (label, steps, values, colour) each. Points that are
-        not finite (a NaN loss) are left out rather than breaking the line's range."""
+    def show_curves(self, curves: list[tuple]) -> None:
+        """Replace what is shown by `curves`: (label, steps, values, colour[, dashed]) each. Points
+        that are not finite (a NaN loss, the steps without an eval) are left out rather than
+        breaking the line's range; a dashed line is a run's eval loss beside its training loss."""
         item = self.getPlotItem()
         for line in self.curves.values():
             item.removeItem(line)
         self.legend.clear()
         self.curves = {}
-        for label, xs, ys, color in curves:
+        for label, xs, ys, color, *dashed in curves:
             x = np.asarray(xs, dtype=np.float64)
             y = np.asarray(ys, dtype=np.float64)
             keep = np.isfinite(y)
-            line = item.plot(x[keep], y[keep], pen=pg.mkPen(color=color, width=1.8), name=label)
+            style = Qt.PenStyle.DashLine if dashed and dashed[0] else Qt.PenStyle.SolidLine
+            line = item.plot(x[keep], y[keep], pen=pg.mkPen(color=color, width=1.8, style=style), name=label)
             line.setCurveClickable(False)
             self.curves[label] = line
         item.enableAutoRange(x=True, y=True)
