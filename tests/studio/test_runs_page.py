@@ -140,7 +140,11 @@ def test_a_run_is_listed_with_its_numbers_charts_and_actions(window, qtbot, runs
     assert not run.exists() and (runs_dir / "renamed" / "adapter").is_dir()
     assert page.summary("first") is None and page.row_text("renamed")["Status"] == "finished"
     qtbot.waitUntil(lambda: page.current() is not None and page.current().name == "renamed", timeout=10_000)
-    assert page.selected_source() == str(runs_dir / "renamed")
+    # The first source is selected: the best checkpoint by eval loss (the demo holds out 21 examples).
+    from engine.api import read_run
+
+    label, first = read_run(runs_dir / "renamed").sources()[0]
+    assert label.startswith("best (eval loss ") and page.selected_source() == str(first)
     assert window.chat_panel.source.findData(str(runs_dir / "renamed" / "checkpoints" / "step-6")) >= 0
 
     # Delete asks first; "no" keeps everything.
@@ -165,7 +169,8 @@ def test_two_runs_overlay_with_their_config_differences(window, qtbot, runs_dir)
     page = show_runs(window, qtbot)
     select(page, qtbot, ["lr-high", "lr-low"])
     chart = page.charts["loss"]
-    assert set(chart.curves) == {"lr-high", "lr-low"}
+    # Each run's loss, and its eval loss (dashed) on the held-out examples.
+    assert set(chart.curves) == {"lr-high", "lr-low", "lr-high eval", "lr-low eval"}
     for name in ("lr-high", "lr-low"):
         losses = step_losses(runs_dir / name)
         np.testing.assert_allclose(chart.values(name), [losses[s] for s in sorted(losses)], rtol=1e-12)
