@@ -4,7 +4,6 @@ than "1 rows", and third-party noise while models load."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
@@ -158,18 +157,19 @@ def test_publish_gives_files_normal_permissions(tmp_path, umask):
 
 
 def test_exported_adapter_files_are_0644(tmp_path, umask):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
     from engine.export import run_exports
+    from engine.resources import DEMO_MODEL_DIR
 
     run = tmp_path / "run"
     adapter = run / runs.ADAPTER
-    adapter.mkdir(parents=True)
+    (run / runs.CONFIG).parent.mkdir(parents=True)
     (run / runs.CONFIG).write_text("model:\n  name_or_path: demo\n")
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
-    header = json.dumps(
-        {"base_model.model.q_proj.lora_A.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
-    )
-    raw = header.encode()
-    (adapter / "adapter_model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
+    # A real adapter of the demo model (the export checks it against its base before writing).
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR), LoraConfig(r=4, lora_alpha=8))
+    model.save_pretrained(adapter)
     for f in adapter.iterdir():
         os.chmod(f, 0o600)  # what safetensors writes
     run_exports(run, {"adapter": tmp_path / "out"})
