@@ -73,3 +73,31 @@ def test_resume_on_the_monitor_continues_a_stopped_run(window, qtbot, runs_dir):
     event = done.args[0]
     assert type(event).__name__ == "Finished" and not event.stopped and event.summary["steps"] == 4
     assert not (runs_dir / "halted" / "running.lock").exists()
+
+
+def test_early_stopping_on_the_demo_in_the_window(window, qtbot, runs_dir):
+    """A learning rate far too high on the demo: the eval loss stops improving and the run
+    ends early by itself, saying so, with its best checkpoint offered first."""
+    configure(
+        window,
+        runs_dir,
+        "early",
+        steps=30,
+        **{
+            "training.eval_every": 1,
+            "training.early_stopping_patience": 2,
+            "training.lr": 0.05,
+            "training.spike_factor": 0.0,
+            "training.scheduler": "constant",
+        },
+    )
+    finished = train(window, qtbot)
+    run = runs_dir / "early"
+    measured = evals(run)
+    assert finished.summary["early_stopped"] and not finished.stopped
+    assert finished.summary["steps"] == measured[-1]["step"] < 30
+    m = window.monitor_panel
+    assert m.loss.point_count("eval") == len(measured)
+    assert f"Early stopping at step {measured[-1]['step']}" in m.log.toPlainText()
+    best = min(measured, key=lambda e: e["eval_loss"])
+    assert window.chat_panel.source.itemData(0).endswith(f"step-{best['step']}")
