@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from PySide6.QtCore import Qt
+from studio_helpers import screenshot
 
 
 def _chat(*turns):
@@ -28,6 +29,12 @@ def test_xray_tab_lists_findings_and_opens_a_row(window, qtbot, tmp_path):
     assert dp.tabs.tabText(4) == "X-ray (2)"
     assert "8</b> rows checked" in view.summary.text() and "longer than max seq len" in view.summary.text()
     assert view.bars is not None and view.limit_line.value() == window.state.get("data.max_seq_len")
+    from studio.main_window import DATA
+
+    window.go_to(DATA)
+    dp.tabs.setCurrentIndex(4)
+    view.tree.expandAll()
+    screenshot(window, "data-xray")
 
     dup = next(
         view.tree.topLevelItem(i)
