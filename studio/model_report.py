@@ -158,6 +158,38 @@ FAST_PATH_LABELS = {
 }
 
 
+# Which config switch turns each listed fast path on or off (engine.config.FastPathConfig).
+SWITCH_OF = {
+    "RMSNorm kernel": "kernels",
+    "RoPE kernel": "kernels",
+    "gated-MLP activation kernel": "kernels",
+    "fused LoRA QKV": "lora_autograd",
+    "fused LoRA O": "lora_autograd",
+    "fused LoRA MLP": "lora_autograd",
+    "fused cross-entropy": "fused_ce",
+    "packed varlen attention": "packed_attention",
+    "grouped MoE experts": "moe_grouping",
+}
+# What needs CUDA: on a machine without it the hardware policy turns these off (the plain-torch
+# references run), so the Model page must not call them on.
+NEEDS_CUDA = {"kernels", "lora_autograd", "fused_ce"}
+
+
+def for_this_machine(fast_paths: dict[str, str], profile, switches: dict[str, Any]) -> dict[str, str]:
+    """The architecture's listing as this machine and this config will run it: a switch the
+    config turns off, or a path that needs CUDA on a machine without it, reads off with why."""
+    on_cpu = profile_dict(profile).get("kind") == "cpu" if profile is not None else False
+    out = {}
+    for label, status in fast_paths.items():
+        switch = SWITCH_OF.get(label)
+        if switch and switches.get(switch) is False and str(status).startswith("on"):
+            status = f"off: fast_paths.{switch} is false"
+        elif switch in NEEDS_CUDA and on_cpu and str(status).startswith("on"):
+            status = "off on this machine: no CUDA GPU (the plain-torch reference runs)"
+        out[label] = status
+    return out
+
+
 def fast_paths_for(model_type: str) -> Optional[dict[str, str]]:
     """{fast path: "on" | why not} for an architecture, as the engine reports it; None when
     the engine cannot say. Imports torch: call it on a pool thread."""
@@ -183,6 +215,8 @@ def model_report(name_or_path: str, seq_len: int, lora_r: int, profile) -> dict[
     for mode, label in (("lora16", "16-bit LoRA"), ("qlora4", "4-bit QLoRA")):
         need = estimate_vram(info, seq_len, lora_r=lora_r, mode=mode)
         verdict = fit_verdict(need, total) if total else "—"
+        if mode == "qlora4" and device.startswith("CPU"):
+            verdict = "needs CUDA"  # bitsandbytes' 4-bit layers run on CUDA GPUs only
         rows.append({"mode": mode, "label": label, "bytes": need, "verdict": verdict})
     return {
         "name": name_or_path,

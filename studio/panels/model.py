@@ -22,12 +22,12 @@ from PySide6.QtWidgets import (
 )
 
 from studio import presets
-from studio.model_report import OFFLINE_HINT, POPULAR_MODELS, model_report
+from studio.model_report import OFFLINE_HINT, POPULAR_MODELS, for_this_machine, model_report
 from studio.panels.common import Banner, caption, card, fmt_bytes, fmt_count, title, value_label
 from studio.state import model_problems
 from studio.tasks import run_task
 
-VERDICT_STYLE = {"fits": "good", "tight": "warn", "will not fit": "bad", "—": "muted"}
+VERDICT_STYLE = {"fits": "good", "tight": "warn", "will not fit": "bad", "needs CUDA": "bad", "—": "muted"}
 
 
 class ModelPanel(QWidget):
@@ -244,7 +244,7 @@ class ModelPanel(QWidget):
         self._seq_timer.start()
 
     def _state_changed(self, path: str) -> None:
-        if path in ("", "lora.dropout") and self.report is not None:
+        if (path in ("", "lora.dropout") or path.startswith("fast_paths")) and self.report is not None:
             self._show_fast_paths(self.report)
         if path in ("", "model.name_or_path", "data.max_seq_len", "lora.r"):
             self._sync_from_state()
@@ -384,6 +384,7 @@ class ModelPanel(QWidget):
         except (TypeError, ValueError):
             dropout = 0.0
         fps = presets.with_dropout(fps, dropout)
+        fps = for_this_machine(fps, self.state.profile, dict(self.state.get("fast_paths") or {}))
         lines = [f"{'✓' if v.startswith(('on', 'applies')) else '–'} <b>{k}</b>: {v}" for k, v in fps.items()]
         self.fast_paths.setText("<br>".join(lines) or "none")
         self.fast_paths.setToolTip(presets.dropout_note(dropout))

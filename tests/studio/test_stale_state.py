@@ -4,6 +4,7 @@ model that cannot be read; Chat and Export pick the run that just ended; the ETA
 
 from __future__ import annotations
 
+import pytest
 from studio_helpers import short_config
 
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"  # not in the test cache, and HF_HUB_OFFLINE=1: unreadable
@@ -109,3 +110,21 @@ def test_eta_clears_after_stop(window, qtbot, runs_dir):
     assert m.eta.text() == "" and m.eta.toolTip() == ""
     # Chat offers the stopped run's newest checkpoint.
     assert str(done.args[0].run_dir) in window.chat_panel.source.currentData()
+
+
+def test_model_page_says_what_runs_on_this_machine(window, qtbot):
+    """Issue 14 item 10: the Model page and the Train page agree. On a machine without CUDA the
+    kernels, the fused LoRA and the fused CE are off (the torch references run) and 4-bit QLoRA
+    needs CUDA; a switch turned off in the config reads off with its key."""
+    mp = window.model_panel
+    qtbot.waitUntil(lambda: mp.report is not None and window.state.profile is not None, timeout=60_000)
+    mp.refresh()
+    qtbot.waitUntil(lambda: mp.report is not None and "fused LoRA MLP" in mp.fast_paths.text(), timeout=60_000)
+    if window.state.profile.kind != "cpu":
+        pytest.skip("a CUDA machine runs the fast paths")
+    text = mp.fast_paths.text()
+    assert "fused LoRA MLP</b>: off on this machine: no CUDA GPU" in text
+    assert "RMSNorm kernel</b>: off on this machine" in text
+    assert mp.vram_labels["qlora4"][1].text() == "needs CUDA"
+    window.state.set("fast_paths.packed_attention", False)
+    assert "packed varlen attention</b>: off: fast_paths.packed_attention is false" in mp.fast_paths.text()
