@@ -139,6 +139,8 @@ def test_train_page_says_the_quality_preset_turns_fused_lora_off(window, qtbot):
     qtbot.waitUntil(lambda: bool(mp.report and mp.report.get("fast_paths")), timeout=60_000)
     qtbot.waitUntil(lambda: "fused LoRA MLP</b>: off with dropout > 0" in mp.fast_paths.text(), timeout=30_000)
     window.state.set("lora.dropout", 0.0)
-    assert "fused LoRA MLP</b>: on" in mp.fast_paths.text()
+    # Without dropout the fused path is back: on a GPU; a CPU runs the torch reference instead.
+    expected = "off on this machine" if window.state.profile.kind == "cpu" else "on"
+    assert f"fused LoRA MLP</b>: {expected}" in mp.fast_paths.text()
     page.validate()
     assert "fused LoRA" not in page.summary.text()
