@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.workloads import WORKLOADS
+
 # Real shapes (public configs); the weights are random: memory and speed do not depend on them.
 _QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151_936, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 _LLAMA = dict(model_type="llama", head_dim=128, vocab_size=128_256, rope_theta=500_000.0, rms_norm_eps=1e-5)
@@ -56,24 +58,9 @@ MODELS = {
         num_key_value_heads=8,
         tie_word_embeddings=True,
     ),
-    "qwen3-8b": dict(
-        _QWEN3,
-        hidden_size=4096,
-        intermediate_size=12_288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "qwen3-14b": dict(
-        _QWEN3,
-        hidden_size=5120,
-        intermediate_size=17_408,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
+    # The benchmark's W3 and W4 shapes (bench/workloads.py), one source of truth.
+    "qwen3-8b": dict(model_type="qwen3", **WORKLOADS["W3"].config),
+    "qwen3-14b": dict(model_type="qwen3", **WORKLOADS["W4"].config),
 }
 # The card a cap stands for (the name the policy reads to know it is a laptop).
 CARDS = {
@@ -106,14 +93,8 @@ def model_folder(root: Path, name: str) -> Path:
     if (folder / "config.json").exists():
         return folder
     spec = dict(MODELS[name])
-    cfg = AutoConfig.for_model(
-        spec.pop("model_type"),
-        bos_token_id=None,
-        eos_token_id=2,
-        pad_token_id=0,
-        max_position_embeddings=40_960,
-        **spec,
-    )
+    spec.setdefault("max_position_embeddings", 40_960)
+    cfg = AutoConfig.for_model(spec.pop("model_type"), bos_token_id=None, eos_token_id=2, pad_token_id=0, **spec)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)

@@ -15,6 +15,7 @@ import datetime as _dt
 import json
 import math
 import os
+import statistics
 import subprocess
 from collections import OrderedDict
 from pathlib import Path
@@ -397,12 +398,6 @@ def _speed_row(r: dict, records: list[dict], history: bool, best: float | None =
     return "| " + " | ".join(cells) + " |"
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
 def combine_repeats(group: list[dict], records: list[dict]) -> dict:
     """One implementation's repeats within one run (``--repeat N``) as one row: the median
     tokens/s, the range over the repeats' own tokens/s, the highest peak; its learning check
@@ -415,7 +410,7 @@ def combine_repeats(group: list[dict], records: list[dict]) -> dict:
     speeds = [r["tokens_per_s"] for r in ok]
     row = dict(ok[0])
     row.update(
-        tokens_per_s=_median(speeds),
+        tokens_per_s=statistics.median(speeds),
         tokens_per_s_min=min(speeds),
         tokens_per_s_max=max(speeds),
         peak_gib=max(r.get("peak_gib") or 0.0 for r in ok),
