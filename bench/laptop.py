@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.workloads import WORKLOADS
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=540.0, help="skip cases that would start after this")
     p.add_argument("--case-seconds", type=float, default=150.0, help="stop a case after this (its steps so far count)")
     p.add_argument("--table", default=None, help="print the markdown table of a records file and exit")
+    p.add_argument("--prepare-only", action="store_true", help="write the cases' model folders and data, then exit")
     args = p.parse_args(argv)
     if args.table:
         print(table(args.table) if Path(args.table).exists() else f"no records in {args.table}")
@@ -193,13 +195,24 @@ def main(argv: list[str] | None = None) -> int:
     if not data.exists():
         write_text_jsonl(data, 3000, seed=0, words_per_doc=(200, 700))
     failed = 0
-    for case in args.cases.split(","):
-        cap, name, qlora = parse_case(case)
+    cases = [parse_case(c) for c in args.cases.split(",")]
+    # Model folders are written in the background, in case order, while earlier cases train:
+    # writing an 8B or 14B folder takes longer than a case, and a call's time is short.
+    builder = ThreadPoolExecutor(max_workers=1)
+    folders: dict = {}
+    for _, name, _ in cases:
+        if name not in folders:
+            folders[name] = builder.submit(_timed_folder, work / "models", name)
+    if args.prepare_only:
+        for name, future in folders.items():
+            print(f"[laptop] {name}: {future.result()[0]}", flush=True)
+        return 0
+    for case, (cap, name, qlora) in zip(args.cases.split(","), cases):
         label = f"{cap} GiB {name}{' QLoRA' if qlora else ''}"
         if time.monotonic() - t0 > args.max_seconds:
             print(f"[laptop] {label}: skipped (time budget)", flush=True)
             continue
-        folder = model_folder(work / "models", name)
+        folder, build_s = folders[name].result()
         run = work / "runs" / f"{cap}g-{name}{'-qlora' if qlora else ''}"
         shutil.rmtree(run, ignore_errors=True)
         cfg = run_config(folder, data, qlora, args.steps, run)
@@ -222,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             rc, err = "timeout", (exc.stderr or b"").decode("utf-8", "replace") if isinstance(exc.stderr, bytes) else ""
         rec = {"case": case, "cap_gib": cap, "card": CARDS[cap], "model": name, "qlora": qlora, "rc": rc}
         rec["wall_s"] = round(time.monotonic() - start, 1)
+        rec["folder_build_s"] = build_s
         if (run / "metrics.jsonl").exists():
             rec.update(summarize_run(run, cap))
         if rc != 0:
@@ -232,7 +246,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[laptop] {label}: {json.dumps({k: v for k, v in rec.items() if k != 'stderr_tail'})}", flush=True)
         if rc != 0:
             print((err or "")[-1500:], flush=True)
+    builder.shutdown(wait=False, cancel_futures=True)
     return 1 if failed else 0
+
+
+def _timed_folder(root: Path, name: str) -> tuple[Path, float]:
+    t = time.monotonic()
+    folder = model_folder(root, name)
+    print(f"[laptop] model folder {name}: {time.monotonic() - t:.0f} s", flush=True)
+    return folder, round(time.monotonic() - t, 1)
 
 
 def table(path: str) -> str:
