@@ -2,6 +2,7 @@
 
     python -m bench --workloads W1,W2,W3 --max-seconds 540     # speed, all peers
     python -m bench --workloads W1 --impls ours --ours-variants all-on,no-kernels,no-fused-ce
+    python -m bench --workloads W1 --impls ours,hf_sdpa,trl_sdpa,trl_liger,liger_varlen  # the peers users pick
     python -m bench --parity                                   # learning check (30 steps) + one-step grads
     python -m bench --memcap                                   # W7, longest sequence at 16 GiB
     python -m bench --cpu-smoke --results /tmp/r.jsonl         # tiny end-to-end run on a CPU
@@ -32,7 +33,24 @@ from bench.report import DEFAULT_MD, DEFAULT_RESULTS, progress
 from bench.runner import setup_for  # noqa: F401  (the setup of an impl name; kept importable here)
 
 DEFAULT_IMPLS = "ours,liger_flex,unsloth,hf_flex,hf_sdpa,liger_sdpa"
-KNOWN_IMPLS = ("ours", "hf", "hf_sdpa", "hf_flex", "hf_eager", "liger_sdpa", "liger_flex", "unsloth")
+KNOWN_IMPLS = (
+    "ours",
+    "hf",
+    "hf_sdpa",
+    "hf_flex",
+    "hf_eager",
+    "hf_varlen",
+    "liger_sdpa",
+    "liger_flex",
+    "liger_varlen",
+    "trl_sdpa",
+    "trl_flex",
+    "trl_varlen",
+    "trl_liger",
+    "trl_liger_flex",
+    "trl_liger_varlen",
+    "unsloth",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -389,7 +407,7 @@ def dry_run(args, workloads, impls, variants) -> int:
         f"budget {args.max_seconds or 'none'} s",
         flush=True,
     )
-    for name in ("liger_kernel", "bitsandbytes", "unsloth"):
+    for name in ("liger_kernel", "trl", "bitsandbytes", "unsloth"):
         print(f"  {name}: {'importable' if importlib.util.find_spec(name) else 'not importable here'}", flush=True)
     print(f"  unsloth bundle: {find_site(args.unsloth_site) or 'none (pass --unsloth-site)'}", flush=True)
     for wl in workloads:

@@ -27,7 +27,21 @@ DEFAULT_MD = BENCH_DIR / "results" / "RESULTS.md"
 # Records from before the learning check (2026-11-30): uniform random token ids, no loss curve,
 # so none of them counts as a speed of ours. Kept apart, read only for RESULTS.md's history.
 HISTORY_UNCHECKED = BENCH_DIR / "results" / "history-before-learning-check.jsonl"
-PEER_IMPLS = ("hf_sdpa", "hf_flex", "liger_sdpa", "liger_flex", "unsloth")
+PEER_IMPLS = (
+    "hf_sdpa",
+    "hf_flex",
+    "hf_varlen",
+    "liger_sdpa",
+    "liger_flex",
+    "liger_varlen",
+    "trl_sdpa",
+    "trl_flex",
+    "trl_varlen",
+    "trl_liger",
+    "trl_liger_flex",
+    "trl_liger_varlen",
+    "unsloth",
+)
 
 
 def _is_peer(impl) -> bool:
@@ -91,6 +105,7 @@ def environment(unsloth_site: str | None = None) -> dict[str, Any]:
             "transformers": _dist_version("transformers"),
             "peft": _dist_version("peft"),
             "liger": _dist_version("liger-kernel") or _dist_version("liger_kernel"),
+            "trl": _dist_version("trl"),
             "unsloth": _dist_version("unsloth") or unsloth_bundle_version(unsloth_site),
             "bitsandbytes": _dist_version("bitsandbytes"),
         },

@@ -349,8 +349,16 @@ def setup_for(impl: str, options: dict):
         return setup_ours(options.get("variant", "all-on"))
     if impl.startswith("hf_moe_"):
         return setup_moe_block(impl[len("hf_moe_") :])
-    attn = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
+    attn = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager", "varlen": "varlen"}
     family, _, kind = impl.partition("_")
     if family in ("hf", "liger") and kind in attn:
         return setup_hf(attn[kind], liger=family == "liger")
+    if family == "trl":
+        # trl_sdpa, trl_flex, trl_varlen; trl_liger (Liger + sdpa), trl_liger_flex, trl_liger_varlen
+        from bench.peers.trl_sft import setup_trl
+
+        liger = kind == "liger" or kind.startswith("liger_")
+        kind = kind.removeprefix("liger").removeprefix("_") or "sdpa"
+        if kind in attn and kind != "eager":
+            return setup_trl(attn[kind], liger=liger)
     raise SystemExit(f"unknown impl {impl!r}")

@@ -1,7 +1,10 @@
 """HF + PEFT peers, optionally with Liger's kernels: the stock way people train LoRA today.
 
 Packed rows go in as position_ids (transformers detects the packing from the restarts and
-builds a block-diagonal mask, or a flex BlockMask); labels are the input ids with -100 at each
+builds a block-diagonal mask, or a flex BlockMask); with attn "varlen" (bench.peers.varlen:
+torch's varlen flash attention registered through AttentionInterface) no mask is built and the
+document boundaries go in as the flash-attention kwargs (cu_seq_lens_q, max_length_q), built
+once per step on the host as a flattening collator does. Labels are the input ids with -100 at each
 document start, so HF's internal shift trains exactly the engine's targets. Gradient
 checkpointing is HF's own, non-reentrant. The optimizer is the bench's one AdamW definition,
 set up as transformers' Trainer does by default (runner.make_peer_optimizer).
@@ -56,6 +59,12 @@ def setup_hf(attn: str, liger: bool = False):
         wl = ctx.workload
         if liger and ctx.device.type != "cuda":
             raise NotSupported("Liger's Triton kernels need a CUDA GPU")
+        if attn == "varlen":
+            from bench.peers import varlen
+
+            why = varlen.unavailable(ctx.device)
+            if why:
+                raise NotSupported(why)
         if wl.quant == "nf4":
             from bench.ours import _need_bnb
 
@@ -66,8 +75,10 @@ def setup_hf(attn: str, liger: bool = False):
             except Exception as exc:
                 raise NotSupported(f"liger_kernel does not import ({type(exc).__name__}: {exc})") from None
         dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
-        model = build_model(wl, dtype=dtype, device=ctx.device, attn_implementation=attn)
         options = {"attn_implementation": attn}
+        if attn == "varlen":
+            options.update(attn_implementation=varlen.register(), **varlen.signature_note())
+        model = build_model(wl, dtype=dtype, device=ctx.device, attn_implementation=options["attn_implementation"])
         if liger:
             options["liger"] = apply_liger(model, wl.arch)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -75,9 +86,12 @@ def setup_hf(attn: str, liger: bool = False):
         model.train()
         opt, options["optimizer"] = make_peer_optimizer([p for p in model.parameters() if p.requires_grad], ctx.lr)
         inputs = [b.hf_inputs() for b in ctx.batches]
+        if attn == "varlen":
+            inputs = [dict(inp, **varlen.varlen_kwargs(b.lengths)) for inp, b in zip(inputs, ctx.batches)]
 
         def step(i):
-            inp = {k: v.to(ctx.device, non_blocking=True) for k, v in inputs[i].items()}
+            # Tensors go to the device; the longest-document ints of the varlen kwargs stay ints.
+            inp = {k: v.to(ctx.device, non_blocking=True) if hasattr(v, "to") else v for k, v in inputs[i].items()}
             out = model(**inp, use_cache=False)
             loss = out.loss
             loss.backward()
