@@ -75,14 +75,37 @@ DEMO_MODEL = ROOT / "resources" / "demo_model"
 STUDIO_PRESETS = ROOT / "studio" / "presets"
 
 
-def parse_case(text: str) -> tuple[int, str, bool]:
-    """ "8:qwen3-4b-qlora" -> (8, "qwen3-4b", True)."""
-    cap, _, model = text.partition(":")
+# Overrides a case may carry after its model ("+seq=2048+rows=1+accum=8"): the config keys they set.
+OVERRIDES = {
+    "seq": ("data", "max_seq_len"),
+    "rows": ("training", "rows_per_micro_batch"),
+    "accum": ("training", "grad_accum"),
+}
+
+
+def parse_case(text: str) -> tuple[float, str, bool, dict]:
+    """ "8:qwen3-4b-qlora" -> (8, "qwen3-4b", True, {}); "7.5:qwen3-8b-qlora+seq=8192+rows=1"
+    -> (7.5, "qwen3-8b", True, {"seq": 8192, "rows": 1}). A cap between the cards' sizes is
+    the next larger card with part of its memory taken (a desktop on the same GPU)."""
+    cap_text, _, rest = text.partition(":")
+    model, *extra = rest.split("+")
     qlora = model.endswith("-qlora")
     model = model.removesuffix("-qlora")
-    if model not in MODELS or int(cap) not in CARDS:
-        raise SystemExit(f"unknown case {text!r}: caps {sorted(CARDS)}, models {sorted(MODELS)} (+ '-qlora')")
-    return int(cap), model, qlora
+    try:
+        cap = float(cap_text)
+        overrides = {k: int(v) for k, _, v in (e.partition("=") for e in extra)}
+    except ValueError:
+        raise SystemExit(f"bad case {text!r}: CAP:MODEL[-qlora][+seq=N][+rows=N][+accum=N]") from None
+    if model not in MODELS or not any(cap <= c for c in CARDS) or set(overrides) - set(OVERRIDES):
+        raise SystemExit(
+            f"unknown case {text!r}: caps up to {max(CARDS)} GiB, models {sorted(MODELS)} (+ '-qlora'), "
+            f"overrides {sorted(OVERRIDES)}"
+        )
+    return (int(cap) if cap.is_integer() else cap), model, qlora, overrides
+
+
+def card_for(cap: float) -> str:
+    return CARDS[min(c for c in CARDS if cap <= c)]
 
 
 def model_folder(root: Path, name: str) -> Path:
@@ -115,8 +138,11 @@ def model_folder(root: Path, name: str) -> Path:
     return folder
 
 
-def run_config(folder: Path, data: Path, qlora: bool, steps: int, out: Path) -> Path:
-    """The studio's preset for the case, with the model and data a user would pick."""
+def run_config(
+    folder: Path, data: Path, qlora: bool, steps: int, out: Path, overrides: dict | None = None, accum: int = 0
+) -> Path:
+    """The studio's preset for the case, with the model and data a user would pick; `overrides`
+    are the case's own settings, `accum` (if set) the accumulation of every case."""
     import yaml
 
     preset = "laptop-qlora" if qlora else "quality"
@@ -126,6 +152,11 @@ def run_config(folder: Path, data: Path, qlora: bool, steps: int, out: Path) -> 
         cfg["model"]["load_in_4bit"] = "auto"
     cfg["data"].update(source=str(data), format="auto")
     cfg["training"].update(max_steps=steps, save_every=0)
+    if accum:
+        cfg["training"]["grad_accum"] = accum
+    for key, value in (overrides or {}).items():
+        section, field = OVERRIDES[key]
+        cfg[section][field] = value
     cfg["output"] = {"dir": str(out.parent), "run_name": out.name}
     path = out.parent / f"{out.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/tunesmith-laptop", help="model folders, data and runs")
     p.add_argument("--max-seconds", type=float, default=540.0, help="skip cases that would start after this")
     p.add_argument("--case-seconds", type=float, default=150.0, help="stop a case after this (its steps so far count)")
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=0,
+        help="accumulation for every case instead of the preset's (memory and tokens/s per micro-batch do not depend "
+        "on it; 1 makes 20 steps 20 micro-batches, so a case fits a call)",
+    )
     p.add_argument("--table", default=None, help="print the markdown table of a records file and exit")
     p.add_argument("--prepare-only", action="store_true", help="write the cases' model folders and data, then exit")
     args = p.parse_args(argv)
@@ -200,23 +238,23 @@ def main(argv: list[str] | None = None) -> int:
     # writing an 8B or 14B folder takes longer than a case, and a call's time is short.
     builder = ThreadPoolExecutor(max_workers=1)
     folders: dict = {}
-    for _, name, _ in cases:
+    for _, name, _, _ in cases:
         if name not in folders:
             folders[name] = builder.submit(_timed_folder, work / "models", name)
     if args.prepare_only:
         for name, future in folders.items():
             print(f"[laptop] {name}: {future.result()[0]}", flush=True)
         return 0
-    for case, (cap, name, qlora) in zip(args.cases.split(","), cases):
+    for case, (cap, name, qlora, overrides) in zip(args.cases.split(","), cases):
         label = f"{cap} GiB {name}{' QLoRA' if qlora else ''}"
         if time.monotonic() - t0 > args.max_seconds:
             print(f"[laptop] {label}: skipped (time budget)", flush=True)
             continue
         folder, build_s = folders[name].result()
-        run = work / "runs" / f"{cap}g-{name}{'-qlora' if qlora else ''}"
+        run = work / "runs" / case.replace(":", "g-").replace("+", "-").replace("=", "")
         shutil.rmtree(run, ignore_errors=True)
-        cfg = run_config(folder, data, qlora, args.steps, run)
-        env = dict(os.environ, TUNESMITH_EMULATE_GPU=f"{CARDS[cap]}:{cap}")
+        cfg = run_config(folder, data, qlora, args.steps, run, overrides, args.grad_accum)
+        env = dict(os.environ, TUNESMITH_EMULATE_GPU=f"{card_for(cap)}:{cap}")
         start = time.monotonic()
         # A case that runs past its time is stopped, and what it measured so far is still
         # recorded (metrics.jsonl is written step by step): a call's time limit loses nothing.
@@ -233,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             rc, err = proc.returncode, proc.stderr
         except subprocess.TimeoutExpired as exc:
             rc, err = "timeout", (exc.stderr or b"").decode("utf-8", "replace") if isinstance(exc.stderr, bytes) else ""
-        rec = {"case": case, "cap_gib": cap, "card": CARDS[cap], "model": name, "qlora": qlora, "rc": rc}
+        rec = {"case": case, "cap_gib": cap, "card": card_for(cap), "model": name, "qlora": qlora, "rc": rc}
+        rec.update(overrides=overrides, grad_accum_override=args.grad_accum or None)
         rec["wall_s"] = round(time.monotonic() - start, 1)
         rec["folder_build_s"] = build_s
         if (run / "metrics.jsonl").exists():
