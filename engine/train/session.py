@@ -90,6 +90,9 @@ __all__ = ["TrainingSession", "RunFolderError", "Faults", "TrainingDiverged", "P
 
 # Steps between the in-memory snapshots a NaN or a loss spike rolls back to.
 SNAPSHOT_EVERY = 10
+# The pre-flight grows an automatic micro-batch while its measured peak stays under this share of
+# the memory budget (the rest absorbs longer rows than the rehearsed ones and fragmentation).
+GROW_FILL = 0.85
 # Recent good losses the spike check takes the median of, and how many it needs first.
 SPIKE_WINDOW = 20
 SPIKE_MIN_HISTORY = 5
@@ -482,11 +485,11 @@ class TrainingSession:
 
     def _setup_loop_state(self) -> None:
         """What every forward needs (the rehearsal's too), and the recovery's bookkeeping."""
-        import torch
 
         device = self._device
         self._is_cuda = device.type == "cuda"
-        self._mem_total = torch.cuda.get_device_properties(device).total_memory if self._is_cuda else _host_total()
+        # The profile's total: an emulated card's cap (TUNESMITH_EMULATE_GPU), not the host GPU's.
+        self._mem_total = self._profile.total_vram if self._is_cuda else _host_total()
         self._use_fused = prepare_flag(self._fast.get("fused_ce", "on"))
         chunk = self.config.fast_paths.ce_chunk_tokens
         self._chunk = None if chunk == "auto" else int(chunk)
@@ -738,10 +741,14 @@ class TrainingSession:
     def _micro_batches(self, step: int) -> list:
         """[(rows, PackedBatch)] of the forwards of optimizer step `step` (0-based): the plan's
         micro-batches, each split into forwards of at most `_exec_rows` rows."""
-        e = self._exec_rows
+        e, per_mb = self._exec_rows, self._plan.rows_per_mb
+        planned = self._plan.micro_batches(step)
+        if e > per_mb:  # the pre-flight found room: k whole micro-batches per forward
+            k = e // per_mb
+            planned = [[r for mb in planned[i : i + k] for r in mb] for i in range(0, len(planned), k)]
         return [
             (len(row_ids[i : i + e]), self._batch(row_ids[i : i + e]))
-            for row_ids in self._plan.micro_batches(step)
+            for row_ids in planned
             for i in range(0, max(1, len(row_ids)), e)
         ]
 
@@ -872,7 +879,10 @@ class TrainingSession:
         return None
 
     def _forwards_per_step(self) -> int:
-        return self._plan.grad_accum * math.ceil(self._plan.rows_per_mb / self._exec_rows)
+        per_mb = self._plan.rows_per_mb
+        if self._exec_rows > per_mb:
+            return math.ceil(self._plan.grad_accum / (self._exec_rows // per_mb))
+        return self._plan.grad_accum * math.ceil(per_mb / self._exec_rows)
 
     def _apply_memory_change(self, change: tuple[str, Any, Any], phase: str, step: int, why: str) -> None:
         from engine.train.step import enable_checkpointing, install_offload
@@ -900,6 +910,10 @@ class TrainingSession:
                 self._model, after, self._device, bool(self.config.fast_paths.keep_attention)
             )
             what = f"{after} offload on"
+        self._announce_memory_change(change, phase, step, what, why)
+
+    def _announce_memory_change(self, change: tuple[str, Any, Any], phase: str, step: int, what: str, why: str):
+        setting, before, after = change
         message = f"{what}: {why}."
         self.log(message, "warning")
         self._emit(
@@ -1027,10 +1041,66 @@ class TrainingSession:
                     raise
             self._drop_partial_step()
             self._apply_memory_change(change, "preflight", 0, "the rehearsal ran out of memory")
+        if attempts == 1:  # nothing had to be lowered: the measurement may show room to spare
+            measured, grown = self._grow_to_fill(measured)
+            attempts += grown
         self._optimizer.zero_grad(set_to_none=True)
         _set_rng_state(rng)
         reset_counters()
         self._emit_preflight(attempts, *measured)
+
+    def _grow_to_fill(self, measured: tuple[int, float, int]) -> tuple[tuple[int, float, int], int]:
+        """Where the policy's formula left much of the memory budget unused (it over-estimates,
+        a 4-bit base most), merge the step's micro-batches into fewer, larger forwards: k of
+        them in one forward trains the same rows with the same loss normaliser, so the
+        optimisation is unchanged and only the memory use and speed differ. Only when the
+        micro-batch was the policy's choice; the grown size is rehearsed, and dropped again if
+        it does not fit. Returns the measurement to report and the extra rehearsals run."""
+        import torch
+
+        from engine.hardware import policy
+
+        rows, accum = self._plan.rows_per_mb, self._plan.grad_accum
+        if (
+            not self._is_cuda
+            or accum < 2
+            or self._exec_rows != rows
+            or "training.rows_per_micro_batch" not in self.config.auto_fields
+        ):
+            return measured, 0
+        budget = policy.budget_for("cuda", self._profile)
+        peak_reserved = torch.cuda.max_memory_reserved(self._device)
+        moments = 0 if self._optimizer.state else 2 * sum(p.numel() * 4 for p in self._params)
+        resident = torch.cuda.memory_allocated(self._device) + moments  # weights, adapters, optimizer
+        per_row = max(1, (peak_reserved + moments - resident) / rows)
+        target = GROW_FILL * budget.memory
+        k = merge_factor(resident, per_row, rows, accum, target)
+        if k == 1:
+            return measured, 0
+        before = self._exec_rows
+        self._exec_rows = k * rows
+        try:
+            grown = self._rehearse()
+            fits = torch.cuda.max_memory_reserved(self._device) + moments <= budget.memory
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            self._drop_partial_step()
+            grown, fits = None, False
+        if not fits:
+            self._exec_rows = before
+            self.log(f"Pre-flight: {plural(k * rows, 'row')} per forward did not fit the memory budget; kept {before}")
+            return measured, 1
+        change = ("micro_batch", before, self._exec_rows)
+        self._announce_memory_change(
+            change,
+            "preflight",
+            0,
+            f"micro-batch {before} → {self._exec_rows} rows ({self._forwards_per_step()} forwards per step, the same "
+            f"{plural(rows * accum, 'row')} per optimizer step)",
+            f"the rehearsal measured room in the {budget}",
+        )
+        return grown, 1
 
     def _row_tokens(self) -> list[int]:
         data = self._data
@@ -1384,6 +1454,18 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and (
         "out of memory" in text or "cublas_status_alloc_failed" in text or "cudnn_status_alloc_failed" in text
     )
+
+
+def merge_factor(resident: float, per_row: float, rows: int, accum: int, target: float) -> int:
+    """How many of a step's `accum` micro-batches (of `rows` rows) one forward can hold: the
+    largest divisor of `accum` whose forward stays under `target` bytes (`resident` + rows x
+    `per_row`, both measured); 1 when none does. No token ceiling: merging shortens a step
+    (the same rows in fewer forwards), so pause and stop answer as soon as before."""
+    k = 1
+    for d in range(2, accum + 1):
+        if accum % d == 0 and resident + d * rows * per_row <= target:
+            k = d
+    return k
 
 
 def _rng_state() -> dict:
