@@ -22,6 +22,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -195,6 +196,12 @@ def summarize_run(run: Path, cap_gib: int) -> dict:
             "offload": t.get("offload"),
         }
         rec["reasons"] = cfg.get("auto_reasons") or {}
+    pre = [e for e in events if e.get("event") == "PreflightResult"]
+    if pre:
+        rec["preflight"] = {
+            k: pre[-1].get(k) for k in ("peak_bytes", "step_seconds", "rows_per_micro_batch", "micro_batches_per_step")
+        }
+    rec["memory_changes"] = [e.get("message") for e in events if e.get("event") == "MemoryAdjusted"]
     last = events[-1] if events else {}
     rec["outcome"] = last.get("event")
     if last.get("event") == "Failed":
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         help="accumulation for every case instead of the preset's (memory and tokens/s per micro-batch do not depend "
         "on it; 1 makes 20 steps 20 micro-batches, so a case fits a call)",
     )
+    p.add_argument("--parallel", type=int, default=1, help="cases run at once on the GPU (tokens/s is then shared)")
     p.add_argument("--table", default=None, help="print the markdown table of a records file and exit")
     p.add_argument("--prepare-only", action="store_true", help="write the cases' model folders and data, then exit")
     args = p.parse_args(argv)
@@ -232,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     data = work / "data.jsonl"
     if not data.exists():
         write_text_jsonl(data, 3000, seed=0, words_per_doc=(200, 700))
-    failed = 0
     cases = [parse_case(c) for c in args.cases.split(",")]
     # Model folders are written in the background, in case order, while earlier cases train:
     # writing an 8B or 14B folder takes longer than a case, and a call's time is short.
@@ -245,11 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, future in folders.items():
             print(f"[laptop] {name}: {future.result()[0]}", flush=True)
         return 0
-    for case, (cap, name, qlora, overrides) in zip(args.cases.split(","), cases):
+    lock = threading.Lock()
+
+    def run_case(case: str, cap: float, name: str, qlora: bool, overrides: dict) -> bool:
         label = f"{cap} GiB {name}{' QLoRA' if qlora else ''}"
         if time.monotonic() - t0 > args.max_seconds:
             print(f"[laptop] {label}: skipped (time budget)", flush=True)
-            continue
+            return True
         folder, build_s = folders[name].result()
         run = work / "runs" / case.replace(":", "g-").replace("+", "-").replace("=", "")
         shutil.rmtree(run, ignore_errors=True)
@@ -272,19 +281,26 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired as exc:
             rc, err = "timeout", (exc.stderr or b"").decode("utf-8", "replace") if isinstance(exc.stderr, bytes) else ""
         rec = {"case": case, "cap_gib": cap, "card": card_for(cap), "model": name, "qlora": qlora, "rc": rc}
-        rec.update(overrides=overrides, grad_accum_override=args.grad_accum or None)
+        rec.update(overrides=overrides, grad_accum_override=args.grad_accum or None, parallel=args.parallel)
         rec["wall_s"] = round(time.monotonic() - start, 1)
         rec["folder_build_s"] = build_s
         if (run / "metrics.jsonl").exists():
             rec.update(summarize_run(run, cap))
         if rc != 0:
             rec["stderr_tail"] = (err or "")[-1500:]
-            failed += 1
-        with open(args.out, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-        print(f"[laptop] {label}: {json.dumps({k: v for k, v in rec.items() if k != 'stderr_tail'})}", flush=True)
-        if rc != 0:
-            print((err or "")[-1500:], flush=True)
+        with lock:
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"[laptop] {label}: {json.dumps({k: v for k, v in rec.items() if k != 'stderr_tail'})}", flush=True)
+            if rc != 0:
+                print((err or "")[-1500:], flush=True)
+        return rc == 0
+
+    # Several cases may share the GPU (each under its own cap): memory, fit and the chosen
+    # settings are each process's own, but tokens/s is then shared and says so (`parallel`).
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        ok = list(pool.map(lambda c: run_case(c[0], *c[1]), zip(args.cases.split(","), cases)))
+    failed = ok.count(False)
     builder.shutdown(wait=False, cancel_futures=True)
     return 1 if failed else 0
 
@@ -309,6 +325,9 @@ def table(path: str) -> str:
             f"{c.get('max_seq_len')} x {c.get('grad_accum')} accum, checkpointing "
             f"{'on' if c.get('gradient_checkpointing') else 'off'}, offload {r.get('offload') or c.get('offload')}"
         )
+        pre = r.get("preflight") or {}
+        if pre.get("rows_per_micro_batch") and pre["rows_per_micro_batch"] != c.get("rows_per_micro_batch"):
+            chosen += f"; pre-flight: {pre['rows_per_micro_batch']} rows per forward"
         out.append(
             f"| {r['cap_gib']} GiB ({r['card'].replace('NVIDIA GeForce ', '')}) | {r['model']}"
             f"{' QLoRA' if r.get('qlora') else ''} | {chosen} | {r.get('peak_gib', '-')} GiB | "
