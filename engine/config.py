@@ -22,6 +22,14 @@ import yaml
 
 AUTO = "auto"
 
+# Why training.distributed "fsdp" refuses model.load_in_4bit (one sentence; the window shows it):
+# FSDP2 shards a parameter's storage, and a bitsandbytes 4-bit weight's packed bytes are useless
+# without their quantization state, which FSDP2 does not shard or gather with them.
+FSDP_4BIT_REFUSAL = (
+    "a 4-bit base is not sharded across GPUs here: use DDP (training.distributed: ddp, when the 4-bit "
+    "base fits one card) or a 16-bit base (model.load_in_4bit: false)"
+)
+
 
 class ConfigError(ValueError):
     """A config value is missing, unknown, of the wrong type, or out of range."""
@@ -103,6 +111,12 @@ class TrainingConfig:
     save_every: int = 0  # steps between checkpoints; 0 = only at the end / on stop
     log_every: int = 1
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    # Several processes (torchrun, `tunesmith train --gpus N`): "ddp" keeps the whole base on
+    # every GPU and all-reduces the adapter gradients; "fsdp" shards the frozen base and the
+    # adapters across the GPUs (FSDP2, per decoder layer), for a 16-bit base that does not fit
+    # one card (a 4-bit base is refused). "auto": fsdp when the 16-bit base is over one device's
+    # memory budget, else ddp. One process ignores it.
+    distributed: Literal["auto", "ddp", "fsdp"] = "auto"
     # Before the first step, rehearse one forward + backward on the longest micro-batch and
     # measure peak memory and step time; a rehearsal that runs out of memory picks smaller
     # settings. "auto": on CUDA only (on a CPU there is no memory limit to find).
@@ -252,6 +266,8 @@ class RunConfig:
         for i, prompt in enumerate(t.gallery_prompts):
             if not prompt.strip():
                 raise ConfigError(f"training.gallery_prompts[{i}]", "must not be empty")
+        if t.distributed == "fsdp" and self.model.load_in_4bit is True:
+            raise ConfigError("training.distributed", FSDP_4BIT_REFUSAL)
         positive("fast_paths.ce_chunk_tokens", self.fast_paths.ce_chunk_tokens, allow_auto=True)
         if not self.model.name_or_path.strip():
             raise ConfigError("model.name_or_path", "must not be empty")

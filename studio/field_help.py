@@ -70,6 +70,10 @@ HELP = {
     ),
     "output.wandb": "Log to Weights & Biases (pip install wandb): offline in the run folder unless you are logged in.",
     "training.device": "Where to train. auto: the GPU when there is one, else the CPU (slow, for trying things).",
+    "training.distributed": (
+        "With several GPUs: ddp keeps the whole base on each GPU; fsdp shards a 16-bit base too big for one "
+        "card across them (not a 4-bit base). auto: fsdp only when the 16-bit base does not fit one GPU."
+    ),
     "fast_paths.kernels": "Triton kernels for RMSNorm, RoPE and gated MLP activations.",
     "fast_paths.lora_autograd": "Fused LoRA MLP / QKV / O with a hand-written backward.",
     "fast_paths.fused_ce": "Cross-entropy fused with the LM head, never materialising the full logits.",

@@ -3,7 +3,8 @@
 One function per decision, each returning its value and the reason for it (a `Decision`):
 `memory_budget` (what the run may fill: a note, no config field), `device_default`,
 `dtype_default`, `ce_chunk_default`, `load_in_4bit_default`, `checkpointing_default`,
-`rows_default`, `offload_default`, `kernels_default` (kernels, lora_autograd and fused_ce
+`rows_default`, `offload_default`, `distributed_default` (DDP or FSDP2 under torchrun),
+`kernels_default` (kernels, lora_autograd and fused_ce
 together), `packed_attention_default`, `moe_grouping_default`, then `machine_warnings` and
 `fit_check`. Later decisions follow earlier ones, so they read the memory `Budget` of the settled
 device and estimate with a `Sizer` that carries the settled CE chunk.
@@ -341,6 +342,30 @@ def load_in_4bit_default(profile: HardwareProfile, budget: Budget, size: Sizer) 
     )
 
 
+def load_in_4bit_for_fsdp() -> Decision:
+    return False, "training.distributed is fsdp: the 16-bit base is sharded across the GPUs (4-bit cannot be)"
+
+
+def distributed_default(budget: Budget, info: est.ModelInfo | None, load_in_4bit: Any) -> Decision:
+    """How several processes share the work (one process ignores it): DDP (the whole base on
+    every device, adapter gradients all-reduced) unless the 16-bit base alone is over one
+    device's budget, then FSDP2 (the base sharded per decoder layer). A 4-bit base stays DDP."""
+    if load_in_4bit is True:
+        return "ddp", "a 4-bit base is not sharded: each GPU holds it whole"
+    if info is None:
+        return "ddp", "model size not known yet: each GPU holds the whole base"
+    weights = info.num_params * 2
+    if weights > budget.memory:
+        return "fsdp", (
+            f"the 16-bit base of {_params(info)} parameters (~{_gib(weights)}) is over one device's {budget}: "
+            "FSDP2 shards it across the GPUs"
+        )
+    return "ddp", (
+        f"the 16-bit base (~{_gib(weights)}) fits one device's {budget}: each GPU holds it, "
+        "only the adapter gradients travel"
+    )
+
+
 def _params(info: est.ModelInfo) -> str:
     return f"{info.num_params / 1e9:.1f}B"
 
@@ -585,7 +610,10 @@ def resolve_defaults(config: RunConfig, profile: HardwareProfile, model_info: es
     out.fill("model.dtype", lambda: dtype_default(profile, budget))
     out.fill("fast_paths.ce_chunk_tokens", lambda: ce_chunk_default(info, budget))
     size = Sizer(info, seq, cfg.lora.r, fp.ce_chunk_tokens)
+    if t.distributed == "fsdp":
+        out.fill("model.load_in_4bit", load_in_4bit_for_fsdp)
     out.fill("model.load_in_4bit", lambda: load_in_4bit_default(profile, budget, size))
+    out.fill("training.distributed", lambda: distributed_default(budget, info, m.load_in_4bit))
     mode = training_mode(m.load_in_4bit, m.dtype)
     target = micro_batch_target(t.rows_per_micro_batch, seq, budget, info, is_demo)
     probe = target if t.rows_per_micro_batch != AUTO or not budget.on_gpu else min(target, NO_CHECKPOINT_PROBE_TOKENS)
