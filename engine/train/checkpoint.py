@@ -23,12 +23,24 @@ from engine.fastpath.lora_group import adapters_changed
 from engine.runs import ADAPTER, STATE_FILE, TMP_SUFFIX, RunFolder, publish, tmp_for
 
 
-def save_checkpoint(folder: Path, model, optimizer, scheduler, step: int, extra: dict, tokenizer=None) -> Path:
+def save_checkpoint(
+    folder: Path,
+    model,
+    optimizer,
+    scheduler,
+    step: int,
+    extra: dict,
+    tokenizer=None,
+    adapter_state: dict | None = None,
+    optimizer_state: dict | None = None,
+) -> Path:
+    """`adapter_state` / `optimizer_state`: full tensors gathered beforehand (an FSDP run, where
+    the model's and optimizer's own tensors are each rank's shards); None: read them here."""
     final = Path(folder)
     tmp = tmp_for(final)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write(tmp, model, optimizer, scheduler, step, extra, tokenizer)
+        _write(tmp, model, optimizer, scheduler, step, extra, tokenizer, adapter_state, optimizer_state)
     except BaseException:
         # A half-written step-N.tmp would keep a full disk full and confuse a resume.
         shutil.rmtree(tmp, ignore_errors=True)
@@ -36,12 +48,12 @@ def save_checkpoint(folder: Path, model, optimizer, scheduler, step: int, extra:
     return publish(tmp, final)
 
 
-def _write(tmp: Path, model, optimizer, scheduler, step: int, extra: dict, tokenizer) -> None:
+def _write(tmp: Path, model, optimizer, scheduler, step: int, extra: dict, tokenizer, adapter_state, optimizer_state):
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / ADAPTER, safe_serialization=True)
+    save_adapter(model, tmp / ADAPTER, adapter_state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / ADAPTER)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -49,6 +61,15 @@ def _write(tmp: Path, model, optimizer, scheduler, step: int, extra: dict, token
     torch.save(rng, tmp / "rng.pt")
     state = {"step": step, "python_random": _py_state(), **extra}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
+
+
+def save_adapter(model, folder: Path, adapter_state: dict | None = None) -> None:
+    """A standard PEFT adapter folder; `adapter_state`: the full adapter tensors when the model's
+    own are shards (FSDP), named as in model.state_dict()."""
+    if adapter_state is None:
+        model.save_pretrained(folder, safe_serialization=True)
+    else:
+        model.save_pretrained(folder, safe_serialization=True, state_dict=adapter_state)
 
 
 def remove_partials(folder: RunFolder) -> list[Path]:
@@ -143,6 +164,17 @@ def is_disk_full(exc: BaseException) -> bool:
     return False
 
 
+def _sharded(model) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters() if p.requires_grad)
+
+
+def _active_adapter(model) -> str:
+    name = getattr(model, "active_adapter", "default")
+    return name if isinstance(name, str) else "default"
+
+
 def _py_state():
     version, internal, gauss = random.getstate()
     return [version, list(internal), gauss]
@@ -166,12 +198,21 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> dict:
     ckpt = Path(ckpt)
     state = read_state(ckpt)
     weights = load_file(str(ckpt / ADAPTER / "adapter_model.safetensors"))
-    result = set_peft_model_state_dict(model, weights)
+    optim_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    if _sharded(model):
+        # FSDP: each rank takes its shard of the full tensors (the checkpoint may come from any
+        # number of processes, sharded or not).
+        from engine.train import fsdp
+
+        unexpected = fsdp.load_adapter_state(model, weights, _active_adapter(model))
+        fsdp.load_optimizer_state(optimizer, optim_state)
+    else:
+        result = set_peft_model_state_dict(model, weights)
+        unexpected = getattr(result, "unexpected_keys", [])
+        optimizer.load_state_dict(optim_state)
     adapters_changed()  # the fused LoRA path's cached adapter copies are stale now
-    unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise RuntimeError(f"{ckpt}: adapter does not match the model ({len(unexpected)} unexpected weights)")
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True))
     scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
     rng = torch.load(ckpt / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])

@@ -182,7 +182,8 @@ class TrainingSession:
         self.run_dir: Optional[Path] = None
         # Under torchrun: this process's rank (engine.train.distributed); one process: a no-op.
         self._dist = DistContext.from_env()
-        self._ddp = None
+        self._ddp = None  # DDP, or the FSDP2 root (self._fsdp): what a training forward runs through
+        self._fsdp = False
         self._guard = None
         # The live probe: held by a probe while it runs the model and by the loop before it
         # leaves a pause, so the two never use the model at once. `_paused_at`: the step the
@@ -328,6 +329,12 @@ class TrainingSession:
         why = self._dist.check_plan(config.training.grad_accum)
         if why:
             raise ConfigError(why)
+        # FSDP2 for a base over one card (engine.train.fsdp); one process ignores the setting.
+        self._fsdp = self._dist.enabled and config.training.distributed == "fsdp"
+        if self._fsdp and config.model.load_in_4bit is True:
+            from engine.config import FSDP_4BIT_REFUSAL
+
+            raise ConfigError("training.distributed", FSDP_4BIT_REFUSAL)
         self._folder = self._plan_run_dir(config)
         torch.manual_seed(config.training.seed)
         random.seed(config.training.seed)
@@ -445,15 +452,33 @@ class TrainingSession:
         from engine.train.step import forward_loss, prepare_model
 
         config, t, device = self.config, self.config.training, self._device
-        self.log(f"Loading model {config.model.name_or_path} on {device} ({config.model.dtype})")
-        model = load_model(config.model, device, config.model.dtype)
+        # FSDP: the whole base goes to host memory once, then one decoder layer at a time to the
+        # device, where each rank keeps its shard (engine.train.fsdp.shard).
+        load_on = "cpu" if self._fsdp else device
+        self.log(f"Loading model {config.model.name_or_path} on {load_on} ({config.model.dtype})")
+        model = load_model(config.model, load_on, config.model.dtype)
         with quiet_third_party():  # PEFT's FutureWarnings about transformers internals
             model = attach_lora(model, config.lora)
-        prepared = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=t.offload)
+        offload = t.offload
+        if self._fsdp and offload not in ("off", "auto"):
+            # The offloader runs each layer inside its own autograd Function, outside the hooks
+            # through which FSDP gathers the layer's shards for the backward.
+            self.log("Activation offload is off for an FSDP run: FSDP gathers each layer's weights", "warning")
+            offload = "off"
+        prepared = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=offload)
         self._model, self._offloader, self._fast = prepared.model, prepared.offloader, prepared.report
         self._forward_loss = forward_loss
-        # Several processes: DDP over the adapters' gradients (None with one process).
-        self._ddp = self._dist.wrap(self._model, self._loss, device)
+        if self._fsdp:
+            from engine.train import fsdp
+
+            self._ddp = fsdp.shard(self._model, self._loss, device, self._dist.world_size)
+            self.log(
+                f"FSDP2: the base and the adapters are sharded across {self._dist.world_size} processes "
+                f"({len(fsdp.decoder_layers(self._model))} decoder layers and the root)"
+            )
+        else:
+            # Several processes: DDP over the adapters' gradients (None with one process).
+            self._ddp = self._dist.wrap(self._model, self._loss, device)
         # What the out-of-memory recovery may change as the run goes (see _next_memory_change).
         self._checkpointing = bool(t.gradient_checkpointing)
         model.train()
@@ -571,7 +596,12 @@ class TrainingSession:
         with every improving eval, and the gallery would cost more than the eval)."""
         from engine.train import checkpoint as ckpt
 
+        # FSDP: every rank holds shards; all take part in gathering them whole for rank 0.
+        adapter_state, optimizer_state = self._full_states(optimizer=True)
         if not self._dist.is_main:  # every rank holds the same adapters: rank 0 writes them
+            # ... and every rank knows it is written, so all decide alike whether the next
+            # checkpoint is due (under FSDP a rank alone in _save would wait in the gathering).
+            self.last_checkpoint = self._folder.checkpoint(step)
             return True
         target = self._folder.checkpoint(step)
         recovery = {
@@ -590,7 +620,15 @@ class TrainingSession:
 
         def write() -> Path:
             return ckpt.save_checkpoint(
-                target, self._model, self._optimizer, self._scheduler, step, extra, self._tokenizer
+                target,
+                self._model,
+                self._optimizer,
+                self._scheduler,
+                step,
+                extra,
+                self._tokenizer,
+                adapter_state=adapter_state,
+                optimizer_state=optimizer_state,
             )
 
         need = ckpt.expected_bytes(self._params, self._optimizer, self._tokenizer_bytes(), self._last_ckpt_bytes)
@@ -603,6 +641,16 @@ class TrainingSession:
         if gallery:
             self._run_gallery(step, path)
         return True
+
+    def _full_states(self, optimizer: bool) -> tuple[Optional[dict], Optional[dict]]:
+        """(adapter, optimizer state) as full tensors for an FSDP run, gathered by every rank
+        (collectives); (None, None) otherwise: the checkpoint reads the model's own tensors."""
+        if not self._fsdp:
+            return None, None
+        from engine.train import fsdp
+
+        adapter = fsdp.full_adapter_state(self._model)
+        return adapter, fsdp.full_optimizer_state(self._optimizer) if optimizer else None
 
     def _tokenizer_bytes(self) -> int:
         """Bytes of the tokenizer files a checkpoint copies (the model folder's files less its
@@ -764,6 +812,10 @@ class TrainingSession:
         micro, normalizer, loss_sum = self._forward_backward_recovering(step)
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
+        if self._fsdp:  # a DTensor norm (every rank's shards counted), made a plain tensor
+            from engine.train import fsdp
+
+            grad_norm = fsdp.full(grad_norm)
         self._optimizer.step()
         self._scheduler.step()
         self._optimizer.zero_grad(set_to_none=True)
@@ -799,7 +851,7 @@ class TrainingSession:
             if faults is not None:
                 faults.check_oom(self._attempt(step, rows, rehearsal), last_micro_batch=last)
             batch = batch.to(device)
-            with dist.sync_context(ddp, last):
+            with self._sync_context(ddp, last):
                 loss = ddp(batch, normalizer) if ddp is not None else self._loss(self._model, batch, normalizer)
                 if faults is not None and i == 0 and not rehearsal:
                     loss = faults.poison(step, loss)
@@ -807,6 +859,13 @@ class TrainingSession:
             loss_sum += loss.detach()
             batch.info.free()
         return dist.sum(loss_sum) if ddp is not None else loss_sum
+
+    def _sync_context(self, ddp, last: bool):
+        if ddp is not None and self._fsdp:
+            from engine.train import fsdp
+
+            return fsdp.sync_context(ddp, last)
+        return self._dist.sync_context(ddp, last)
 
     def _loss(self, model, batch, normalizer):
         """One forward's loss: the engine's forward_loss with the run's settings."""
@@ -950,10 +1009,15 @@ class TrainingSession:
         """The adapters, optimizer and schedule state and RNG at `step`, in host memory (pinned
         on CUDA; the copies are queued, not waited for). Reuses a released snapshot's buffers."""
         spare, self._spare = self._spare or {}, None
+        params, optimizer = [p.detach() for p in self._params], self._optimizer.state_dict()
+        if self._fsdp:  # each rank keeps its own shards
+            from engine.train import fsdp
+
+            params, optimizer = fsdp.local_tree(params), fsdp.local_tree(optimizer)
         return {
             "step": step,
-            "params": _copy_tree([p.detach() for p in self._params], spare.get("params")),
-            "optimizer": _copy_tree(self._optimizer.state_dict(), spare.get("optimizer")),
+            "params": _copy_tree(params, spare.get("params")),
+            "optimizer": _copy_tree(optimizer, spare.get("optimizer")),
             "scheduler": copy.deepcopy(self._scheduler.state_dict()),
             "rng": _rng_state(),
         }
@@ -965,12 +1029,17 @@ class TrainingSession:
 
         if self._is_cuda:
             torch.cuda.synchronize(self._device)  # the snapshot's queued copies are done
+        from engine.train import fsdp
+
         with torch.no_grad():
             for p, saved in zip(self._params, snap["params"]):
-                p.copy_(saved)
+                fsdp.local(p).copy_(saved)
         adapters_changed()  # the fused LoRA path's cached adapter copies are stale now
         # Fresh copies: on the CPU load_state_dict would keep the snapshot's tensors as the state.
-        self._optimizer.load_state_dict(_copy_tree(snap["optimizer"]))
+        if self._fsdp:
+            fsdp.restore_optimizer_local(self._optimizer, _copy_tree(snap["optimizer"]))
+        else:
+            self._optimizer.load_state_dict(_copy_tree(snap["optimizer"]))
         self._scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
         self._optimizer.zero_grad(set_to_none=True)
         _set_rng_state(snap["rng"])
@@ -1230,8 +1299,17 @@ class TrainingSession:
         tokens = max(1, sum(b.num_trained_tokens for b in batches))
         total = torch.zeros((), device=self._device)
         with evaluation.side_effect_free(self._model):
+            if self._fsdp:
+                # Every forward gathers each layer from all ranks: every rank runs as many
+                # forwards, a rank short of batches repeats its first one and drops its loss.
+                rounds = math.ceil(len(batches) / dist.world_size) * dist.world_size
+                for k in range(dist.rank, rounds, dist.world_size):
+                    on_device = batches[k if k < len(batches) else 0].to(self._device)
+                    loss = self._ddp(on_device, tokens).detach()
+                    total += loss if k < len(batches) else 0 * loss
+                    on_device.info.free()
             for k, batch in enumerate(batches):
-                if dist.enabled and k % dist.world_size != dist.rank:
+                if self._fsdp or (dist.enabled and k % dist.world_size != dist.rank):
                     continue
                 on_device = batch.to(self._device)
                 total += self._loss(self._model, on_device, tokens).detach()
@@ -1308,6 +1386,11 @@ class TrainingSession:
         """The gallery's prompts answered greedily by the weights of `step` (GalleryAnswers and
         gallery.jsonl). Rank 0 only; a failure is logged, never the end of the run."""
         if not self._gallery or not self._dist.is_main:
+            return
+        if self._fsdp:  # rank 0 alone cannot run the sharded model
+            if "gallery" not in self._said:
+                self._said.add("gallery")
+                self.log("The gallery is not answered in an FSDP run: rank 0 alone cannot run the sharded model")
             return
         self._gallery_done.add(step)
         try:
@@ -1400,7 +1483,10 @@ class TrainingSession:
         pauses as for a checkpoint. False when stopped before it could be written."""
         import shutil
 
+        from engine.train import checkpoint as ckpt
+
         folder = self._folder
+        adapter_state, _ = self._full_states(optimizer=False)  # FSDP: gathered by every rank
         if not self._dist.is_main:
             return True
         tmp = folder.adapter_tmp
@@ -1408,7 +1494,7 @@ class TrainingSession:
         def write() -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             try:
-                self._model.save_pretrained(tmp, safe_serialization=True)
+                ckpt.save_adapter(self._model, tmp, adapter_state)
                 self._tokenizer.save_pretrained(tmp)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
