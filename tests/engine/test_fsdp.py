@@ -1,0 +1,203 @@
+"""FSDP2 (issue 18 item 2) on the CPU with gloo: `training.distributed: fsdp` under
+`tunesmith train --gpus 2` shards the base and the adapters (fully_shard per decoder layer and
+the root, DeviceMesh "cpu") and learns what one process learns at the same global batch; its
+adapter is a normal PEFT adapter; its checkpoints hold full tensors, so a 2-process FSDP
+checkpoint resumes exactly on one process and a 1-process checkpoint under FSDP; a 4-bit base is
+refused with one sentence; bench.fsdp runs at a tiny size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from engine.config import FSDP_4BIT_REFUSAL, ConfigError, RunConfig
+from engine.resources import DEMO_PRESET
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config(tmp_path: Path, name: str, distributed: str, fast: bool = False) -> Path:
+    cfg = yaml.safe_load(Path(DEMO_PRESET).read_text())
+    cfg["model"]["dtype"] = "float32"
+    cfg["training"].update(
+        max_steps=4,
+        rows_per_micro_batch=2,
+        grad_accum=2,  # two micro-batches a step: one per process
+        save_every=2,
+        optimizer="adamw",
+        device="cpu",
+        preflight="off",
+        distributed=distributed,
+    )
+    if fast:
+        # The patched forwards and fused LoRA Functions (their torch references on a CPU) read
+        # the layer weights: under FSDP they must see the gathered, plain tensors.
+        cfg["fast_paths"] = {"kernels": True, "lora_autograd": True, "fused_ce": True}
+        cfg["training"]["gradient_checkpointing"] = True
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _train(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "engine", "train", *map(str, args)], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def _steps(run: Path) -> dict[int, dict]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e["event"] == "StepMetrics":
+            out[e["step"]] = e
+    return out
+
+
+def _close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||: a tolerance that holds whatever order a CPU's kernels sum in."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def _same_adapters(got: Path, want: Path, rel: float = 1e-4) -> None:
+    a, b = load_file(str(got / "adapter_model.safetensors")), load_file(str(want / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in b:
+        assert a[k].shape == b[k].shape, k
+        assert _rel_err(a[k], b[k]) < rel, (k, _rel_err(a[k], b[k]))
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["stock", "fast-paths"])
+def test_fsdp_two_processes_learn_what_one_learns(tmp_path, fast):
+    one, two = tmp_path / "one", tmp_path / "two"
+    r1 = _train(_config(tmp_path, "one", "ddp", fast), "--output", one)  # one process ignores the switch
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    r2 = _train(_config(tmp_path, "two", "fsdp", fast), "--output", two, "--gpus", 2)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    log = (two / "log.txt").read_text()
+    assert "FSDP2: the base and the adapters are sharded across 2 processes" in log
+    s1, s2 = _steps(one), _steps(two)
+    assert sorted(s2) == [1, 2, 3, 4]
+    for step in s1:
+        assert _close(s2[step]["loss"], s1[step]["loss"]), (step, s1[step]["loss"], s2[step]["loss"])
+        assert _close(s2[step]["grad_norm"], s1[step]["grad_norm"], 1e-4)
+    if fast:  # the fused paths ran on rank 0's share, with no fallback
+        calls = s2[1]["fast_path_calls"]
+        assert calls.get("lora_linears") and calls.get("lora_mlp") and calls.get("rmsnorm:torch"), calls
+        assert not any(s["fallbacks"] for s in s2.values())
+    _same_adapters(two / "adapter", one / "adapter")
+    _same_adapters(two / "checkpoints" / "step-2" / "adapter", one / "checkpoints" / "step-2" / "adapter")
+
+
+def test_fsdp_checkpoint_is_full_loads_in_peft_and_resumes_on_one_process(tmp_path):
+    cfg1, cfg2 = _config(tmp_path, "one", "ddp"), _config(tmp_path, "two", "fsdp")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _train(cfg1, "--output", one).returncode == 0
+    r2 = _train(cfg2, "--output", two, "--gpus", 2)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    l1 = {k: v["loss"] for k, v in _steps(one).items()}
+
+    # The optimizer state is whole (AdamW's moments shaped like the full adapters).
+    opt1 = torch.load(one / "checkpoints" / "step-2" / "optimizer.pt", weights_only=True)
+    opt2 = torch.load(two / "checkpoints" / "step-2" / "optimizer.pt", weights_only=True)
+    assert opt1["state"].keys() == opt2["state"].keys()
+    for idx, s in opt1["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt2["state"][idx][key].shape == s[key].shape
+            assert _rel_err(opt2["state"][idx][key], s[key]) < 1e-3, (idx, key)
+
+    # A normal PEFT adapter: PEFT loads it onto the base and it holds the trained weights.
+    from peft import PeftModel
+
+    from engine.config import ModelConfig
+    from engine.models.loading import load_model
+
+    base = load_model(ModelConfig(name_or_path="demo"), "cpu", "float32")
+    peft_model = PeftModel.from_pretrained(base, str(two / "adapter"))
+    saved = load_file(str(two / "adapter" / "adapter_model.safetensors"))
+    params = dict(peft_model.named_parameters())
+    for k, v in saved.items():
+        name = k.replace(".weight", ".default.weight")
+        assert torch.equal(params[name].detach(), v), k
+
+    # The 2-process FSDP checkpoint of step 2, resumed by one process: steps 3-4 as uninterrupted.
+    resumed = _train(cfg2, "--resume", two / "checkpoints" / "step-2")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    after = {k: v["loss"] for k, v in _steps(two).items()}
+    for step in (3, 4):
+        assert _close(after[step], l1[step]), (step, after[step], l1[step])
+
+    # And the 1-process checkpoint resumed under FSDP on 2 processes.
+    back = _train(cfg2, "--resume", one / "checkpoints" / "step-2", "--gpus", 2)
+    assert back.returncode == 0, back.stderr[-3000:]
+    again = {k: v["loss"] for k, v in _steps(one).items()}
+    for step in (3, 4):
+        assert _close(again[step], l1[step]), (step, again[step], l1[step])
+
+
+def test_a_4bit_base_under_fsdp_is_refused_in_one_sentence(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({"model": {"load_in_4bit": True}, "training": {"distributed": "fsdp"}})
+    assert err.value.path == "training.distributed"
+    assert "a 4-bit base is not sharded across GPUs here: use DDP" in str(err.value)
+    assert FSDP_4BIT_REFUSAL in str(err.value)
+    with pytest.raises(ConfigError, match="must be one of 'auto', 'ddp', 'fsdp'"):
+        RunConfig.from_dict({"training": {"distributed": "zero3"}})
+    # The command line says it before anything starts (the window gets it as a Failed/validation error).
+    cfg = yaml.safe_load(_config(tmp_path, "q", "fsdp").read_text())
+    cfg["model"]["load_in_4bit"] = True
+    path = tmp_path / "q4.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = _train(path, "--output", tmp_path / "q4", "--gpus", 2)
+    assert r.returncode != 0 and "a 4-bit base is not sharded across GPUs here" in r.stderr
+
+
+def test_distributed_default_shards_only_a_base_over_one_device():
+    from types import SimpleNamespace
+
+    from engine.hardware import policy
+
+    budget = policy.Budget(True, 80 * 2**30, 96 * 2**30, 90 * 2**30, "VRAM", "datacenter")
+    # The decision reads the parameter count only.
+    big, small = SimpleNamespace(num_params=70_000_000_000), SimpleNamespace(num_params=8_000_000_000)
+    assert policy.distributed_default(budget, big, False)[0] == "fsdp"
+    assert policy.distributed_default(budget, small, False)[0] == "ddp"
+    assert policy.distributed_default(budget, big, True)[0] == "ddp"
+    assert policy.distributed_default(budget, None, False)[0] == "ddp"
+
+
+def test_bench_fsdp_runs_tiny(tmp_path):
+    out = tmp_path / "fsdp.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    args = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --vocab 512 --seq-len 128"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bench.fsdp"]
+        + args.split()
+        + ["--steps", "6", "--lr", "3e-3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads(out.read_text().splitlines()[-1])
+    assert rec["world_size"] == 2 and rec["steps_done"] == 6 and len(rec["losses"]) == 6
+    assert rec["learned"], rec["losses"]
+    assert rec["tokens_per_s_median"] > 0 and rec["shape"]["layers"] == 2
+    assert rec["fast_paths"]["lora_mlp"] == "on"
