@@ -9,7 +9,9 @@ frozen base and of the adapters instead of all of them:
   the root (the embeddings, final norm and LM head). Every forward goes through the root, so the
   root's parameters are gathered for the whole of forward_loss, the fused cross-entropy's read
   of the head weight included; inside a decoder layer's forward its parameters are plain
-  tensors, which is what the patched forwards (engine.fastpath) and the fused LoRA Functions read.
+  tensors, which is what the patched forwards (engine.fastpath) and the fused LoRA Functions read;
+  offloaded checkpointing wraps the whole layer call, FSDP's hooks included, so the recompute
+  gathers the layer again like the forward did.
 - gradients: FSDP reduce-scatters the adapter gradients (the frozen base has none) averaged over
   the ranks, like DDP, so the session scales each rank's loss by the world size exactly as it
   does for DDP. `sync_context` skips the reduction for all but a rank's last micro-batch.

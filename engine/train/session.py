@@ -459,13 +459,9 @@ class TrainingSession:
         model = load_model(config.model, load_on, config.model.dtype)
         with quiet_third_party():  # PEFT's FutureWarnings about transformers internals
             model = attach_lora(model, config.lora)
-        offload = t.offload
-        if self._fsdp and offload not in ("off", "auto"):
-            # The offloader runs each layer inside its own autograd Function, outside the hooks
-            # through which FSDP gathers the layer's shards for the backward.
-            self.log("Activation offload is off for an FSDP run: FSDP gathers each layer's weights", "warning")
-            offload = "off"
-        prepared = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=offload)
+        # Offloaded checkpointing works under FSDP too: the layer's FSDP hooks run inside the
+        # offloader's Function, gathering the weights for the forward and again for the recompute.
+        prepared = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=t.offload)
         self._model, self._offloader, self._fast = prepared.model, prepared.offloader, prepared.report
         self._forward_loss = forward_loss
         if self._fsdp:

@@ -42,6 +42,7 @@ def _config(tmp_path: Path, name: str, distributed: str, fast: bool = False) -> 
         # the layer weights: under FSDP they must see the gathered, plain tensors.
         cfg["fast_paths"] = {"kernels": True, "lora_autograd": True, "fused_ce": True}
         cfg["training"]["gradient_checkpointing"] = True
+        cfg["training"]["offload"] = "single"  # the layer call, FSDP's hooks included, in its Function
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -95,7 +96,8 @@ def test_fsdp_two_processes_learn_what_one_learns(tmp_path, fast):
     for step in s1:
         assert _close(s2[step]["loss"], s1[step]["loss"]), (step, s1[step]["loss"], s2[step]["loss"])
         assert _close(s2[step]["grad_norm"], s1[step]["grad_norm"], 1e-4)
-    if fast:  # the fused paths ran on rank 0's share, with no fallback
+    if fast:  # the fused paths and the offloader ran on rank 0's share, with no fallback
+        assert all(s["offload"] == "single" for s in s2.values())
         calls = s2[1]["fast_path_calls"]
         assert calls.get("lora_linears") and calls.get("lora_mlp") and calls.get("rmsnorm:torch"), calls
         assert not any(s["fallbacks"] for s in s2.values())
@@ -201,3 +203,49 @@ def test_bench_fsdp_runs_tiny(tmp_path):
     assert rec["learned"], rec["losses"]
     assert rec["tokens_per_s_median"] > 0 and rec["shape"]["layers"] == 2
     assert rec["fast_paths"]["lora_mlp"] == "on"
+
+
+_ROLLBACK_WORKER = """
+import sys
+from engine.config import RunConfig
+from engine.train.session import Faults, TrainingSession
+TrainingSession(RunConfig.load(sys.argv[1]), run_dir=sys.argv[2], faults=Faults(spike_at_steps=[13])).run()
+"""
+
+
+def test_fsdp_rollback_restores_each_ranks_shards(tmp_path):
+    """A loss spike at step 13 rolls back to the snapshot of step 10 (adapters and AdamW moments
+    as each rank's shards in host memory): the run goes on exactly as one process does."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(_ROLLBACK_WORKER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    runs = {}
+    for name, distributed, launch in (
+        ("one", "ddp", [sys.executable]),
+        ("two", "fsdp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]),
+    ):
+        cfg = yaml.safe_load(_config(tmp_path, name, distributed).read_text())
+        cfg["training"].update(max_steps=15, rows_per_micro_batch=1, warmup_steps=2, save_every=0, eval_every=0)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        r = subprocess.run(
+            launch + [str(worker), str(path), str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        events = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = events
+    for events in runs.values():
+        (back,) = [e for e in events if e["event"] == "RolledBack"]
+        assert (back["step"], back["to_step"], back["reason"]) == (13, 10, "spike")
+        assert events[-1]["event"] == "Finished"
+    l1 = [e["loss"] for e in runs["one"] if e["event"] == "StepMetrics"]
+    l2 = [e["loss"] for e in runs["two"] if e["event"] == "StepMetrics"]
+    assert len(l1) == len(l2) == 12 + 5  # steps 1-12, then 11-15 again after the rollback
+    for a, b in zip(l1, l2):
+        assert _close(a, b, 1e-4), (l1, l2)
+    _same_adapters(tmp_path / "two" / "adapter", tmp_path / "one" / "adapter")

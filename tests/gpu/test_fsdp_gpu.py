@@ -81,7 +81,7 @@ def data(root) -> Path:
     return write_text_jsonl(root / "data.jsonl", 1500, seed=0)
 
 
-def _config(root: Path, name: str, folder: Path, data: Path, distributed: str, **model) -> Path:
+def _config(root: Path, name: str, folder: Path, data: Path, distributed: str, offload="off", **model) -> Path:
     cfg = {
         "model": {"name_or_path": str(folder), "dtype": "bfloat16", "load_in_4bit": False, **model},
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
@@ -93,7 +93,7 @@ def _config(root: Path, name: str, folder: Path, data: Path, distributed: str, *
             "lr": 1e-3,
             "warmup_steps": 2,
             "gradient_checkpointing": True,
-            "offload": "off",
+            "offload": offload,
             "save_every": 10,
             "preflight": "off",
             "seed": 0,
@@ -134,14 +134,19 @@ def _ran(steps: list[dict]) -> list[str]:
     return problems
 
 
-def test_fsdp_on_two_gpus_learns_like_one_gpu(root, folder, data):
-    one = _train(_config(root, "one", folder, data, "ddp"))
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = _train(_config(root, "two", folder, data, "fsdp"), "--gpus", 2)
+@pytest.mark.parametrize("offload", ["off", "double"])
+def test_fsdp_on_two_gpus_learns_like_one_gpu(root, folder, data, offload):
+    if not (root / "runs" / "one" / "adapter").exists():  # the 1-GPU reference, shared by both cases
+        one = _train(_config(root, "one", folder, data, "ddp"))
+        assert one.returncode == 0, one.stderr[-3000:]
+    name = f"two-{offload}"
+    two = _train(_config(root, name, folder, data, "fsdp", offload=offload), "--gpus", 2)
     assert two.returncode == 0, two.stderr[-3000:]
-    s1, s2 = _steps(root / "runs" / "one"), _steps(root / "runs" / "two")
+    s1, s2 = _steps(root / "runs" / "one"), _steps(root / "runs" / name)
+    # The offloader ran on every step ("double", or "single (why)" when a buffer did not fit).
+    assert all(bool(s["offload"]) == (offload != "off") for s in s2), [s["offload"] for s in s2]
     assert [s["step"] for s in s2] == list(range(1, STEPS + 1))
-    log = (root / "runs" / "two" / "log.txt").read_text()
+    log = (root / "runs" / name / "log.txt").read_text()
     assert "FSDP2: the base and the adapters are sharded across 2 processes" in log
     l1, l2 = [s["loss"] for s in s1], [s["loss"] for s in s2]
     table = "\n".join(f"{i + 1:3d} {a:.4f} {b:.4f} {b / a - 1:+.2%}" for i, (a, b) in enumerate(zip(l1, l2)))
@@ -156,7 +161,7 @@ def test_fsdp_on_two_gpus_learns_like_one_gpu(root, folder, data):
     from safetensors.torch import load_file
 
     a1 = load_file(str(root / "runs" / "one" / "adapter" / "adapter_model.safetensors"))
-    a2 = load_file(str(root / "runs" / "two" / "adapter" / "adapter_model.safetensors"))
+    a2 = load_file(str(root / "runs" / name / "adapter" / "adapter_model.safetensors"))
     assert a1.keys() == a2.keys() and all(a1[k].shape == a2[k].shape for k in a1)
 
 
