@@ -23,11 +23,19 @@ frozen base and of the adapters instead of all of them:
 - `local_tree` / `restore_optimizer_local` are the in-memory rollback snapshot's view: each
   rank keeps its own shards in host memory (no gathering).
 
-Loading: each rank loads the model once into host memory (CPU), then `shard` moves one decoder
-layer at a time to its device and keeps only that rank's shard there, so no device ever holds
-the whole base; host RAM needs the 16-bit model once per rank (N x its bytes, less what the page
-cache shares between ranks' mmapped safetensors). A 4-bit base is refused up front
-(engine.config: FSDP2 would shard bitsandbytes' packed bytes without their quantization state).
+Loading: each rank loads the model once onto the CPU, then `shard` moves one decoder layer at a
+time to its device and keeps only that rank's shard there, so no device ever holds the whole
+base. Host RAM: transformers leaves CPU weights whose file dtype is the run's dtype as mmapped
+safetensors pages (measured: loading a 589 MiB bf16 folder and reading every weight adds ~583
+MiB of shared, not private, memory), so the ranks share one copy in the page cache: about the
+base's size once, plus a layer in flight per rank. Weights that need a dtype conversion (an fp16
+or fp32 folder trained in bf16) are private copies: N times the base's size then.
+
+A 4-bit base is refused up front (engine.config.FSDP_4BIT_REFUSAL). Tried with bitsandbytes 0.50
+on gloo: fully_shard turns a Params4bit (quant_storage bf16) into a plain DTensor and the gathered
+weight comes back without its quant_state ("quant_state is required" in the forward); with the
+state parked on the module, bitsandbytes' own forward recovers it, but the engine's fused paths
+read the weight's state, and loading would quantize the whole base on every GPU first.
 """
 
 from __future__ import annotations
