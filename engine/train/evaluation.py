@@ -16,6 +16,7 @@ the same on a resume and on every rank.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +27,10 @@ from typing import Optional
 # steps' time, not an epoch's).
 EVAL_MIN_EXAMPLES = 200
 EVAL_MAX_EXAMPLES = 200
+# training.eval_every "auto" spaces the evals so that all of them together cost at most this
+# share of the training compute (an eval token's forward costs about a third of a trained
+# token's forward + backward).
+EVAL_SHARE = 0.10
 # New tokens a gallery answer (and, by default, a probe reply) may have.
 GALLERY_NEW_TOKENS = 64
 # A held-out example of plain text has no prompt part: its first tokens (at most this many)
@@ -92,6 +97,16 @@ def load_heldout(data_config, source: str, tokenizer):
     docs, trained = prepared.docs[:EVAL_MAX_EXAMPLES], prepared.trained[:EVAL_MAX_EXAMPLES]
     capped = f" (the first {EVAL_MAX_EXAMPLES} of {len(prepared.docs)})" if len(prepared.docs) > len(docs) else ""
     return HeldOut(docs, trained, source), f"Eval loss on {plural(len(docs), 'example')} of {source}{capped}"
+
+
+def auto_eval_every(total_steps: int, heldout_tokens: int, step_tokens: float) -> int:
+    """Steps between evals for training.eval_every "auto": about 10 a run, fewer when the
+    held-out set is large against a step (a short run on a big data set), so the evals never
+    cost more than EVAL_SHARE of the training. The run's last step always has one."""
+    every = max(1, round(total_steps / 10))
+    if step_tokens > 0:
+        every = max(every, math.ceil(heldout_tokens / (3 * EVAL_SHARE * step_tokens)))
+    return min(every, max(1, total_steps))
 
 
 def eval_batches(held: HeldOut, row_tokens: int, rows_per_batch: int) -> list:

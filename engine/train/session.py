@@ -529,7 +529,12 @@ class TrainingSession:
         t = self.config.training
         every = t.eval_every
         if every == "auto":
-            every = max(1, round(self._total / 10))
+            from engine.train.evaluation import auto_eval_every
+
+            held = sum(len(d) for d in self._heldout.docs) if self._heldout is not None else 0
+            sizes = self._row_tokens()
+            step_tokens = sum(sizes) / max(1, len(sizes)) * self._plan.rows_per_mb * self._plan.grad_accum
+            every = auto_eval_every(self._total, held, step_tokens)
         self._eval_every = int(every) if self._heldout is not None else 0
         if t.early_stopping_patience and not self._eval_every:
             why = "there are no held-out examples" if self._heldout is None else "training.eval_every is 0"

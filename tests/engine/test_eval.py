@@ -145,3 +145,16 @@ def test_a_killed_run_is_not_running(tmp_path):
     assert not folder.is_running() and folder.summary().status == "incomplete"
     folder.lock()  # this process
     assert folder.is_running() and folder.summary().status == "running"
+
+
+def test_auto_eval_every_keeps_the_evals_a_small_share_of_the_training():
+    from engine.train.evaluation import EVAL_SHARE, auto_eval_every
+
+    # A long run with a small held-out set: about 10 evals.
+    assert auto_eval_every(1000, 20_000, 30_000) == 100
+    # A short run on a big data set (the held-out set is ~3.5 steps of tokens): evals spaced so
+    # that their forwards (a third of a trained token each) cost at most EVAL_SHARE.
+    every = auto_eval_every(20, 100_000, 28_672)
+    assert every == 12 and (100_000 / 3) / (every * 28_672) <= EVAL_SHARE
+    assert auto_eval_every(8, 10**7, 1_000) == 8  # never past the run's end: the last step has one
+    assert auto_eval_every(3, 0, 1_000) == 1
