@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--gpus",
         type=int,
-        help="train on N GPUs of this machine (torchrun, DDP over the adapters); without CUDA, N CPU processes",
+        help="train on N GPUs of this machine (torchrun; DDP, or FSDP2 with training.distributed: fsdp); "
+        "without CUDA, N CPU processes",
     )
     t.add_argument("--events-json", action="store_true", help="print every event as a JSON line (for the window)")
     t.set_defaults(func=cmd_train)

@@ -24,13 +24,13 @@ from engine.resources import DEMO_PRESET
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _config(tmp_path: Path, name: str, distributed: str, fast: bool = False) -> Path:
+def _config(tmp_path: Path, name: str, distributed: str, fast: bool = False, accum: int = 2) -> Path:
     cfg = yaml.safe_load(Path(DEMO_PRESET).read_text())
     cfg["model"]["dtype"] = "float32"
     cfg["training"].update(
         max_steps=4,
         rows_per_micro_batch=2,
-        grad_accum=2,  # two micro-batches a step: one per process
+        grad_accum=accum,  # 2: one micro-batch per process and step
         save_every=2,
         optimizer="adamw",
         device="cpu",
@@ -82,12 +82,14 @@ def _same_adapters(got: Path, want: Path, rel: float = 1e-4) -> None:
         assert _rel_err(a[k], b[k]) < rel, (k, _rel_err(a[k], b[k]))
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["stock", "fast-paths"])
-def test_fsdp_two_processes_learn_what_one_learns(tmp_path, fast):
+# The stock case deals 2 micro-batches to each process per step: the first accumulates without a
+# reduce-scatter (set_requires_gradient_sync(False)), the second reduces the sum.
+@pytest.mark.parametrize("fast,accum", [(False, 4), (True, 2)], ids=["stock-accum4", "fast-paths"])
+def test_fsdp_two_processes_learn_what_one_learns(tmp_path, fast, accum):
     one, two = tmp_path / "one", tmp_path / "two"
-    r1 = _train(_config(tmp_path, "one", "ddp", fast), "--output", one)  # one process ignores the switch
+    r1 = _train(_config(tmp_path, "one", "ddp", fast, accum), "--output", one)  # one process ignores the switch
     assert r1.returncode == 0, r1.stderr[-2000:]
-    r2 = _train(_config(tmp_path, "two", "fsdp", fast), "--output", two, "--gpus", 2)
+    r2 = _train(_config(tmp_path, "two", "fsdp", fast, accum), "--output", two, "--gpus", 2)
     assert r2.returncode == 0, r2.stderr[-3000:]
     log = (two / "log.txt").read_text()
     assert "FSDP2: the base and the adapters are sharded across 2 processes" in log
