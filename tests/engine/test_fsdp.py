@@ -184,15 +184,14 @@ def test_distributed_default_shards_only_a_base_over_one_device():
     assert policy.distributed_default(budget, None, False)[0] == "ddp"
 
 
-def test_bench_fsdp_runs_tiny(tmp_path):
-    out = tmp_path / "fsdp.jsonl"
+def _bench(out: Path, *extra: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     args = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --vocab 512 --seq-len 128"
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bench.fsdp"]
         + args.split()
-        + ["--steps", "6", "--lr", "3e-3", "--out", str(out)],
+        + [*extra, "--out", str(out)],
         capture_output=True,
         text=True,
         env=env,
@@ -200,11 +199,20 @@ def test_bench_fsdp_runs_tiny(tmp_path):
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    rec = json.loads(out.read_text().splitlines()[-1])
+    return json.loads(out.read_text().splitlines()[-1])
+
+
+def test_bench_fsdp_runs_tiny(tmp_path):
+    out = tmp_path / "fsdp.jsonl"
+    rec = _bench(out, "--steps", "6", "--lr", "3e-3")
     assert rec["world_size"] == 2 and rec["steps_done"] == 6 and len(rec["losses"]) == 6
     assert rec["learned"], rec["losses"]
     assert rec["tokens_per_s_median"] > 0 and rec["shape"]["layers"] == 2
-    assert rec["fast_paths"]["lora_mlp"] == "on"
+    assert rec["fast_paths"]["lora_mlp"] == "on" and not rec["stopped_early"]
+    # A time limit: it stops between steps and still appends what it measured.
+    rec = _bench(out, "--steps", "100000", "--max-seconds", "15")
+    assert rec["stopped_early"] and 1 <= rec["steps_done"] < 100000 == rec["steps"]
+    assert len(out.read_text().splitlines()) == 2
 
 
 _ROLLBACK_WORKER = """
