@@ -93,6 +93,8 @@ SNAPSHOT_EVERY = 10
 # The pre-flight grows an automatic micro-batch while its measured peak stays under this share of
 # the memory budget (the rest absorbs longer rows than the rehearsed ones and fragmentation).
 GROW_FILL = 0.85
+# ... and only by at least this factor: a few more rows per forward are not worth a rehearsal.
+GROW_MIN = 1.2
 # Recent good losses the spike check takes the median of, and how many it needs first.
 SPIKE_WINDOW = 20
 SPIKE_MIN_HISTORY = 5
@@ -792,9 +794,8 @@ class TrainingSession:
         micro-batches, each split into forwards of at most `_exec_rows` rows."""
         e, per_mb = self._exec_rows, self._plan.rows_per_mb
         planned = self._plan.micro_batches(step)
-        if e > per_mb:  # the pre-flight found room: k whole micro-batches per forward
-            k = e // per_mb
-            planned = [[r for mb in planned[i : i + k] for r in mb] for i in range(0, len(planned), k)]
+        if e > per_mb:  # the pre-flight found room: the step's rows, e to a forward
+            planned = [[r for mb in planned for r in mb]]
         return [
             (len(row_ids[i : i + e]), self._batch(row_ids[i : i + e]))
             for row_ids in planned
@@ -941,7 +942,7 @@ class TrainingSession:
     def _forwards_per_step(self) -> int:
         per_mb = self._plan.rows_per_mb
         if self._exec_rows > per_mb:
-            return math.ceil(self._plan.grad_accum / (self._exec_rows // per_mb))
+            return math.ceil(per_mb * self._plan.grad_accum / self._exec_rows)
         return self._plan.grad_accum * math.ceil(per_mb / self._exec_rows)
 
     def _apply_memory_change(self, change: tuple[str, Any, Any], phase: str, step: int, why: str) -> None:
@@ -1121,11 +1122,11 @@ class TrainingSession:
 
     def _grow_to_fill(self, measured: tuple[int, float, int]) -> tuple[tuple[int, float, int], int]:
         """Where the policy's formula left much of the memory budget unused (it over-estimates,
-        a 4-bit base most), merge the step's micro-batches into fewer, larger forwards: k of
-        them in one forward trains the same rows with the same loss normaliser, so the
-        optimisation is unchanged and only the memory use and speed differ. Only when the
-        micro-batch was the policy's choice; the grown size is rehearsed, and dropped again if
-        it does not fit. Returns the measurement to report and the extra rehearsals run."""
+        a 4-bit base most), run the step's rows in fewer, larger forwards: the same rows with
+        the same loss normaliser, so the optimisation is unchanged and only the memory use and
+        speed differ. Only when the micro-batch was the policy's choice; the grown size is
+        rehearsed, and dropped again if it does not fit. Returns the measurement to report and
+        the extra rehearsals run."""
         import torch
 
         from engine.hardware import policy
@@ -1144,11 +1145,11 @@ class TrainingSession:
         resident = torch.cuda.memory_allocated(self._device) + moments  # weights, adapters, optimizer
         per_row = max(1, (peak_reserved + moments - resident) / rows)
         target = GROW_FILL * budget.memory
-        k = merge_factor(resident, per_row, rows, accum, target)
-        if k == 1:
+        grown_to = grown_rows(resident, per_row, rows, accum, target)
+        if grown_to == rows:
             return measured, 0
         before = self._exec_rows
-        self._exec_rows = k * rows
+        self._exec_rows = grown_to
         try:
             grown = self._rehearse()
             fits = torch.cuda.max_memory_reserved(self._device) + moments <= budget.memory
@@ -1159,7 +1160,7 @@ class TrainingSession:
             grown, fits = None, False
         if not fits:
             self._exec_rows = before
-            self.log(f"Pre-flight: {plural(k * rows, 'row')} per forward did not fit the memory budget; kept {before}")
+            self.log(f"Pre-flight: {plural(grown_to, 'row')} per forward did not fit the memory budget; kept {before}")
             return measured, 1
         change = ("micro_batch", before, self._exec_rows)
         self._announce_memory_change(
@@ -1543,16 +1544,15 @@ def _is_oom(exc: BaseException) -> bool:
     )
 
 
-def merge_factor(resident: float, per_row: float, rows: int, accum: int, target: float) -> int:
-    """How many of a step's `accum` micro-batches (of `rows` rows) one forward can hold: the
-    largest divisor of `accum` whose forward stays under `target` bytes (`resident` + rows x
-    `per_row`, both measured); 1 when none does. No token ceiling: merging shortens a step
-    (the same rows in fewer forwards), so pause and stop answer as soon as before."""
-    k = 1
-    for d in range(2, accum + 1):
-        if accum % d == 0 and resident + d * rows * per_row <= target:
-            k = d
-    return k
+def grown_rows(resident: float, per_row: float, rows: int, accum: int, target: float) -> int:
+    """Rows per forward once the rehearsal measured the memory: as many of the step's
+    `rows` x `accum` rows as stay under `target` bytes (`resident` + rows x `per_row`, both
+    measured), or `rows` when that is not at least GROW_MIN times more. No token ceiling:
+    more rows per forward shortens a step (the same rows in fewer forwards), so pause and stop
+    answer as soon as before."""
+    fit = int((target - resident) // max(per_row, 1.0))
+    most = min(rows * accum, fit)
+    return most if most >= GROW_MIN * rows else rows
 
 
 def _rng_state() -> dict:

@@ -104,25 +104,26 @@ def test_preflight_and_spike_factor_are_validated():
         RunConfig.from_dict({"training": {"spike_factor": 0.5}})
 
 
-def test_merge_factor_fills_the_measured_room():
-    from engine.train.session import merge_factor
+def test_grown_rows_fill_the_measured_room():
+    from engine.train.session import grown_rows
 
     gib = 2**30
-    # 2 GiB resident, 0.5 GiB a row, 2-row micro-batches, 8 per step, 6 GiB to fill: 4 fit.
-    assert merge_factor(2 * gib, gib / 2, 2, 8, 6 * gib) == 4
-    assert merge_factor(2 * gib, gib / 2, 2, 8, 2.5 * gib) == 1  # no room
-    assert merge_factor(2 * gib, gib / 2, 2, 6, 5.5 * gib) == 3  # divisors of the accumulation only
-    assert merge_factor(2 * gib, gib / 2, 2, 1, 100 * gib) == 1  # nothing to merge
+    # 2 GiB resident, 0.5 GiB a row, 2-row micro-batches, 8 per step, 6 GiB to fill: 8 rows fit.
+    assert grown_rows(2 * gib, gib / 2, 2, 8, 6 * gib) == 8
+    assert grown_rows(2 * gib, gib / 2, 14, 2, 11 * gib) == 18  # not only whole micro-batches
+    assert grown_rows(2 * gib, gib / 2, 2, 8, 100 * gib) == 16  # at most the step's rows
+    assert grown_rows(2 * gib, gib / 2, 10, 4, 7.5 * gib) == 10  # 11 rows: not worth a rehearsal
+    assert grown_rows(2 * gib, gib / 2, 2, 8, 2.5 * gib) == 2  # no room
 
 
 def test_merged_micro_batches_train_like_the_planned_ones(tmp_path, monkeypatch):
-    """When the rehearsal measures room (CUDA), whole micro-batches of a step share one forward:
+    """When the rehearsal measures room (CUDA), the step's rows go in fewer, larger forwards:
     the same rows and loss normaliser, so the same losses as one forward per micro-batch."""
     _, planned = train(config(tmp_path, rows=1, accum=4), tmp_path / "planned")
     forwards = []
 
     def grow(self, measured):
-        self._exec_rows = 4  # what _grow_to_fill sets when 4 of the 1-row micro-batches fit
+        self._exec_rows = 3  # what _grow_to_fill sets when 3 rows fit (the step has 4)
         return measured, 0
 
     monkeypatch.setattr(TrainingSession, "_grow_to_fill", grow)
@@ -131,7 +132,7 @@ def test_merged_micro_batches_train_like_the_planned_ones(tmp_path, monkeypatch)
         TrainingSession, "_micro_batches", lambda self, step: forwards.append(real(self, step)) or forwards[-1]
     )
     result, events = train(config(tmp_path, rows=1, accum=4), tmp_path / "run")
-    assert [[rows for rows, _ in step] for step in forwards] == [[4]] * 4  # one forward of 4 rows a step
+    assert [[rows for rows, _ in step] for step in forwards] == [[3, 1]] * 4  # 4 rows a step in 2 forwards
     (pre,) = [e for e in events if isinstance(e, PreflightResult)]
-    assert (pre.rows_per_micro_batch, pre.micro_batches_per_step) == (4, 1)
+    assert (pre.rows_per_micro_batch, pre.micro_batches_per_step) == (3, 2)
     assert losses(events) == pytest.approx(losses(planned), rel=1e-5)
