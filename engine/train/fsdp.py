@@ -29,7 +29,8 @@ base. Host RAM: transformers leaves CPU weights whose file dtype is the run's dt
 safetensors pages (measured: loading a 589 MiB bf16 folder and reading every weight adds ~583
 MiB of shared, not private, memory), so the ranks share one copy in the page cache: about the
 base's size once, plus a layer in flight per rank. Weights that need a dtype conversion (an fp16
-or fp32 folder trained in bf16) are private copies: N times the base's size then.
+or fp32 folder trained in bf16) become private copies, so then N times the base's size (not
+measured).
 
 A 4-bit base is refused up front (engine.config.FSDP_4BIT_REFUSAL). Tried with bitsandbytes 0.50
 on gloo: fully_shard turns a Params4bit (quant_storage bf16) into a plain DTensor and the gathered
@@ -44,8 +45,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-
-from engine.config import FSDP_4BIT_REFUSAL as FOUR_BIT_REFUSAL  # noqa: F401  (re-exported)
 
 
 def is_dtensor(t) -> bool:
