@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=LLAMA_70B["vocab"])
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per rank and step (one packed row)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="high enough that 8 steps show the fall")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bf16 on CUDA")
     p.add_argument("--no-fast-paths", action="store_true", help="the stock transformers modules")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop between steps before this (0: no limit)")
