@@ -113,7 +113,9 @@ class MemoryAdjusted(Event):
     pre-flight rehearsal (phase "preflight", step 0) before any step; mid-run (phase "step")
     the step's partial gradients were dropped and `step` runs again from its start. Lowering
     the micro-batch keeps the global batch (more micro-batches per step), so the optimisation
-    is unchanged."""
+    is unchanged. The one change that raises a setting: a pre-flight whose measured peak left
+    much of the memory budget unused puts more of the step's rows in a forward
+    (setting "micro_batch", after > before), again the same rows per optimizer step."""
 
     step: int  # the optimizer step (1-based) that runs again; 0 in the pre-flight
     phase: str  # "preflight" | "step"

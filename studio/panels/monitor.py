@@ -383,6 +383,9 @@ class MonitorPanel(QWidget):
         kind = getattr(ev, "kind", "")
         if kind == "PreflightResult":
             self.show_preflight(ev)
+        elif kind == "MemoryAdjusted" and ev.setting == "micro_batch" and ev.after > ev.before:
+            # The rehearsal measured room the formula did not see: news, not a problem.
+            self._warn(f"The pre-flight measured room on the card. Changed: {ev.message}", "info")
         elif kind == "MemoryAdjusted":
             where = "in the pre-flight rehearsal" if ev.phase == "preflight" else f"at step {ev.step}"
             self._warn(f"Ran out of memory {where}. Changed: {ev.message} Nothing is lost; the loss curve continues.")

@@ -142,3 +142,23 @@ def test_the_window_routes_recovery_events_to_the_monitor_and_train_pages(tmp_pa
 
     window._on_event(Paused(3, reason="The disk at / is full"))
     assert m.status.text().startswith("Paused at step 3: The disk at / is full")
+
+
+def test_a_preflight_that_found_room_is_news_not_a_warning(monitor):
+    from engine.events import MemoryAdjusted
+
+    grown = MemoryAdjusted(
+        0,
+        "preflight",
+        "micro_batch",
+        14,
+        20,
+        "micro-batch 14 → 20 rows (2 forwards per step, the same 28 rows per optimizer step): "
+        "the rehearsal measured room in the 7.2 GiB VRAM budget.",
+        20,
+        2,
+    )
+    assert monitor.notice(grown)
+    assert monitor.banner.level == "info"
+    assert monitor.notices[-1].startswith("The pre-flight measured room on the card. Changed: micro-batch 14 → 20")
+    assert "Ran out of memory" not in monitor.banner.text()
