@@ -259,3 +259,39 @@ def test_fsdp_rollback_restores_each_ranks_shards(tmp_path):
     for a, b in zip(l1, l2):
         assert _close(a, b, 1e-4), (l1, l2)
     _same_adapters(tmp_path / "two" / "adapter", tmp_path / "one" / "adapter")
+
+
+def test_fsdp_stop_from_the_control_file_saves_and_ends_every_rank(tmp_path):
+    """The window's stop reaches rank 0 through the run's control file; every rank agrees, takes
+    part in gathering the checkpoint, and the run ends stopped (no rank left in a collective)."""
+    import time
+
+    cfg = yaml.safe_load(_config(tmp_path, "stop", "fsdp").read_text())
+    cfg["training"]["max_steps"] = 400
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine", "train", str(path), "--output", str(run), "--gpus", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (run / "checkpoints" / "step-2").exists() and proc.poll() is None:
+            time.sleep(0.5)
+        assert (run / "checkpoints" / "step-2").exists(), proc.communicate()[1][-2000:]
+        (run / "control").write_text("stop")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert "stopped: steps=" in out + err
+    last = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    assert 2 <= last < 400
+    assert (run / "checkpoints" / f"step-{last}" / "adapter" / "adapter_model.safetensors").exists()
