@@ -248,7 +248,7 @@ class TrainingSession:
             return self._run()
         except Exception as exc:  # every failure becomes an event the person can act on
             event = Failed(
-                _human_message(exc),
+                _human_message(exc, self._oom_advice),
                 traceback.format_exc(),
                 str(self.last_checkpoint) if self.last_checkpoint else None,
             )
@@ -258,6 +258,27 @@ class TrainingSession:
             finally:
                 self._close()
             return event
+
+    def _oom_advice(self) -> str:
+        """What is left to lower after running out of memory: only the settings not already at
+        their leanest (telling someone with checkpointing on to turn it on helps nobody)."""
+        cfg = self.config
+        rows = getattr(self, "_exec_rows", None)
+        ckpt = getattr(self, "_checkpointing", cfg.training.gradient_checkpointing is True)
+        offloader = getattr(self, "_offloader", None)
+        advice = []
+        if rows is None or rows > 1:
+            advice.append("lower training.rows_per_micro_batch" + (f" (now {rows})" if rows else ""))
+        advice.append(f"lower data.max_seq_len (now {cfg.data.max_seq_len})")
+        if not ckpt:
+            advice.append("turn on gradient checkpointing")
+        elif offloader is None:
+            advice.append("turn on activation offload (training.offload: single)")
+        if cfg.model.load_in_4bit is not True:
+            advice.append("load the model in 4 bits (model.load_in_4bit: true)")
+        if cfg.lora.r > 16:
+            advice.append(f"use a smaller LoRA rank (lora.r, now {cfg.lora.r})")
+        return "; ".join(advice)
 
     def _close(self) -> None:
         for f in (self._metrics_file, self._log_file):
@@ -1640,7 +1661,7 @@ def _host_total() -> int:
     return psutil.virtual_memory().total
 
 
-def _human_message(exc: Exception) -> str:
+def _human_message(exc: Exception, oom_advice: Callable[[], str] | None = None) -> str:
     from engine.config import ConfigError
     from engine.data.sources import DataError
     from engine.models.loading import ModelLoadError
@@ -1659,8 +1680,14 @@ def _human_message(exc: Exception) -> str:
         return "The disk is full: free some space, then resume the run."
     name = type(exc).__name__
     if "OutOfMemory" in name or "out of memory" in str(exc).lower():
-        return (
-            "Out of GPU memory. Lower training.rows_per_micro_batch or data.max_seq_len, turn on "
-            "gradient checkpointing, or load the model in 4 bits (model.load_in_4bit: true)."
+        try:
+            advice = oom_advice() if oom_advice is not None else ""
+        except Exception:  # a failure early in the setup: the settings are not all known yet
+            advice = ""
+        advice = advice or (
+            "lower training.rows_per_micro_batch or data.max_seq_len, turn on gradient checkpointing, "
+            "or load the model in 4 bits (model.load_in_4bit: true)"
         )
+        return f"Out of GPU memory. To fit: {advice}."
+
     return f"Training failed: {name}: {exc}"

@@ -135,6 +135,23 @@ def test_out_of_memory_at_one_row_turns_on_checkpointing_then_offload(tmp_path, 
     assert losses(events) == pytest.approx(straight, rel=1e-4)
 
 
+def test_out_of_memory_with_nothing_left_to_lower_names_only_what_is_left(tmp_path):
+    # Nothing fits from step 2 on: the run lowers all it can, then ends with advice that does
+    # not repeat what is already on (checkpointing, offload, one row).
+    cfg = config(tmp_path, gradient_checkpointing=False, offload="off")
+    _, result, events = train(cfg, tmp_path / "run", Faults(oom_when=lambda a: a["step"] >= 2 and not a["rehearsal"]))
+    assert isinstance(result, Failed), result
+    assert [e.setting for e in events if isinstance(e, MemoryAdjusted)] == [
+        "micro_batch",
+        "gradient_checkpointing",
+        "offload",
+    ]
+    msg = result.message
+    assert msg.startswith("Out of GPU memory. To fit: lower data.max_seq_len (now 128)"), msg
+    assert "rows_per_micro_batch" not in msg and "checkpointing" not in msg and "offload" not in msg
+    assert "model.load_in_4bit: true" in msg
+
+
 # -- NaN and loss spikes ------------------------------------------------------------------------------
 
 
