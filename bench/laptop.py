@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             rc, err = "timeout", (exc.stderr or b"").decode("utf-8", "replace") if isinstance(exc.stderr, bytes) else ""
         rec = {"case": case, "cap_gib": cap, "card": card_for(cap), "model": name, "qlora": qlora, "rc": rc}
         rec.update(overrides=overrides, grad_accum_override=args.grad_accum or None, parallel=args.parallel)
+        rec["commit"] = os.environ.get("TUNESMITH_COMMIT") or _commit()
+        rec["steps_asked"] = args.steps
         rec["wall_s"] = round(time.monotonic() - start, 1)
         rec["folder_build_s"] = build_s
         if (run / "metrics.jsonl").exists():
@@ -305,6 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+        return out.stdout.strip() or "-"
+    except OSError:
+        return "-"
+
+
 def _timed_folder(root: Path, name: str) -> tuple[Path, float]:
     t = time.monotonic()
     folder = model_folder(root, name)
@@ -315,10 +325,24 @@ def _timed_folder(root: Path, name: str) -> tuple[Path, float]:
 def table(path: str) -> str:
     rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
     out = [
-        "| cap (card) | model | chosen | peak | of cap | tokens/s | loss first -> last | outcome |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cap (card) | model | chosen | steps | peak | of cap | tokens/s | loss first -> last | outcome | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        card = f"{r['cap_gib']} GiB ({r['card'].replace('NVIDIA GeForce ', '')})"
+        model = f"{r['model']}{' QLoRA' if r.get('qlora') else ''}"
+        if r.get("overrides"):
+            model += " (" + ", ".join(f"{k} {v}" for k, v in r["overrides"].items()) + ")"
+        outcome = r.get("outcome") or "-"
+        if r.get("rc") == "timeout" and r.get("steps", 0) >= r.get("steps_asked", 0) > 0:
+            outcome = f"all {r['steps']} steps; the case's time limit came during the final eval and save"
+        elif r.get("rc") == "timeout":
+            outcome = f"{r.get('steps', 0)} of {r.get('steps_asked', '?')} steps in the case's time limit"
+        elif r.get("rc") not in (0, None):
+            outcome = f"{outcome}: {(r.get('error') or '')[:140]}"
+        if not r.get("steps"):
+            out.append(f"| {card} | {model} | - | 0 | - | - | - | - | {outcome} | {r.get('commit', '-')} |")
+            continue
         c = r.get("chosen") or {}
         chosen = (
             f"{'4-bit' if c.get('load_in_4bit') else '16-bit'}, {c.get('rows_per_micro_batch')} row(s) of "
@@ -328,14 +352,13 @@ def table(path: str) -> str:
         pre = r.get("preflight") or {}
         if pre.get("rows_per_micro_batch") and pre["rows_per_micro_batch"] != c.get("rows_per_micro_batch"):
             chosen += f"; pre-flight: {pre['rows_per_micro_batch']} rows per forward"
+        if (r.get("parallel") or 1) > 1:
+            chosen += f" [{r['parallel']} cases shared the GPU]"
         out.append(
-            f"| {r['cap_gib']} GiB ({r['card'].replace('NVIDIA GeForce ', '')}) | {r['model']}"
-            f"{' QLoRA' if r.get('qlora') else ''} | {chosen} | {r.get('peak_gib', '-')} GiB | "
+            f"| {card} | {model} | {chosen} | {r.get('steps')} | {r.get('peak_gib', '-')} GiB | "
             f"{100 * r['cap_used']:.0f}% | {r.get('tokens_per_s', 0):,} | "
-            f"{r.get('loss_first', float('nan')):.3f} -> {r.get('loss_last', float('nan')):.3f} | "
-            f"{r.get('outcome')}{'' if r.get('rc') == 0 else ' (rc ' + str(r.get('rc')) + ')'} |"
-            if r.get("steps")
-            else f"| {r['cap_gib']} GiB | {r['model']} | - | - | - | - | - | {r.get('outcome')} rc {r.get('rc')} |"
+            f"{r.get('loss_first', float('nan')):.3f} -> {r.get('loss_last', float('nan')):.3f} | {outcome} | "
+            f"{r.get('commit', '-')} |"
         )
     return "\n".join(out)
 

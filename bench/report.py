@@ -637,9 +637,75 @@ def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD
                 f"{r.get('gpu')} | {(r.get('date') or '')[:16]} |"
             )
         out.append("")
+    if Path(results) == DEFAULT_RESULTS:
+        out += multi_gpu_section(MULTI_GPU) + laptop_section(LAPTOP)
     text = "\n".join(out).rstrip() + "\n"
     Path(md).write_text(text, encoding="utf-8")
     return text
+
+
+# Records of the benches that run `tunesmith train` itself (bench.ddp, bench.fsdp, bench.laptop),
+# committed beside results.jsonl; a record with "missing" says why a measurement is not there.
+MULTI_GPU = BENCH_DIR / "results" / "multi_gpu.jsonl"
+LAPTOP = BENCH_DIR / "results" / "laptop.jsonl"
+
+
+def multi_gpu_section(path: Path) -> list[str]:
+    """DDP (1 GPU against N in one call, same global batch) and FSDP2 rows."""
+    if not path.exists():
+        return []
+    out = ["## More than one GPU (bench.ddp, bench.fsdp)", ""]
+    out += [
+        "| bench | model | GPUs | tokens/s (whole world) | vs 1 GPU (same call) | peak GiB per GPU "
+        "| loss first -> last | commit | date | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in read_records(path):
+        date, commit = (r.get("time") or r.get("date") or "")[:16], (r.get("commit") or "")[:10]
+        if r.get("bench") == "fsdp":
+            shape = r.get("shape") or {}
+            losses = r.get("losses") or []
+            out.append(
+                f"| fsdp | {r.get('model', 'Llama-3.1-70B shape')} ({shape.get('layers')} layers, "
+                f"{_fmt((r.get('base_params') or 0) / 1e9, '.1f')}B bf16, LoRA r=16) | {r.get('world_size')} | "
+                f"{_fmt(r.get('tokens_per_s_median'), ',.0f')} | - | "
+                f"{' / '.join(str(x) for x in r.get('peak_mem_gib_per_gpu') or [])} | "
+                f"{_fmt(losses[0] if losses else None, '.3f')} -> {_fmt(losses[-1] if losses else None, '.3f')} | "
+                f"{commit} | {date} | {r.get('note', '')} |"
+            )
+        elif r.get("bench") == "ddp":
+            n = r.get("gpus")
+            loss = r.get(f"loss_{n}") or []
+            out.append(
+                f"| ddp | {r.get('model')} | {n} | {_fmt(r.get(f'tokens_per_s_{n}'), ',.0f')} | "
+                f"{_fmt(r.get('speedup'), '.2f')}x | {_fmt(r.get(f'peak_gib_{n}'), '.2f')} | "
+                f"{_fmt(loss[0] if loss else None, '.3f')} -> {_fmt(loss[-1] if loss else None, '.3f')} | "
+                f"{commit} | {date} | {r.get('note', '')} |"
+            )
+        else:
+            out.append(
+                f"| {r.get('bench')} | {r.get('model', '-')} | {r.get('gpus', '-')} | missing | - | - | - "
+                f"| {commit} | {date} | {r.get('missing')} |"
+            )
+    return out + [""]
+
+
+def laptop_section(path: Path) -> list[str]:
+    """The laptop cards emulated on the H200 (WORKLOADS.md W8): bench.laptop's table."""
+    if not path.exists():
+        return []
+    from bench.laptop import table
+
+    return [
+        "## Laptop cards emulated on the H200 (bench.laptop, W8)",
+        "",
+        "`tunesmith train` on a studio preset with every setting auto, the process capped at the card's size "
+        "(TUNESMITH_EMULATE_GPU). Peak is torch's peak allocated memory; tokens/s is an H200's under the cap "
+        "(shared by the cases that ran side by side, see `parallel`), not a laptop's.",
+        "",
+        table(str(path)),
+        "",
+    ]
 
 
 def progress(msg: str) -> None:

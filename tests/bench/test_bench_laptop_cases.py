@@ -31,3 +31,34 @@ def test_the_case_config_is_the_preset_with_the_case_settings(tmp_path):
     plain = RunConfig.load(run_config(tmp_path / "model", data, False, 20, tmp_path / "runs" / "b", accum=1))
     assert plain.model.load_in_4bit == "auto"  # the quality preset: 4-bit only where 16-bit does not fit
     assert plain.training.rows_per_micro_batch == "auto" and plain.training.grad_accum == 1
+
+
+def test_results_md_has_the_multi_gpu_and_laptop_rows(tmp_path):
+    """The records of bench.fsdp / bench.ddp / bench.laptop become their own RESULTS.md rows,
+    and a measurement that is missing says why."""
+    import json
+
+    from bench.report import laptop_section, multi_gpu_section
+
+    multi = tmp_path / "multi_gpu.jsonl"
+    fsdp = {"bench": "fsdp", "model": "Llama-3.1-70B shape", "world_size": 2, "shape": {"layers": 80}}
+    fsdp.update(base_params=70.5e9, tokens_per_s_median=2415.5, peak_mem_gib_per_gpu=[81.5, 81.5], losses=[13.4, 7.5])
+    ddp = {"bench": "ddp", "model": "qwen3-8b", "gpus": 2, "tokens_per_s_2": 20000, "speedup": 1.9, "peak_gib_2": 19}
+    ddp.update(loss_2=[12.0, 9.0])
+    missing = {"bench": "ddp-missing", "model": "qwen3-8b", "gpus": 2, "missing": "the call ran out of time"}
+    multi.write_text("".join(json.dumps(r) + "\n" for r in (fsdp, ddp, missing)))
+    text = "\n".join(multi_gpu_section(multi))
+    assert "| fsdp | Llama-3.1-70B shape (80 layers, 70.5B bf16, LoRA r=16) | 2 | 2,416 |" in text
+    assert "| ddp | qwen3-8b | 2 | 20,000 | 1.90x | 19.00 | 12.000 -> 9.000 |" in text
+    assert "| missing |" in text and "the call ran out of time" in text
+
+    laptop = tmp_path / "laptop.jsonl"
+    rec = {"case": "8:qwen3-4b-qlora", "cap_gib": 8, "card": "NVIDIA GeForce RTX 4060 Laptop GPU", "model": "qwen3-4b"}
+    rec.update(qlora=True, rc=0, steps=20, steps_asked=20, peak_gib=6.0, cap_used=0.75, tokens_per_s=5000)
+    rec.update(loss_first=12.4, loss_last=5.6, outcome="Finished", commit="abc1234", parallel=1)
+    rec.update(chosen={"load_in_4bit": True, "rows_per_micro_batch": 14, "grad_accum": 2, "max_seq_len": 1024})
+    rec.update(preflight={"rows_per_micro_batch": 17})
+    laptop.write_text(json.dumps(rec) + "\n")
+    row = laptop_section(laptop)[4].splitlines()[2]
+    assert row.startswith("| 8 GiB (RTX 4060 Laptop GPU) | qwen3-4b QLoRA | 4-bit, 14 row(s) of 1024 x 2 accum")
+    assert "pre-flight: 17 rows per forward" in row and "| 20 | 6.0 GiB | 75% | 5,000 |" in row
