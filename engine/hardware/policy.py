@@ -28,7 +28,7 @@ warnings. `format_profile` is the text `tunesmith hw` prints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -239,11 +239,18 @@ class Sizer:
     seq: int
     r: int
     ce_chunk_tokens: int
+    shards: int = 1  # FSDP across this many processes: each device holds 1/shards of the base
 
     def __call__(self, mode: str, tokens: int, ckpt: bool, offload: str) -> int:
-        return est.estimate_vram(
+        parts = est.estimate_breakdown(
             self.info, self.seq, self.r, mode, tokens, ckpt, offload=offload, ce_chunk_tokens=self.ce_chunk_tokens
         )
+        if self.shards <= 1:
+            return parts.total
+        # FSDP2: a device keeps its shard of the base and, while a layer runs, that layer
+        # gathered whole, with the next one prefetched (two layers of 16-bit weights).
+        layer = parts.weights / max(1, self.info.num_layers)
+        return parts.total - parts.weights + int(parts.weights / self.shards + 2 * layer)
 
 
 def training_mode(load_in_4bit: Any, dtype: str) -> str:
@@ -346,22 +353,28 @@ def load_in_4bit_for_fsdp() -> Decision:
     return False, "training.distributed is fsdp: the 16-bit base is sharded across the GPUs (4-bit cannot be)"
 
 
+# A 16-bit base over this share of one device's budget leaves too little for the training
+# itself (adapters, optimizer, activations, the loss): several processes shard it (FSDP2).
+FSDP_WEIGHTS_SHARE = 0.8
+
+
 def distributed_default(budget: Budget, info: est.ModelInfo | None, load_in_4bit: Any) -> Decision:
     """How several processes share the work (one process ignores it): DDP (the whole base on
-    every device, adapter gradients all-reduced) unless the 16-bit base alone is over one
-    device's budget, then FSDP2 (the base sharded per decoder layer). A 4-bit base stays DDP."""
+    every device, adapter gradients all-reduced) unless the 16-bit base alone takes more than
+    FSDP_WEIGHTS_SHARE of one device's budget, then FSDP2 (the base sharded per decoder layer).
+    A 4-bit base stays DDP."""
     if load_in_4bit is True:
         return "ddp", "a 4-bit base is not sharded: each GPU holds it whole"
     if info is None:
         return "ddp", "model size not known yet: each GPU holds the whole base"
     weights = info.num_params * 2
-    if weights > budget.memory:
+    if weights > FSDP_WEIGHTS_SHARE * budget.memory:
         return "fsdp", (
-            f"the 16-bit base of {_params(info)} parameters (~{_gib(weights)}) is over one device's {budget}: "
-            "FSDP2 shards it across the GPUs"
+            f"the 16-bit base of {_params(info)} parameters (~{_gib(weights)}) leaves too little of one device's "
+            f"{budget} for training: FSDP2 shards it across the GPUs"
         )
     return "ddp", (
-        f"the 16-bit base (~{_gib(weights)}) fits one device's {budget}: each GPU holds it, "
+        f"the 16-bit base (~{_gib(weights)}) fits one device's {budget} with room to train: each GPU holds it, "
         "only the adapter gradients travel"
     )
 
@@ -587,11 +600,14 @@ def fit_check(
 # -- the policy --------------------------------------------------------------------------------
 
 
-def resolve_defaults(config: RunConfig, profile: HardwareProfile, model_info: est.ModelInfo | None = None) -> Defaults:
+def resolve_defaults(
+    config: RunConfig, profile: HardwareProfile, model_info: est.ModelInfo | None = None, world_size: int = 1
+) -> Defaults:
     """Fill every hardware-dependent "auto" field of a copy of `config`, with reasons.
 
     Fields the user set are kept, and later choices follow them (an explicit device "cpu" on
-    a GPU machine gets the CPU policy throughout). Without `model_info` the model's shapes are
+    a GPU machine gets the CPU policy throughout). `world_size`: the processes of the run; under
+    FSDP each device is sized for its shard of the base. Without `model_info` the model's shapes are
     read from a config.json already on disk (`model_info_for`); when none is at hand the
     choices that depend on model size fall back to safe ones and say so.
     """
@@ -614,6 +630,12 @@ def resolve_defaults(config: RunConfig, profile: HardwareProfile, model_info: es
         out.fill("model.load_in_4bit", load_in_4bit_for_fsdp)
     out.fill("model.load_in_4bit", lambda: load_in_4bit_default(profile, budget, size))
     out.fill("training.distributed", lambda: distributed_default(budget, info, m.load_in_4bit))
+    if world_size > 1 and t.distributed == "fsdp" and info is not None:
+        size = replace(size, shards=world_size)
+        out.notes["memory.sharded"] = (
+            f"1/{world_size} of the base",
+            f"FSDP over {world_size} processes: each device holds its shard of the base and two gathered layers",
+        )
     mode = training_mode(m.load_in_4bit, m.dtype)
     target = micro_batch_target(t.rows_per_micro_batch, seq, budget, info, is_demo)
     probe = target if t.rows_per_micro_batch != AUTO or not budget.on_gpu else min(target, NO_CHECKPOINT_PROBE_TOKENS)
@@ -637,11 +659,13 @@ def resolve_defaults(config: RunConfig, profile: HardwareProfile, model_info: es
     return out
 
 
-def apply_defaults(config: RunConfig, profile: HardwareProfile, model_info: est.ModelInfo | None = None) -> RunConfig:
+def apply_defaults(
+    config: RunConfig, profile: HardwareProfile, model_info: est.ModelInfo | None = None, world_size: int = 1
+) -> RunConfig:
     """A copy of `config` with every hardware "auto" field filled, listed in `auto_fields`, and
     its reason in `auto_reasons` (`explain_defaults` lists them). For the notes, warnings and
     estimate as well, call `resolve_defaults`."""
-    return resolve_defaults(config, profile, model_info).config
+    return resolve_defaults(config, profile, model_info, world_size).config
 
 
 def explain_defaults(config: RunConfig) -> list[str]:

@@ -346,7 +346,7 @@ class TrainingSession:
         # Model shape from a config.json already on disk (never a download): the memory-based
         # defaults need it; without it the policy keeps to what it can decide safely.
         info = policy.model_info_for(self.config)
-        self.config = config = policy.apply_defaults(self.config, self._profile, info)
+        self.config = config = policy.apply_defaults(self.config, self._profile, info, self._dist.world_size)
         self._device = torch.device(self._dist.device(config.training.device))
         self._dist.init(self._device)
         why = self._dist.check_plan(config.training.grad_accum)

@@ -317,3 +317,32 @@ def test_emulated_card_setting():
     assert emulated_card("Card: with colon:7.5") == ("Card: with colon", int(7.5 * GiB))
     for bad in (None, "", "no size", "name:", ":8", "name:-1", "name:x"):
         assert emulated_card(bad) is None, bad
+
+
+def test_fsdp_sizes_each_device_for_its_shard_of_the_base():
+    """A Llama-3.1-70B-shaped 16-bit base (~131 GiB) leaves no room on one H200: with 2 processes the
+    policy picks FSDP and sizes each GPU for half the base plus two gathered layers, so the fit
+    check no longer says "will not fit" and the micro-batch is not starved."""
+    llama70 = model_info(
+        dict(
+            model_type="llama",
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+        )
+    )
+    cfg = config(seq=4096)
+    cfg.model.load_in_4bit = False
+    one = resolve_defaults(cfg, h200(), llama70)
+    two = resolve_defaults(cfg, h200(), llama70, world_size=2)
+    assert one.config.training.distributed == two.config.training.distributed == "fsdp"
+    assert one.verdict == "will not fit" and two.verdict != "will not fit", (one.verdict, two.verdict)
+    # The room the shards free goes to the micro-batch.
+    rows = (one.config.training.rows_per_micro_batch, two.config.training.rows_per_micro_batch)
+    assert rows[1] > rows[0], rows
+    assert "memory.sharded" in two.notes and "memory.sharded" not in one.notes
