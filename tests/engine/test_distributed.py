@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from child_process import child_env
 from safetensors.torch import load_file
 
 from engine.resources import DEMO_PRESET
@@ -40,7 +41,7 @@ def _config(tmp_path: Path, steps: int = 6, save_every: int = 3) -> Path:
 
 
 def _train(*args, **popen) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     return subprocess.run(
         [sys.executable, "-m", "engine", "train", *map(str, args)],
@@ -122,7 +123,7 @@ def _rank_pids(parent: int) -> dict[int, int]:
 def test_a_rank_that_dies_ends_the_run_cleanly(tmp_path):
     cfg = _config(tmp_path, steps=400, save_every=2)
     run = tmp_path / "dies"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine", "train", str(cfg), "--output", str(run), "--gpus", "2"],
@@ -167,7 +168,7 @@ def test_two_nodes_on_one_host(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     run = tmp_path / "nodes"
     procs = [

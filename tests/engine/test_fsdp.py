@@ -8,7 +8,6 @@ refused with one sentence; bench.fsdp runs at a tiny size."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from child_process import child_env
 from safetensors.torch import load_file
 
 from engine.config import FSDP_4BIT_REFUSAL, ConfigError, RunConfig
@@ -49,7 +49,7 @@ def _config(tmp_path: Path, name: str, distributed: str, fast: bool = False, acc
 
 
 def _train(*args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     return subprocess.run(
         [sys.executable, "-m", "engine", "train", *map(str, args)], capture_output=True, text=True, env=env, timeout=600
@@ -185,7 +185,7 @@ def test_distributed_default_shards_only_a_base_over_one_device():
 
 
 def _bench(out: Path, *extra: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     args = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --vocab 512 --seq-len 128"
     r = subprocess.run(
@@ -228,7 +228,7 @@ def test_fsdp_rollback_restores_each_ranks_shards(tmp_path):
     as each rank's shards in host memory): the run goes on exactly as one process does."""
     worker = tmp_path / "worker.py"
     worker.write_text(_ROLLBACK_WORKER)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     runs = {}
     for name, distributed, launch in (
@@ -271,7 +271,7 @@ def test_fsdp_stop_from_the_control_file_saves_and_ends_every_rank(tmp_path):
     path = tmp_path / "long.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine", "train", str(path), "--output", str(run), "--gpus", "2"],

@@ -13,7 +13,6 @@ Run on a host with 2 GPUs:  python -m pytest -m gpu tests/gpu/test_fsdp_gpu.py -
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from child_process import child_env
 
 from engine.data.synthetic import write_text_jsonl
 from engine.resources import DEMO_MODEL_DIR
@@ -108,7 +108,7 @@ def _config(root: Path, name: str, folder: Path, data: Path, distributed: str, o
 
 
 def _train(*args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     env.pop("WORLD_SIZE", None)
     return subprocess.run(
         [sys.executable, "-m", "engine", "train", *map(str, args)],
@@ -178,7 +178,7 @@ def test_qlora_under_fsdp_works_or_says_why(root, folder, data):
 def test_bench_fsdp_70b_wide_slice(root):
     """Two decoder layers at Llama-3.1-70B's widths (8192 hidden, 28672 MLP, 128256 vocab)."""
     out = root / "fsdp.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     env.pop("WORLD_SIZE", None)
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bench.fsdp"]

@@ -3,18 +3,18 @@ the time, and the Model and Hardware pages fill in from the engine in the backgr
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from child_process import child_env
 from studio_helpers import screenshot
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(code: str, tmp_path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", PYTHONPATH=str(ROOT))
+    env = child_env(QT_QPA_PLATFORM="offscreen")
     return subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
