@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -30,7 +31,8 @@ def _config(folder: Path, data: Path, args, out: Path) -> Path:
     cfg = {
         "model": {"name_or_path": str(folder), "load_in_4bit": False, "dtype": "bfloat16"},
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
-        "data": {"source": str(data), "format": "auto", "max_seq_len": args.seq_len},
+        # No held-out split: the bench times training steps, and an eval would be most of a short run.
+        "data": {"source": str(data), "format": "auto", "max_seq_len": args.seq_len, "eval_fraction": 0.0},
         "training": {
             "max_steps": args.steps,
             "rows_per_micro_batch": args.rows,
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--out", default="ddp.jsonl")
     p.add_argument("--work", default="/tmp/tunesmith-laptop")
+    p.add_argument("--folder", default=None, help="an existing model folder instead of --model's random one")
+    p.add_argument("--run-seconds", type=float, default=None, help="stop each run after this (its steps so far count)")
     args = p.parse_args(argv)
 
     from engine.data.synthetic import write_text_jsonl
@@ -75,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     data = work / "ddp-data.jsonl"
     if not data.exists():
         write_text_jsonl(data, 4000, seed=3, words_per_doc=(300, 900))
-    folder = model_folder(work / "models", args.model)
+    folder = Path(args.folder) if args.folder else model_folder(work / "models", args.model)
     rec: dict = {
-        "model": args.model,
+        "model": folder.name if args.folder else args.model,
         "gpus": args.gpus,
         "steps": args.steps,
         "rows": args.rows,
@@ -92,14 +96,27 @@ def main(argv: list[str] | None = None) -> int:
         if n > 1:
             cmd += ["--gpus", str(n)]
         start = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        # A run past its time is stopped; the steps it logged (metrics.jsonl is written step by
+        # step) still count, so a call's time limit does not lose the measurement.
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ), start_new_session=True
+        )
+        try:
+            _, err = proc.communicate(timeout=args.run_seconds)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            # torchrun's workers share its new process group: none may outlive a stopped run.
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            rc = "timeout"
         rec[f"wall_s_{n}"] = round(time.monotonic() - start, 1)
-        rec[f"rc_{n}"] = proc.returncode
-        if proc.returncode != 0:
-            rec[f"stderr_{n}"] = proc.stderr[-2000:]
-            print(proc.stderr[-2000:], flush=True)
+        rec[f"rc_{n}"] = rc
+        steps = _steps(run) if (run / "metrics.jsonl").exists() else []
+        if rc != 0:
+            rec[f"stderr_{n}"] = (err or "")[-2000:]
+            print((err or "")[-2000:], flush=True)
+        if len(steps) < 3:  # the first steps compile kernels: too few to time
             continue
-        steps = _steps(run)
         timed = steps[2:] or steps
         runs[n] = steps
         rec[f"loss_{n}"] = [round(e["loss"], 5) for e in steps]
@@ -107,11 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         rec[f"peak_gib_{n}"] = round(max(e["mem_peak"] for e in steps) / 2**30, 2)
         print(f"[ddp] {n} GPU(s): {rec[f'tokens_per_s_{n}']:,} tok/s, peak {rec[f'peak_gib_{n}']} GiB", flush=True)
     if 1 in runs and args.gpus in runs:
+        both = min(len(runs[1]), len(runs[args.gpus]))  # the same steps on both: compare only those
+        for n in (1, args.gpus):
+            rec[f"loss_{n}"] = rec[f"loss_{n}"][:both]
         a, b = rec["loss_1"], rec[f"loss_{args.gpus}"]
         rec["max_step_rel_diff"] = max(abs(x - y) / max(abs(x), 1e-9) for x, y in zip(a, b))
         rec["loss_fall_1"] = round(a[0] - sum(a[-3:]) / 3, 4)
         rec["speedup"] = round(rec[f"tokens_per_s_{args.gpus}"] / rec["tokens_per_s_1"], 3)
         print(f"[ddp] speedup {rec['speedup']}x, worst step diff {rec['max_step_rel_diff']:.2%}", flush=True)
+    rec["bench"] = "ddp"
+    rec["commit"] = os.environ.get("TUNESMITH_COMMIT", "")
+    rec["time"] = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
     with open(args.out, "a", encoding="utf-8") as f:
         f.write(json.dumps(rec) + "\n")
     return 0 if len(runs) == 2 else 1

@@ -1,5 +1,6 @@
-"""bench.laptop's case grammar: a cap, a model shape, QLoRA or not, and the case's own settings,
-turned into the studio preset a user would run (a config the engine accepts)."""
+"""The benches that run `tunesmith train` as a user does: bench.laptop's case grammar (a cap, a
+model shape, QLoRA or not, the case's own settings) turned into the studio preset a user would
+run; bench.ddp end to end on gloo; and their own RESULTS.md rows."""
 
 from __future__ import annotations
 
@@ -62,3 +63,27 @@ def test_results_md_has_the_multi_gpu_and_laptop_rows(tmp_path):
     row = laptop_section(laptop)[4].splitlines()[2]
     assert row.startswith("| 8 GiB (RTX 4060 Laptop GPU) | qwen3-4b QLoRA | 4-bit, 14 row(s) of 1024 x 2 accum")
     assert "pre-flight: 17 rows per forward" in row and "| 20 | 6.0 GiB | 75% | 5,000 |" in row
+
+
+def test_bench_ddp_compares_one_process_with_two_on_the_same_steps(tmp_path):
+    """bench.ddp end to end on the CPU (gloo): `tunesmith train` once and with `--gpus 2` on the
+    demo model; the record holds both curves (equal: the same global batch), both speeds and
+    their ratio."""
+    import json
+    import subprocess
+    import sys
+
+    from child_process import ROOT, child_env
+
+    out = tmp_path / "ddp.jsonl"
+    args = ["--folder", str(ROOT / "resources" / "demo_model"), "--gpus", "2", "--steps", "4", "--rows", "1"]
+    args += ["--seq-len", "128", "--work", str(tmp_path), "--out", str(out), "--run-seconds", "400"]
+    env = child_env(OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([sys.executable, "-m", "bench.ddp", *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rec = json.loads(out.read_text().splitlines()[-1])
+    assert rec["bench"] == "ddp" and rec["rc_1"] == 0 and rec["rc_2"] == 0
+    assert len(rec["loss_1"]) == len(rec["loss_2"]) == 4
+    assert rec["max_step_rel_diff"] < 1e-3, (rec["loss_1"], rec["loss_2"])
+    assert rec["speedup"] > 0 and rec["tokens_per_s_1"] > 0
