@@ -175,6 +175,9 @@ def summarize_run(run: Path, cap_gib: int) -> dict:
         rec.update(
             peak_gib=round(peak / 2**30, 2),
             cap_used=round(peak / (cap_gib * 2**30), 3),
+            # What the process holds on the card (the allocator's cache with it): the cap applies
+            # to this, and this is what other programs on the card cannot have.
+            reserved_gib=round(max(e.get("mem_reserved", 0) for e in steps) / 2**30, 2),
             tokens_per_s=round(statistics.median(e["tokens_per_second"] for e in timed)),
             step_s=round(statistics.median(e["step_seconds"] for e in timed), 3),
             loss_first=steps[0]["loss"],
@@ -325,8 +328,9 @@ def _timed_folder(root: Path, name: str) -> tuple[Path, float]:
 def table(path: str) -> str:
     rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
     out = [
-        "| cap (card) | model | chosen | steps | peak | of cap | tokens/s | loss first -> last | outcome | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| cap (card) | model | chosen | steps | peak allocated | of cap | reserved | tokens/s | loss first -> last "
+        "| outcome | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         card = f"{r['cap_gib']} GiB ({r['card'].replace('NVIDIA GeForce ', '')})"
@@ -341,7 +345,7 @@ def table(path: str) -> str:
         elif r.get("rc") not in (0, None):
             outcome = f"{outcome}: {(r.get('error') or '')[:140]}"
         if not r.get("steps"):
-            out.append(f"| {card} | {model} | - | 0 | - | - | - | - | {outcome} | {r.get('commit', '-')} |")
+            out.append(f"| {card} | {model} | - | 0 | - | - | - | - | - | {outcome} | {r.get('commit', '-')} |")
             continue
         c = r.get("chosen") or {}
         chosen = (
@@ -356,7 +360,7 @@ def table(path: str) -> str:
             chosen += f" [{r['parallel']} cases shared the GPU]"
         out.append(
             f"| {card} | {model} | {chosen} | {r.get('steps')} | {r.get('peak_gib', '-')} GiB | "
-            f"{100 * r['cap_used']:.0f}% | {r.get('tokens_per_s', 0):,} | "
+            f"{100 * r['cap_used']:.0f}% | {r.get('reserved_gib', '-')} GiB | {r.get('tokens_per_s', 0):,} | "
             f"{r.get('loss_first', float('nan')):.3f} -> {r.get('loss_last', float('nan')):.3f} | {outcome} | "
             f"{r.get('commit', '-')} |"
         )

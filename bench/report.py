@@ -700,8 +700,9 @@ def laptop_section(path: Path) -> list[str]:
         "## Laptop cards emulated on the H200 (bench.laptop, W8)",
         "",
         "`tunesmith train` on a studio preset with every setting auto, the process capped at the card's size "
-        "(TUNESMITH_EMULATE_GPU). Peak is torch's peak allocated memory; tokens/s is an H200's under the cap "
-        "(shared by the cases that ran side by side, see `parallel`), not a laptop's.",
+        "(TUNESMITH_EMULATE_GPU). Peak is torch's peak allocated memory; reserved is what the process held on "
+        "the card, which the cap applies to (recorded by bench.laptop after commit 1afb4a0; '-' in older "
+        "records). tokens/s is an H200's under the cap (shared by the cases that ran side by side), not a laptop's.",
         "",
         table(str(path)),
         "",

@@ -62,7 +62,7 @@ def test_results_md_has_the_multi_gpu_and_laptop_rows(tmp_path):
     laptop.write_text(json.dumps(rec) + "\n")
     row = laptop_section(laptop)[4].splitlines()[2]
     assert row.startswith("| 8 GiB (RTX 4060 Laptop GPU) | qwen3-4b QLoRA | 4-bit, 14 row(s) of 1024 x 2 accum")
-    assert "pre-flight: 17 rows per forward" in row and "| 20 | 6.0 GiB | 75% | 5,000 |" in row
+    assert "pre-flight: 17 rows per forward" in row and "| 20 | 6.0 GiB | 75% | - GiB | 5,000 |" in row
 
 
 def test_bench_ddp_compares_one_process_with_two_on_the_same_steps(tmp_path):
