@@ -5,6 +5,7 @@
     python -m bench --workloads W1 --impls ours,hf_sdpa,trl_sdpa,trl_liger,liger_varlen  # the peers users pick
     python -m bench --parity                                   # learning check (30 steps) + one-step grads
     python -m bench --memcap                                   # W7, longest sequence at 16 GiB
+    python -m bench --workloads W9 --impls ours,hf --max-seconds 540  # whole MoE model vs HF grouped_mm
     python -m bench --cpu-smoke --results /tmp/r.jsonl         # tiny end-to-end run on a CPU
     python -m bench --summarize [--merge more.jsonl]           # RESULTS.md from results.jsonl
     python -m bench --dry-run                                  # the plan, nothing built
@@ -39,6 +40,7 @@ KNOWN_IMPLS = (
     "hf_sdpa",
     "hf_flex",
     "hf_eager",
+    "hf_experts_eager",
     "hf_varlen",
     "liger_sdpa",
     "liger_flex",
@@ -62,13 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workloads",
         default=None,
-        help="comma list of W1..W7 (W5b: GPT-OSS MoE block); default W1,W2,W3 (parity: W1,W2)",
+        help="comma list of W1..W7, W9 (W5b: GPT-OSS MoE block); default W1,W2,W3 (parity: W1,W2)",
     )
     p.add_argument(
         "--impls",
         default=DEFAULT_IMPLS,
         help=f"comma list, run in this order; known: {', '.join(KNOWN_IMPLS)} (default {DEFAULT_IMPLS}); "
-        "on W5/W5b any HF name runs every transformers experts implementation",
+        "on W5/W5b any HF name runs every transformers experts implementation; on W9 hf/hf_sdpa is "
+        "HF + PEFT with grouped_mm experts and hf_experts_eager the eager-experts peer",
     )
     p.add_argument(
         "--ours-variants",
@@ -192,7 +195,9 @@ def plan_impls(wl, impls: list[str], variants: list[str]) -> list[tuple[str, dic
 
     On MoE-block workloads (W5) every HF impl name stands for all of transformers' experts
     implementations (hf_moe_eager, hf_moe_grouped_mm, hf_moe_batched_mm where registered);
-    elsewhere "hf" means hf_sdpa.
+    elsewhere "hf" means hf_sdpa. On whole-model MoE workloads (W9) hf_sdpa is built with the
+    workload's peer experts implementation (grouped_mm): it keeps the name hf_sdpa, so the
+    summary's learning check and best-peer ratio take it as the stock HF + PEFT run it is.
     """
     out: list[tuple[str, dict]] = []
     for impl in impls:
@@ -207,7 +212,11 @@ def plan_impls(wl, impls: list[str], variants: list[str]) -> list[tuple[str, dic
                 if name == "eager" or name in available_experts_impls()
             ]
         else:
-            entries = [("hf_sdpa" if impl == "hf" else impl, {})]
+            name = "hf_sdpa" if impl == "hf" else impl
+            opts = {}
+            if name == "hf_sdpa" and wl.extra.get("peer_experts"):
+                opts = {"experts_implementation": wl.extra["peer_experts"]}
+            entries = [(name, opts)]
         out += [e for e in entries if e not in out]
     return out
 
@@ -426,7 +435,12 @@ def dry_run(args, workloads, impls, variants) -> int:
             print(
                 "  impls: "
                 + ", ".join(
-                    f"{i}[{o['variant']}]" if o.get("variant") else i for i, o in plan_impls(wl, impls, variants)
+                    f"{i}[{o['variant']}]"
+                    if o.get("variant")
+                    else f"{i}[{o['experts_implementation']} experts]"
+                    if o.get("experts_implementation")
+                    else i
+                    for i, o in plan_impls(wl, impls, variants)
                 ),
                 flush=True,
             )

@@ -349,6 +349,12 @@ def setup_for(impl: str, options: dict):
         return setup_ours(options.get("variant", "all-on"))
     if impl.startswith("hf_moe_"):
         return setup_moe_block(impl[len("hf_moe_") :])
+    if impl == "hf_experts_eager" or (impl == "hf_sdpa" and options.get("experts_implementation")):
+        # W9: HF + PEFT on the whole MoE model with the experts implementation asked for
+        # (plan_impls sets grouped_mm for hf_sdpa there, the peer the target names).
+        from bench.peers.moe import setup_hf_moe_model
+
+        return setup_hf_moe_model(options.get("experts_implementation") or impl.removeprefix("hf_experts_"))
     attn = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager", "varlen": "varlen"}
     family, _, kind = impl.partition("_")
     if family in ("hf", "liger") and kind in attn:

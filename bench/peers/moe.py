@@ -1,4 +1,5 @@
-"""W5: one sparse MoE block's forward + backward (experts frozen, gradient to the input).
+"""W5: one sparse MoE block's forward + backward (experts frozen, gradient to the input);
+W9: HF + PEFT training the whole MoE model with a chosen experts implementation.
 
 The baseline is transformers' own block with each experts implementation it registers
 ("eager" loops over experts; "grouped_mm" / "batched_mm" where this transformers has them).
@@ -8,7 +9,11 @@ uses the same block, weights, inputs and step through `block_inputs` and `block_
 
 from __future__ import annotations
 
+import dataclasses
+
 from bench.runner import Context, NotSupported, Prepared
+
+MOE_ARCHES = ("qwen3_moe", "gpt_oss")
 
 
 def available_experts_impls() -> list[str]:
@@ -100,5 +105,43 @@ def setup_moe_block(experts_impl: str):
         if ctx.device.type == "cuda":  # one extra untimed step, before the warm-ups
             options["cuda_syncs_per_step"] = count_cuda_syncs(lambda: step(0))
         return Prepared(step, options, keep=[block, xs, gs])
+
+    return setup
+
+
+def is_moe_model(wl) -> bool:
+    """A whole-model training workload of a MoE architecture (W9), not a single block (W5)."""
+    return wl.kind == "train" and wl.arch in MOE_ARCHES
+
+
+def setup_hf_moe_model(experts_impl: str):
+    """HF + PEFT (sdpa) training the whole MoE model with transformers' `experts_impl` experts."""
+
+    def setup(ctx: Context) -> Prepared:
+        from bench.peers.hf import setup_hf
+
+        wl = ctx.workload
+        if not is_moe_model(wl):
+            raise NotSupported(f"{wl.id} is not a whole-model MoE workload (experts implementations apply to W9)")
+        have = available_experts_impls()
+        if experts_impl not in have:
+            import transformers
+
+            raise NotSupported(
+                f"transformers {transformers.__version__} has no '{experts_impl}' experts implementation "
+                f"(it has: {', '.join(have)})"
+            )
+        # The switch travels in the workload's extra: build_model sets it on the config, so the
+        # stock setup (bench.peers.hf) builds, wraps and trains the model unchanged.
+        built = dataclasses.replace(
+            ctx, workload=wl.with_changes(extra=dict(wl.extra, experts_implementation=experts_impl))
+        )
+        prep = setup_hf("sdpa")(built)
+        model = prep.keep[0]
+        got = getattr(model.config, "_experts_implementation", None)
+        if got != experts_impl:  # never record one implementation under another's name
+            raise NotSupported(f"asked transformers for '{experts_impl}' experts, the model runs '{got}'")
+        prep.options["experts_implementation"] = got
+        return prep
 
     return setup
