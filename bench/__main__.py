@@ -30,29 +30,13 @@ import os
 import sys
 import time
 
-from bench.report import DEFAULT_MD, DEFAULT_RESULTS, progress
+from bench.report import DEFAULT_MD, DEFAULT_RESULTS, PEER_IMPLS, progress
 from bench.runner import setup_for  # noqa: F401  (the setup of an impl name; kept importable here)
 
 DEFAULT_IMPLS = "ours,liger_flex,unsloth,hf_flex,hf_sdpa,liger_sdpa"
-KNOWN_IMPLS = (
-    "ours",
-    "hf",
-    "hf_sdpa",
-    "hf_flex",
-    "hf_eager",
-    "hf_experts_eager",
-    "hf_varlen",
-    "liger_sdpa",
-    "liger_flex",
-    "liger_varlen",
-    "trl_sdpa",
-    "trl_flex",
-    "trl_varlen",
-    "trl_liger",
-    "trl_liger_flex",
-    "trl_liger_varlen",
-    "unsloth",
-)
+# Every name an --impls list may hold: ours, the peers a ratio is taken against (report.PEER_IMPLS),
+# "hf" (hf_sdpa's short name) and the slow eager peers that are measured but never the best peer.
+KNOWN_IMPLS = ("ours", "hf", *PEER_IMPLS, "hf_eager", "hf_experts_eager")
 
 
 def build_parser() -> argparse.ArgumentParser:
