@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 from engine.config import FastPathConfig, RunConfig
 from engine.data.synthetic import write_text_jsonl
 from engine.events import Failed, StepMetrics
+from engine.resources import DEMO_MODEL_DIR
 from engine.train.session import TrainingSession
 
 # Every fast path off and the stock optimizer: what plain transformers + PEFT would run.
@@ -58,6 +60,28 @@ class Curve:
 
 def learnable_jsonl(folder: Path, docs: int = 400, seed: int = 0) -> Path:
     return write_text_jsonl(Path(folder) / "learnable.jsonl", docs, seed)
+
+
+def random_model_folder(folder: Path, model_type: str, **shape) -> Path:
+    """A local Hugging Face folder (kept if already there): random bf16 weights of a config's
+    shape, the demo tokenizer's 1,024-token vocabulary, and that tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    cfg = AutoConfig.for_model(model_type, vocab_size=1024, bos_token_id=None, eos_token_id=2, pad_token_id=0, **shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():  # some modules leave weights empty or zero at init
+            if p.dim() >= 2:
+                torch.nn.init.normal_(p, std=0.02)
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (DEMO_MODEL_DIR / name).exists():
+            shutil.copy(DEMO_MODEL_DIR / name, folder / name)
+    return folder
 
 
 def make_config(

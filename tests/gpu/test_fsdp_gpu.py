@@ -13,7 +13,6 @@ Run on a host with 2 GPUs:  python -m pytest -m gpu tests/gpu/test_fsdp_gpu.py -
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +21,9 @@ import pytest
 import torch
 import yaml
 from child_process import child_env
+from learning_parity import random_model_folder
 
 from engine.data.synthetic import write_text_jsonl
-from engine.resources import DEMO_MODEL_DIR
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,21 +58,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def folder(root) -> Path:
     """Random bf16 weights of SHAPE and the demo tokenizer, as a local model folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    out = root / "llama"
-    cfg = AutoConfig.for_model("llama", vocab_size=1024, bos_token_id=None, eos_token_id=2, pad_token_id=0, **SHAPE)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                torch.nn.init.normal_(p, std=0.02)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (DEMO_MODEL_DIR / name).exists():
-            shutil.copy(DEMO_MODEL_DIR / name, out / name)
-    return out
+    return random_model_folder(root / "llama", "llama", **SHAPE)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,10 +25,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from learning_parity import compare, curve_table, make_config, stock, train  # noqa: E402
+from learning_parity import compare, curve_table, make_config, random_model_folder, stock, train  # noqa: E402
 
 from engine.data.synthetic import write_text_jsonl  # noqa: E402
-from engine.resources import DEMO_MODEL_DIR  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -117,26 +115,8 @@ def _log(name: str, named, problems) -> None:
 
 def _model_folder(root: Path, arch: str) -> Path:
     """A local Hugging Face folder: random bf16 weights of `arch`'s shape and the demo tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = root / arch
-    if (folder / "config.json").exists():
-        return folder
     spec = dict(SHAPES[arch])
-    cfg = AutoConfig.for_model(
-        spec.pop("model_type"), vocab_size=1024, bos_token_id=None, eos_token_id=2, pad_token_id=0, **spec
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():  # some modules leave weights empty or zero at init
-            if p.dim() >= 2:
-                torch.nn.init.normal_(p, std=0.02)
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (DEMO_MODEL_DIR / name).exists():
-            shutil.copy(DEMO_MODEL_DIR / name, folder / name)
-    return folder
+    return random_model_folder(root / arch, spec.pop("model_type"), **spec)
 
 
 @pytest.fixture(scope="module")
