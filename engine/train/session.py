@@ -90,8 +90,8 @@ __all__ = ["TrainingSession", "RunFolderError", "Faults", "TrainingDiverged", "P
 
 # Steps between the in-memory snapshots a NaN or a loss spike rolls back to.
 SNAPSHOT_EVERY = 10
-# The pre-flight grows an automatic micro-batch while its measured peak stays under this share of
-# the memory budget (the rest absorbs longer rows than the rehearsed ones and fragmentation).
+# The pre-flight grows an automatic micro-batch while its measured (allocated) peak stays under
+# this share of the memory budget: the rest absorbs the allocator's cache and fragmentation.
 GROW_FILL = 0.85
 # ... and only by at least this factor: a few more rows per forward are not worth a rehearsal.
 GROW_MIN = 1.2
@@ -1161,28 +1161,38 @@ class TrainingSession:
         ):
             return measured, 0
         budget = policy.budget_for("cuda", self._profile)
-        peak_reserved = torch.cuda.max_memory_reserved(self._device)
         moments = 0 if self._optimizer.state else 2 * sum(p.numel() * 4 for p in self._params)
         resident = torch.cuda.memory_allocated(self._device) + moments  # weights, adapters, optimizer
-        per_row = max(1, (peak_reserved + moments - resident) / rows)
-        target = GROW_FILL * budget.memory
-        grown_to = grown_rows(resident, per_row, rows, accum, target)
+        # Rows cost what the rehearsal allocated for them; what the allocator reserved beyond
+        # that is cache and fragmentation, which does not grow row by row. Sizing from the
+        # reserved peak left a third of a laptop card unused.
+        per_row = max(1, (measured[0] + moments - resident) / rows)
+        grown_to = grown_rows(resident, per_row, rows, accum, GROW_FILL * budget.memory)
         if grown_to == rows:
             return measured, 0
-        before = self._exec_rows
-        self._exec_rows = grown_to
-        try:
-            grown = self._rehearse()
-            fits = torch.cuda.max_memory_reserved(self._device) + moments <= budget.memory
-        except Exception as exc:
-            if not _is_oom(exc):
-                raise
-            self._drop_partial_step()
-            grown, fits = None, False
-        if not fits:
+        before, tries = self._exec_rows, 0
+        # The size is rehearsed, and what the process reserved must stay in the budget (a cap
+        # applies to reserved memory). If it does not, halfway back once, then the old size.
+        for size in (grown_to, (grown_to + before) // 2):
+            if size < GROW_MIN * before:
+                break
+            tries += 1
+            self._exec_rows = size
+            try:
+                grown = self._rehearse()
+                if torch.cuda.max_memory_reserved(self._device) + moments <= budget.memory:
+                    break
+                self.log(f"Pre-flight: {plural(size, 'row')} per forward went over the {budget}")
+            except Exception as exc:
+                if not _is_oom(exc):
+                    raise
+                self._drop_partial_step()
+                self.log(f"Pre-flight: {plural(size, 'row')} per forward ran out of memory")
+            grown = None
+        if grown is None:
             self._exec_rows = before
-            self.log(f"Pre-flight: {plural(grown_to, 'row')} per forward did not fit the memory budget; kept {before}")
-            return measured, 1
+            self.log(f"Pre-flight: kept {plural(before, 'row')} per forward")
+            return measured, tries
         change = ("micro_batch", before, self._exec_rows)
         self._announce_memory_change(
             change,
@@ -1192,7 +1202,7 @@ class TrainingSession:
             f"{plural(rows * accum, 'row')} per optimizer step)",
             f"the rehearsal measured room in the {budget}",
         )
-        return grown, 1
+        return grown, tries
 
     def _row_tokens(self) -> list[int]:
         data = self._data
