@@ -274,13 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         limit = max(30.0, min(args.case_seconds, left + args.case_seconds / 2))
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "engine", "train", str(cfg), "--output", str(run)],
+                [sys.executable, "-m", "engine", "train", str(cfg), "--output", str(run), "--events-json"],
                 capture_output=True,
                 text=True,
                 env=env,
                 timeout=limit,
             )
             rc, err = proc.returncode, proc.stderr
+            # The typed events the window shows, kept beside the run (a window can replay them).
+            (run / "events.jsonl").write_text(proc.stdout, encoding="utf-8")
         except subprocess.TimeoutExpired as exc:
             rc, err = "timeout", (exc.stderr or b"").decode("utf-8", "replace") if isinstance(exc.stderr, bytes) else ""
         rec = {"case": case, "cap_gib": cap, "card": card_for(cap), "model": name, "qlora": qlora, "rc": rc}

@@ -92,9 +92,9 @@ __all__ = ["TrainingSession", "RunFolderError", "Faults", "TrainingDiverged", "P
 SNAPSHOT_EVERY = 10
 # The pre-flight grows an automatic micro-batch while its measured (allocated) peak stays under
 # this share of the memory budget: the rest absorbs the allocator's cache and fragmentation.
-GROW_FILL = 0.85
+GROW_FILL = 0.9
 # ... and only by at least this factor: a few more rows per forward are not worth a rehearsal.
-GROW_MIN = 1.2
+GROW_MIN = 1.1
 # Recent good losses the spike check takes the median of, and how many it needs first.
 SPIKE_WINDOW = 20
 SPIKE_MIN_HISTORY = 5

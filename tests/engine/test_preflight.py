@@ -112,7 +112,8 @@ def test_grown_rows_fill_the_measured_room():
     assert grown_rows(2 * gib, gib / 2, 2, 8, 6 * gib) == 8
     assert grown_rows(2 * gib, gib / 2, 14, 2, 11 * gib) == 18  # not only whole micro-batches
     assert grown_rows(2 * gib, gib / 2, 2, 8, 100 * gib) == 16  # at most the step's rows
-    assert grown_rows(2 * gib, gib / 2, 10, 4, 7.5 * gib) == 10  # 11 rows: not worth a rehearsal
+    assert grown_rows(2 * gib, gib / 2, 20, 4, 12.5 * gib) == 20  # 21 rows: not worth a rehearsal
+    assert grown_rows(2 * gib, gib / 2, 10, 4, 7.5 * gib) == 11  # 1.1x: worth one
     assert grown_rows(2 * gib, gib / 2, 2, 8, 2.5 * gib) == 2  # no room
 
 
