@@ -327,8 +327,19 @@ def _timed_folder(root: Path, name: str) -> tuple[Path, float]:
     return folder, round(time.monotonic() - t, 1)
 
 
-def table(path: str) -> str:
-    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+def records(path: str) -> list[dict]:
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+
+
+def latest_per_case(rows: list[dict]) -> list[dict]:
+    """Each case's newest record, in the order the cases were last run."""
+    latest = {r["case"]: r for r in rows}
+    return sorted(latest.values(), key=lambda r: rows.index(r))
+
+
+def table(rows: list[dict] | str) -> str:
+    if isinstance(rows, str):
+        rows = records(rows)
     out = [
         "| cap (card) | model | chosen | steps | peak allocated | of cap | reserved | tokens/s | loss first -> last "
         "| outcome | commit |",

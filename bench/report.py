@@ -694,8 +694,9 @@ def laptop_section(path: Path) -> list[str]:
     """The laptop cards emulated on the H200 (WORKLOADS.md W8): bench.laptop's table."""
     if not path.exists():
         return []
-    from bench.laptop import table
+    from bench.laptop import latest_per_case, records, table
 
+    rows = records(str(path))
     return [
         "## Laptop cards emulated on the H200 (bench.laptop, W8)",
         "",
@@ -704,7 +705,13 @@ def laptop_section(path: Path) -> list[str]:
         "the card, which the cap applies to (recorded by bench.laptop after commit 1afb4a0; '-' in older "
         "records). tokens/s is an H200's under the cap (shared by the cases that ran side by side), not a laptop's.",
         "",
-        table(str(path)),
+        "### Each case's latest record",
+        "",
+        table(latest_per_case(rows)),
+        "",
+        "### Every record, oldest first",
+        "",
+        table(rows),
         "",
     ]
 

@@ -59,10 +59,16 @@ def test_results_md_has_the_multi_gpu_and_laptop_rows(tmp_path):
     rec.update(loss_first=12.4, loss_last=5.6, outcome="Finished", commit="abc1234", parallel=1)
     rec.update(chosen={"load_in_4bit": True, "rows_per_micro_batch": 14, "grad_accum": 2, "max_seq_len": 1024})
     rec.update(preflight={"rows_per_micro_batch": 17})
-    laptop.write_text(json.dumps(rec) + "\n")
-    row = laptop_section(laptop)[4].splitlines()[2]
+    older = dict(rec, peak_gib=5.0, cap_used=0.625, commit="0ld0000", preflight={})
+    laptop.write_text(json.dumps(older) + "\n" + json.dumps(rec) + "\n")
+    section = laptop_section(laptop)
+    latest = section[section.index("### Each case's latest record") + 2].splitlines()
+    assert len(latest) == 3  # the header, its rule and the newer record alone
+    row = latest[2]
     assert row.startswith("| 8 GiB (RTX 4060 Laptop GPU) | qwen3-4b QLoRA | 4-bit, 14 row(s) of 1024 x 2 accum")
     assert "pre-flight: 17 rows per forward" in row and "| 20 | 6.0 GiB | 75% | - GiB | 5,000 |" in row
+    history = section[section.index("### Every record, oldest first") + 2].splitlines()
+    assert [r.split("|")[-2].strip() for r in history[2:]] == ["0ld0000", "abc1234"]
 
 
 def test_bench_ddp_compares_one_process_with_two_on_the_same_steps(tmp_path):
