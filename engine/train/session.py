@@ -981,7 +981,7 @@ class TrainingSession:
             self._exec_rows = after
             what = (
                 f"micro-batch {before} → {after} {'row' if after == 1 else 'rows'} "
-                f"({self._forwards_per_step()} forwards per step, the same "
+                f"({plural(self._forwards_per_step(), 'forward')} per step, the same "
                 f"{plural(self._plan.rows_per_mb * self._plan.grad_accum, 'row')} per optimizer step)"
             )
         elif setting == "gradient_checkpointing":
@@ -1198,7 +1198,7 @@ class TrainingSession:
             change,
             "preflight",
             0,
-            f"micro-batch {before} → {self._exec_rows} rows ({self._forwards_per_step()} forwards per step, the same "
+            f"micro-batch {before} → {self._exec_rows} rows ({plural(self._forwards_per_step(), 'forward')} per step, the same "
             f"{plural(rows * accum, 'row')} per optimizer step)",
             f"the rehearsal measured room in the {budget}",
         )
