@@ -1178,6 +1178,7 @@ class TrainingSession:
                 break
             tries += 1
             self._exec_rows = size
+            out_of_memory = False
             try:
                 grown = self._rehearse()
                 if torch.cuda.max_memory_reserved(self._device) + moments <= budget.memory:
@@ -1186,9 +1187,11 @@ class TrainingSession:
             except Exception as exc:
                 if not _is_oom(exc):
                     raise
+                out_of_memory = True
+            grown = None
+            if out_of_memory:  # out of the except block: its traceback held the activations
                 self._drop_partial_step()
                 self.log(f"Pre-flight: {plural(size, 'row')} per forward ran out of memory")
-            grown = None
         if grown is None:
             self._exec_rows = before
             self.log(f"Pre-flight: kept {plural(before, 'row')} per forward")
@@ -1198,8 +1201,8 @@ class TrainingSession:
             change,
             "preflight",
             0,
-            f"micro-batch {before} → {self._exec_rows} rows ({plural(self._forwards_per_step(), 'forward')} per step, the same "
-            f"{plural(rows * accum, 'row')} per optimizer step)",
+            f"micro-batch {before} → {self._exec_rows} rows ({plural(self._forwards_per_step(), 'forward')} "
+            f"per step, the same {plural(rows * accum, 'row')} per optimizer step)",
             f"the rehearsal measured room in the {budget}",
         )
         return grown, tries
