@@ -20,7 +20,7 @@ import math
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 # The default held-out split: only for data sets with at least this many examples (a smaller
 # one has none to spare), and never more than this many examples (an eval should cost a few
@@ -208,33 +208,59 @@ def stop_token_ids(tokenizer) -> set[int]:
     return stops
 
 
-def greedy_answer(
-    model, prompt_ids: list[int], max_new_tokens: int, stops: set[int], device, max_len: int
-) -> list[int]:
-    """The greedy continuation of `prompt_ids` (at most `max_new_tokens`, ending before a stop
-    token), through the same packed forward as training. Call it inside side_effect_free.
+def greedy_answers(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stops: set[int],
+    device,
+    max_len: int,
+    agree: Optional[Callable[[list[int]], list[int]]] = None,
+) -> list[list[int]]:
+    """The greedy continuations of `prompts` (each at most `max_new_tokens`, ending before a
+    stop token), through the same packed forward as training. Call it inside side_effect_free.
 
-    No KV cache: each token runs the whole sequence again, which costs more compute but keeps
-    the packed attention path the run trains with (it has no cache), so the answer is what
-    the trained weights say on the run's own code path."""
+    The prompts still answering go in one packed batch per new token (the packed attention
+    keeps each one to itself), so a gallery of N prompts costs as many forwards as one. No KV
+    cache: each token runs the whole sequences again, which costs more compute but keeps the
+    packed attention path the run trains with (it has no cache), so the answer is what the
+    trained weights say on the run's own code path.
+
+    `agree`: every process of a sharded (FSDP) run generates together, one forward each per
+    token; agree(tokens) is rank 0's tokens on every rank, so all take the same steps."""
+    import itertools
+
+    import torch
+
     from engine.data.collate import PackedBatch
     from engine.peft_model import hf_model
 
     base = hf_model(model)
     decoder, head = base.get_decoder(), base.get_output_embeddings()
     keep = max(1, max_len - max_new_tokens)
-    ids = list(prompt_ids)[-keep:]
-    out: list[int] = []
+    seqs = [list(p)[-keep:] for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
     for _ in range(max_new_tokens):
-        batch = PackedBatch.from_documents([ids]).to(device)
-        hidden = decoder(**batch.model_kwargs(), use_cache=False).last_hidden_state
-        token = int(head(hidden.reshape(-1, hidden.shape[-1])[-1]).argmax())
-        batch.info.free()
-        if token in stops:
+        if not live:
             break
-        ids.append(token)
-        out.append(token)
-    return out
+        batch = PackedBatch.from_documents([seqs[i] for i in live]).to(device)
+        hidden = decoder(**batch.model_kwargs(), use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        ends = [n - 1 for n in itertools.accumulate(len(seqs[i]) for i in live)]
+        tokens = head(hidden[torch.tensor(ends, device=hidden.device)]).argmax(-1).tolist()
+        if agree is not None:
+            tokens = agree(tokens)
+        batch.info.free()
+        still = []
+        for i, token in zip(live, tokens):
+            if token in stops:
+                continue
+            seqs[i].append(token)
+            outs[i].append(token)
+            still.append(i)
+        live = still
+    return outs
 
 
 def best_improved(loss: float, best: Optional[float]) -> bool:

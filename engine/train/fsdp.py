@@ -41,6 +41,7 @@ read the weight's state, and loading would quantize the whole base on every GPU 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -95,6 +96,19 @@ def shard(model: nn.Module, loss_fn: Callable, device: torch.device, world_size:
     root = LossModule(model, loss_fn)
     fully_shard(root, mesh=mesh)
     return root
+
+
+@contextmanager
+def root_gathered(root):
+    """The root's own weights (embeddings, final norm, LM head) gathered whole for a while: a
+    generation calls the decoder and the head directly, not through the root's forward, whose
+    hooks would gather them. The decoder layers still gather themselves in their own forwards,
+    so every rank must make the same calls (collectives)."""
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
 
 
 def sync_context(root, last: bool):

@@ -59,6 +59,7 @@ import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -622,10 +623,15 @@ class TrainingSession:
 
         # FSDP: every rank holds shards; all take part in gathering them whole for rank 0.
         adapter_state, optimizer_state = self._full_states(optimizer=True)
+        # Under FSDP the gallery's forwards need every rank: rank 0 tells the others whether it
+        # wrote the checkpoint the gallery answers at.
+        gallery_together = gallery and self._fsdp and bool(self._gallery)
         if not self._dist.is_main:  # every rank holds the same adapters: rank 0 writes them
             # ... and every rank knows it is written, so all decide alike whether the next
             # checkpoint is due (under FSDP a rank alone in _save would wait in the gathering).
             self.last_checkpoint = self._folder.checkpoint(step)
+            if gallery_together and share_from_main(self._dist, None):
+                self._run_gallery(step, self.last_checkpoint)
             return True
         target = self._folder.checkpoint(step)
         recovery = {
@@ -657,6 +663,8 @@ class TrainingSession:
 
         need = ckpt.expected_bytes(self._params, self._optimizer, self._tokenizer_bytes(), self._last_ckpt_bytes)
         path = self._write_with_room(step, target, need, write, "checkpoint")
+        if gallery_together:
+            share_from_main(self._dist, path is not None)
         if path is None:
             return False
         self._last_ckpt_bytes = ckpt.folder_bytes(path)
@@ -1420,19 +1428,18 @@ class TrainingSession:
 
     def _run_gallery(self, step: int, checkpoint: Path) -> None:
         """The gallery's prompts answered greedily by the weights of `step` (GalleryAnswers and
-        gallery.jsonl). Rank 0 only; a failure is logged, never the end of the run."""
-        if not self._gallery or not self._dist.is_main:
-            return
-        if self._fsdp:  # rank 0 alone cannot run the sharded model
-            if "gallery" not in self._said:
-                self._said.add("gallery")
-                self.log("The gallery is not answered in an FSDP run: rank 0 alone cannot run the sharded model")
+        gallery.jsonl). Rank 0 answers and records; under FSDP every rank takes part in the
+        forwards (each gathers its layers from all). A failure is logged, never the end of the
+        run."""
+        if not self._gallery or not (self._dist.is_main or self._fsdp):
             return
         self._gallery_done.add(step)
         try:
-            answers = [self._answer(ids, None) for _, ids in self._gallery]
+            answers = self._answers([ids for _, ids in self._gallery], None)
         except Exception as exc:
             self.log(f"The gallery at step {step} failed: {type(exc).__name__}: {exc}", "warning")
+            return
+        if not self._dist.is_main:
             return
         prompts = [p for p, _ in self._gallery]
         try:
@@ -1446,20 +1453,26 @@ class TrainingSession:
             self.log(f"gallery.jsonl was not written at step {step}: {exc}", "warning")
         self._emit(GalleryAnswers(step, prompts, answers, str(checkpoint)))
 
-    def _answer(self, prompt_ids: list[int], max_new_tokens: Optional[int], device=None) -> str:
+    def _answers(self, prompts: list[list[int]], max_new_tokens: Optional[int], device=None) -> list[str]:
         from engine.train import evaluation
 
         n = max_new_tokens or evaluation.GALLERY_NEW_TOKENS
-        with evaluation.side_effect_free(self._model, device):
-            out = evaluation.greedy_answer(
+        gathered, agree = nullcontext(), None
+        if self._fsdp:
+            from engine.train import fsdp
+
+            gathered, agree = fsdp.root_gathered(self._ddp), partial(share_from_main, self._dist)
+        with evaluation.side_effect_free(self._model, device), gathered:
+            outs = evaluation.greedy_answers(
                 self._model,
-                prompt_ids,
+                prompts,
                 n,
                 evaluation.stop_token_ids(self._tokenizer),
                 self._device,
                 int(self.config.data.max_seq_len),
+                agree,
             )
-        return self._tokenizer.decode(out, skip_special_tokens=True).strip()
+        return [self._tokenizer.decode(out, skip_special_tokens=True).strip() for out in outs]
 
     def probe(self, prompt: str, max_new_tokens: int = 64) -> tuple[int, str]:
         """(step, reply): the current weights answer `prompt` (greedy, through the chat template
@@ -1476,7 +1489,7 @@ class TrainingSession:
                 raise ProbeUnavailable("The run is not paused: pause it to talk to its current weights.")
             chat = self._data.spec.kind != "text"
             ids = evaluation.encode_prompt(self._tokenizer, prompt, chat)
-            return step, self._answer(ids, max_new_tokens, device=self._device)
+            return step, self._answers([ids], max_new_tokens, device=self._device)[0]
 
     # -- the end --------------------------------------------------------------------------------
     def _finish(self, step: int, stopped: bool) -> Event:

@@ -65,6 +65,10 @@ def _steps(run: Path) -> dict[int, dict]:
     return out
 
 
+def _gallery(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "gallery.jsonl").read_text().splitlines()]
+
+
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
@@ -105,6 +109,13 @@ def test_fsdp_two_processes_learn_what_one_learns(tmp_path, fast, accum):
         assert not any(s["fallbacks"] for s in s2.values())
     _same_adapters(two / "adapter", one / "adapter")
     _same_adapters(two / "checkpoints" / "step-2" / "adapter", one / "checkpoints" / "step-2" / "adapter")
+    # The gallery: every rank runs its forwards (each gathers its layers from all), rank 0
+    # records, and the sharded model answers what the whole one does (greedy, fp32 weights equal
+    # to 1e-4 and far apart top logits).
+    g1, g2 = _gallery(one), _gallery(two)
+    assert [(g["step"], g["prompt"]) for g in g2] == [(g["step"], g["prompt"]) for g in g1]
+    assert sorted({g["step"] for g in g2}) == [2, 4] and len(g2) == 6, g2
+    assert [g["answer"] for g in g2] == [g["answer"] for g in g1] and all(g["answer"] for g in g2)
 
 
 def test_fsdp_checkpoint_is_full_loads_in_peft_and_resumes_on_one_process(tmp_path):

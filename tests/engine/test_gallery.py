@@ -65,3 +65,25 @@ def test_probe_before_the_run_is_refused(tmp_path):
     session = TrainingSession(config(), None, run_dir=tmp_path / "never")
     with pytest.raises(ProbeUnavailable):
         session.probe("hello")
+
+
+def test_the_gallery_prompts_go_in_one_packed_forward_per_token_and_answer_as_alone():
+    """greedy_answers packs the prompts still answering into one batch per new token (the packed
+    attention keeps each to itself): the answers are those of each prompt generated alone. (On
+    the demo model the top two logits along these paths are >= 1.5e-3 apart, against fp32
+    rounding of ~1e-5.)"""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.resources import DEMO_MODEL_DIR
+    from engine.train import evaluation
+
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
+    prompts = [evaluation.encode_prompt(tok, p, False) for p in ("The capital of France is", "12 plus 7 makes")]
+    stops, cpu = evaluation.stop_token_ids(tok), torch.device("cpu")
+    with evaluation.side_effect_free(model):
+        together = evaluation.greedy_answers(model, prompts, 32, stops, cpu, 1024)
+        alone = [evaluation.greedy_answers(model, [p], 32, stops, cpu, 1024)[0] for p in prompts]
+    assert together == alone and all(len(a) == 32 for a in alone)
+    assert tok.decode(alone[0]).startswith(" Paris")
