@@ -35,6 +35,10 @@ class RunStarted(Event):
     fast_paths: dict[str, str] = field(default_factory=dict)  # name -> "on" or why it is off
     data_summary: dict[str, Any] = field(default_factory=dict)  # examples, rows, efficiency...
     resumed_from_step: int = 0
+    # Processes training together under torchrun (1: a single-process run) and how they share
+    # the model: "ddp" (each holds it whole) or "fsdp" (each holds a shard); "" for one process.
+    world_size: int = 1
+    distributed: str = ""
 
 
 @dataclass

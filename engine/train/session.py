@@ -314,6 +314,8 @@ class TrainingSession:
                 self._fast,
                 self._summary,
                 self._start_step,
+                self._dist.world_size,
+                ("fsdp" if self._fsdp else "ddp") if self._dist.enabled else "",
             )
         )
         self._preflight()

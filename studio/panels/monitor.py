@@ -226,6 +226,10 @@ class MonitorPanel(QWidget):
         self.progress.setValue(int(getattr(ev, "resumed_from_step", 0) or 0))
         hw = ev.hardware or {}
         device = hw.get("gpu_name") or hw.get("device_name") or hw.get("kind") or ""
+        world = int(getattr(ev, "world_size", 1) or 1)
+        if world > 1:  # tokens/s and the step are the whole world's; memory is rank 0's card
+            how = (ev.distributed or "ddp").upper()
+            device = f"{world} × {device} ({how})" if hw.get("gpu_name") else f"{world} CPU processes ({how})"
         self.status.setText(f"Training in {ev.run_dir}" + (f" on {device}" if device else ""))
         self._started = time.monotonic()
         self._first_step = int(getattr(ev, "resumed_from_step", 0) or 0)

@@ -32,6 +32,7 @@ def test_window_runs_on_two_processes(window, qtbot, runs_dir, monkeypatch):
     qtbot.waitUntil(lambda: m.loss.point_count() >= 3, timeout=240_000)
     m.refresh()
     assert m.tps.point_count() >= 3 and m.memory.point_count() >= 3
+    assert m.status.text().endswith("on 2 CPU processes (DDP)"), m.status.text()
     screenshot(window, "monitor-two-processes")
 
     qtbot.mouseClick(m.pause, Qt.MouseButton.LeftButton)
