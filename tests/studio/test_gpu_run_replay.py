@@ -30,6 +30,17 @@ def _recorded_events(run_dir: Path, path: Path = EVENTS) -> list:
     return events
 
 
+def _replay(window, events) -> None:
+    """The events through the window's own handler, up to the run's end (the charts as the run
+    ends; the finished run's folder stayed on the GPU host)."""
+    from engine import api
+
+    for event in events:
+        if isinstance(event, api.Finished):
+            break
+        window._on_event(event)
+
+
 def test_window_shows_the_preflight_of_a_gpu_run(window, qtbot, runs_dir):
     from engine import api
     from studio.main_window import MONITOR, TRAIN
@@ -41,10 +52,7 @@ def test_window_shows_the_preflight_of_a_gpu_run(window, qtbot, runs_dir):
     assert len(steps) == 20 and any(isinstance(e, api.PreflightResult) for e in events)
 
     window.go_to(MONITOR)
-    for event in events:
-        if isinstance(event, api.Finished):
-            break  # the charts as the run ends; the finished run's folder stayed on the GPU host
-        window._on_event(event)
+    _replay(window, events)
     m = window.monitor_panel
     m.refresh()
 
@@ -73,10 +81,7 @@ def test_window_shows_a_two_gpu_run_recorded_on_two_h200s(window, qtbot, runs_di
     run_dir.mkdir()
     events = _recorded_events(run_dir, TWO_GPUS)
     window.go_to(MONITOR)
-    for event in events:
-        if isinstance(event, api.Finished):
-            break
-        window._on_event(event)
+    _replay(window, events)
     m = window.monitor_panel
     m.refresh()
     steps = [e for e in events if isinstance(e, api.StepMetrics)]
