@@ -36,12 +36,21 @@ class Task(QRunnable):
         try:
             kwargs = dict(self.kwargs)
             if self.with_progress:
-                kwargs["progress"] = self.signals.progress.emit
+                kwargs["progress"] = lambda value: self._emit("progress", value)
             result = self.fn(*self.args, **kwargs)
         except BaseException as exc:  # report everything: the GUI thread decides what to show
-            self.signals.failed.emit(readable_error(exc), traceback.format_exc())
+            self._emit("failed", readable_error(exc), traceback.format_exc())
         else:
-            self.signals.done.emit(result)
+            self._emit("done", result)
+
+    def _emit(self, name: str, *args) -> None:
+        """Emit unless the signals object is gone: a task still running when the application
+        exits finds it deleted ("Signal source has been deleted"), and nobody is left to tell."""
+        try:
+            getattr(self.signals, name).emit(*args)
+        except RuntimeError:
+            if shiboken6.isValid(self.signals):
+                raise
 
 
 _running: set[Task] = set()
