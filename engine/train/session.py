@@ -105,6 +105,11 @@ class TrainingDiverged(RuntimeError):
     """The loss went bad again after a rollback had halved the learning rate."""
 
 
+class OverTheCard(RuntimeError):
+    """The pre-flight's rehearsal fitted, but with AdamW's state still to come the run would
+    run out of memory from its second step on, and no setting is left to lower."""
+
+
 class ProbeUnavailable(RuntimeError):
     """`TrainingSession.probe` was called while the run is not paused between steps (or it runs
     in several processes); the message says which."""
@@ -128,6 +133,8 @@ class Faults:
     nan_at_steps / spike_at_steps: the step's loss is made NaN / 50x before its backward, so
         its update is poisoned as a real one would be.
     disk_free: replaces engine.train.checkpoint.disk_free(path) -> free bytes.
+    rehearsal_peak / card_bytes: the pre-flight rehearsal measures rehearsal_peak(attempt) bytes
+        (the attempt as for oom_when) on a card of card_bytes, where a CPU measures nothing.
     """
 
     oom_at_steps: list[int] = field(default_factory=list)
@@ -136,6 +143,8 @@ class Faults:
     nan_at_steps: list[int] = field(default_factory=list)
     spike_at_steps: list[int] = field(default_factory=list)
     disk_free: Optional[Callable[[Path], int]] = None
+    rehearsal_peak: Optional[Callable[[dict], int]] = None
+    card_bytes: int = 0
 
     def check_oom(self, attempt: dict, last_micro_batch: bool) -> None:
         import torch
@@ -1136,13 +1145,26 @@ class TrainingSession:
             attempts += 1
             try:
                 measured = self._rehearse()
-                break
             except Exception as exc:
                 change = self._next_memory_change() if _is_oom(exc) else None
                 if change is None:
                     raise
+                why = "the rehearsal ran out of memory"
+            else:
+                # The rehearsal fitted, but AdamW's state arrives at the first optimizer step:
+                # from the second step on, the same forward would run out of memory.
+                peak, card = measured[0], self._mem_total if self._is_cuda else 0
+                if self.faults and self.faults.rehearsal_peak:
+                    peak = self.faults.rehearsal_peak(self._attempt(0, self._exec_rows, True))
+                    card = self.faults.card_bytes
+                why = over_the_card(peak, self._moments_to_come(), card)
+                if not why:
+                    break
+                change = self._next_memory_change()
+                if change is None:
+                    raise OverTheCard(why)
             self._drop_partial_step()
-            self._apply_memory_change(change, "preflight", 0, "the rehearsal ran out of memory")
+            self._apply_memory_change(change, "preflight", 0, why)
         if attempts == 1:  # nothing had to be lowered: the measurement may show room to spare
             measured, grown = self._grow_to_fill(measured)
             attempts += grown
@@ -1171,7 +1193,7 @@ class TrainingSession:
         ):
             return measured, 0
         budget = policy.budget_for("cuda", self._profile)
-        moments = 0 if self._optimizer.state else 2 * sum(p.numel() * 4 for p in self._params)
+        moments = self._moments_to_come()
         resident = torch.cuda.memory_allocated(self._device) + moments  # weights, adapters, optimizer
         # Rows cost what the rehearsal allocated for them; what the allocator reserved beyond
         # that is cache and fragmentation, which does not grow row by row. Sizing from the
@@ -1246,10 +1268,14 @@ class TrainingSession:
         peak = torch.cuda.max_memory_allocated(device) if self._is_cuda else 0
         return peak, seconds, tokens
 
+    def _moments_to_come(self) -> int:
+        """Bytes of AdamW's two fp32 moments when the optimizer has not made them yet (they
+        appear at the first optimizer step, after a rehearsal has measured); 0 once they exist."""
+        return 0 if self._optimizer.state else 2 * sum(p.numel() * 4 for p in self._params)
+
     def _emit_preflight(self, attempts: int, peak: int, seconds: float, tokens: int) -> None:
-        if peak and not self._optimizer.state:
-            # AdamW's moments appear at the first optimizer step: count them now.
-            peak += 2 * sum(p.numel() * 4 for p in self._params)
+        if peak:  # AdamW's moments appear at the first optimizer step: count them now
+            peak += self._moments_to_come()
         sizes = self._row_tokens()
         step_tokens = sum(sizes) / max(1, len(sizes)) * self._plan.rows_per_mb * self._plan.grad_accum
         step_seconds = seconds * step_tokens / max(1, tokens)
@@ -1593,6 +1619,17 @@ def _is_oom(exc: BaseException) -> bool:
     )
 
 
+def over_the_card(peak: int, moments: int, card: int) -> str:
+    """Why a rehearsal's measured `peak` plus AdamW's `moments` still to come do not fit the
+    `card`'s bytes (its cap, for an emulated one), or "" when they do or nothing was measured."""
+    if not peak or not card or peak + moments <= card:
+        return ""
+    return (
+        f"its peak, {_size(peak)}, and AdamW's state still to come, {_size(moments)}, are over the "
+        f"{_size(card)} of the card"
+    )
+
+
 def grown_rows(resident: float, per_row: float, rows: int, accum: int, target: float) -> int:
     """Rows per forward once the rehearsal measured the memory: as many of the step's
     `rows` x `accum` rows as stay under `target` bytes (`resident` + rows x `per_row`, both
@@ -1707,7 +1744,7 @@ def _human_message(exc: Exception, oom_advice: Callable[[], str] | None = None) 
             )
         return "The disk is full: free some space, then resume the run."
     name = type(exc).__name__
-    if "OutOfMemory" in name or "out of memory" in str(exc).lower():
+    if isinstance(exc, OverTheCard) or "OutOfMemory" in name or "out of memory" in str(exc).lower():
         try:
             advice = oom_advice() if oom_advice is not None else ""
         except Exception:  # a failure early in the setup: the settings are not all known yet
@@ -1716,6 +1753,8 @@ def _human_message(exc: Exception, oom_advice: Callable[[], str] | None = None) 
             "lower training.rows_per_micro_batch or data.max_seq_len, turn on gradient checkpointing, "
             "or load the model in 4 bits (model.load_in_4bit: true)"
         )
+        if isinstance(exc, OverTheCard):
+            return f"Out of GPU memory from the second step on: the pre-flight measured {exc}. To fit: {advice}."
         return f"Out of GPU memory. To fit: {advice}."
 
     return f"Training failed: {name}: {exc}"

@@ -78,6 +78,43 @@ def test_it_picks_a_smaller_micro_batch_when_the_first_does_not_fit(tmp_path, wi
     assert losses(events) == pytest.approx(losses(without[1]), rel=1e-4)
 
 
+def test_a_rehearsal_that_fits_only_without_adamws_state_lowers_a_setting(tmp_path, without):
+    # The forward fits, but AdamW's moments (made at the first optimizer step; ~1 MiB for the
+    # demo's adapters) would not fit beside it from the second step on: a card a few KiB over
+    # what 4 rows peak at.
+    gib = 2**30
+    faults = Faults(rehearsal_peak=lambda a: a["rows"] * gib // 2, card_bytes=2 * gib + 4096)
+    result, events = train(config(tmp_path), tmp_path / "run", faults)
+    changes = [e for e in events if isinstance(e, MemoryAdjusted)]
+    assert [(c.phase, c.setting, c.before, c.after) for c in changes] == [("preflight", "micro_batch", 4, 2)]
+    assert "AdamW's state still to come" in changes[0].message and "over the 2.0 GiB of the card" in changes[0].message
+    (pre,) = [e for e in events if isinstance(e, PreflightResult)]
+    assert (pre.rows_per_micro_batch, pre.micro_batches_per_step) == (2, 2)
+    assert losses(events) == pytest.approx(losses(without[1]), rel=1e-4)
+
+
+def test_nothing_left_to_lower_ends_before_the_first_step_with_the_measurement(tmp_path):
+    gib = 2**30
+    faults = Faults(rehearsal_peak=lambda a: 3 * gib, card_bytes=2 * gib)
+    cfg = config(tmp_path, rows=1, gradient_checkpointing=True, offload="single")
+    events = []
+    result = TrainingSession(cfg, events.append, run_dir=tmp_path / "run", faults=faults).run()
+    assert result.kind == "Failed" and not [e for e in events if isinstance(e, StepMetrics)]
+    assert result.message.startswith(
+        "Out of GPU memory from the second step on: the pre-flight measured its peak, 3.0 GiB, and AdamW's state"
+    )
+    assert "To fit: lower data.max_seq_len (now 128)" in result.message
+
+
+def test_over_the_card():
+    from engine.train.session import over_the_card
+
+    gib = 2**30
+    assert over_the_card(0, gib, gib) == "" and over_the_card(gib, gib, 0) == ""  # nothing measured
+    assert over_the_card(gib, gib // 2, 2 * gib) == ""
+    assert over_the_card(gib, gib + 1, 2 * gib).endswith("are over the 2.0 GiB of the card")
+
+
 def test_resume_with_the_rehearsal_stays_exact(tmp_path, without):
     cfg = config(tmp_path, save_every=2)
     session = TrainingSession(cfg, None, run_dir=tmp_path / "run")
