@@ -18,14 +18,7 @@ from bench.batches import make_batches
 from bench.runner import ADAMW, Budget, Context, run_impl, setup_for
 from bench.workloads import CPU_TINY, build_model
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The tiny model gains nothing from threads; on a 2-core machine running tests they only wait.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/bench/conftest.py
 
 
 def _run(impl: str, batches, warmup: int = 1, steps: int = 2) -> dict:

@@ -21,13 +21,7 @@ W9 = WORKLOADS["W9"]
 TINY = tiny_moe(W9)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The tiny model gains nothing from threads; on a 2-core machine running tests they only wait.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/bench/conftest.py
 
 
 def _run(impl: str, options: dict, batches) -> dict:
