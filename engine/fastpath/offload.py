@@ -13,13 +13,18 @@ Two ways to bring inputs back:
 
 - "double": when layer i's backward starts, the reload of layer i-1's input is issued on the
   copy stream, so it travels while layer i recomputes and backpropagates; two layer inputs
-  are on the device at once (one extra layer input of memory).
+  are on the device at once (one extra layer input of memory). The last layer's input, the
+  first one backward needs, is not parked at all: it stays on the device through the head
+  and the loss (as if its reload had been prefetched at the end of the forward), so no
+  reload in the step makes the compute stream wait (`reloads_waited` 0).
 - "single": layer i's input is reloaded when its backward starts and the compute waits for
-  it; one layer input on the device, and the copy time shows.
+  it (`reloads_waited` = layers); one layer input on the device, and the copy time shows.
 
-"double" falls back to "single" for a step when free VRAM (under any per-process cap) is
-short of one more layer input plus a margin, and for the rest of a step if allocating the
-second buffer runs out of memory.
+Whether a step can afford "double" is decided from the previous step's measured peak
+(torch's peak allocated memory, read when its backward reached the first layer) plus the
+second buffer, against what the process can allocate (under any per-process cap). The first
+step, with nothing measured yet, uses the free memory at its start. "double" also falls back
+to "single" for the rest of a step if allocating the second buffer runs out of memory.
 
 Long documents: when attention is a large part of a layer's work (`attention_keep_bytes`
 says when, from the batch's lengths) and there is room, each layer's attention output and
@@ -60,16 +65,19 @@ class OffloadStats:
     """What one step did; read and reset by the training loop."""
 
     mode: str = ""  # mode used in the last step ("double" or "single")
-    layers: int = 0  # layer inputs offloaded in the step
+    layers: int = 0  # layer inputs parked in the step (double: the last one kept on the device)
     bytes_offloaded: int = 0
     fell_back: str = ""  # why double buffering was not used, when it was asked for
-    reloads_waited: int = 0  # single-buffer reloads the compute stream had to wait for
+    reloads_waited: int = 0  # reloads issued only when the compute stream needed them (it waited)
     attention_kept: str = ""  # "kept", or why attention outputs were not kept ("" = not asked)
     attention_layers: int = 0  # layers whose attention output was kept (the Triton kernel keeps)
+    copies: bool = False  # inputs travel to the host and back (CUDA); on a CPU nothing is reloaded
 
     def note(self) -> str:
         """One line for the step's metrics: "double", "single (why)", "..., attention kept"."""
         note = self.mode + (f" ({self.fell_back})" if self.fell_back else "")
+        if self.copies and self.layers:
+            note += f", {self.reloads_waited} of {self.layers} reloads waited"
         if self.attention_layers:
             note += f", attention kept in {self.attention_layers} layers"
         elif self.attention_kept.startswith("not kept"):
@@ -105,6 +113,10 @@ class ActivationOffloader:
         self.slots: list[_Slot] = []
         self.stats = OffloadStats()
         self._step_mode = mode
+        self._step_second = 0  # bytes of this step's second buffer (one layer input)
+        # (peak allocated bytes, mode, second-buffer bytes) of the last step whose backward
+        # reached the first layer; None until one has (CUDA only).
+        self._measured: Optional[tuple[int, str, int]] = None
         self._keep_attention = False
         self.keep_attention_allowed = bool(keep_attention_allowed)  # FastPathConfig.keep_attention
         # An input that always requires grad, so every layer's backward runs even when the
@@ -126,7 +138,7 @@ class ActivationOffloader:
         `attention_keep_bytes` > 0: keeping every layer's attention output for the recompute
         pays off for this batch and needs that much device memory (see attention_keep_bytes);
         it is done when that fits beside the second buffer."""
-        self.stats = OffloadStats()
+        self.stats = OffloadStats(copies=self.cuda)
         self._step_mode = self.mode
         self._keep_attention = False
         for slot in self.slots:  # a step that failed midway (OOM) may have left reloads behind
@@ -134,15 +146,14 @@ class ActivationOffloader:
             slot.attention.outputs.clear()
         # One query of the device's free memory per step, only when something depends on it.
         free = free_device_bytes(self.device) if self.cuda and (self.mode == "double" or attention_keep_bytes) else 0
+        self._step_second = tokens * hidden_size * torch.finfo(dtype).bits // 8
         if self.mode == "double" and self.cuda:
-            need = tokens * hidden_size * torch.finfo(dtype).bits // 8 + DOUBLE_BUFFER_MARGIN
-            if free < need:
+            why = self._second_buffer_short(free)
+            if why:
                 self._step_mode = "single"
-                self.stats.fell_back = (
-                    f"free VRAM {free / 2**20:.0f} MiB < {need / 2**20:.0f} MiB for the second buffer"
-                )
+                self.stats.fell_back = why
             else:
-                free -= need
+                free -= self._step_second + DOUBLE_BUFFER_MARGIN
         if attention_keep_bytes > 0:
             # At most half of what is free: the rest stays for the step's own working memory.
             need = 2 * attention_keep_bytes + DOUBLE_BUFFER_MARGIN
@@ -153,6 +164,18 @@ class ActivationOffloader:
                 self.stats.attention_kept = "kept"
         self.stats.mode = self._step_mode
         return self._step_mode
+
+    def _second_buffer_short(self, free: int) -> str:
+        allocated = torch.cuda.memory_allocated(self.device) if self._measured is not None else 0
+        return second_buffer_short(self._step_second, free, allocated, self._measured)
+
+    def _measure_step(self) -> None:
+        """The step's backward reached the first layer: its peak is in (its optimizer step
+        adds little). The peak since the last reset bounds the step's from above, so a stale,
+        higher peak can only make the next choice more careful."""
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self._measured = (peak, self._step_mode, self._step_second)
 
     def stop_keeping_attention(self) -> None:
         """No more kept attention outputs in this run (after a step ran out of memory with
@@ -177,6 +200,16 @@ class ActivationOffloader:
     def _park(self, index: int, hidden: torch.Tensor) -> None:
         slot = self.slots[index]
         n = hidden.numel()
+        if self.cuda and self._step_mode == "double" and index == len(self.slots) - 1:
+            # The last layer's input is the first one backward needs: keep it (its "reload",
+            # prefetched). It costs the second buffer's memory while the head and loss run,
+            # when no other reload is on the device.
+            slot.shape, slot.dtype, slot.numel = tuple(hidden.shape), hidden.dtype, n
+            slot.device_copy, slot.saved = hidden.detach(), True
+            slot.ready = torch.cuda.Event()
+            slot.ready.record(torch.cuda.current_stream(self.device))
+            self.stats.layers += 1
+            return
         if slot.host is None or slot.host.numel() < n or slot.host.dtype != hidden.dtype:
             slot.host = torch.empty(n, dtype=hidden.dtype, device="cpu", pin_memory=self.cuda)
         slot.shape, slot.dtype, slot.numel = tuple(hidden.shape), hidden.dtype, n
@@ -237,6 +270,31 @@ class ActivationOffloader:
         if not self._issue_reload(index - 1):
             self._step_mode = self.stats.mode = "single"
             self.stats.fell_back = "out of memory allocating the second buffer"
+
+
+def second_buffer_short(second: int, free: int, allocated: int, measured: Optional[tuple[int, str, int]]) -> str:
+    """Why a step cannot afford double buffering's second buffer of `second` bytes ("" when it
+    can), given what the process can still allocate (`free`) and has allocated.
+
+    `measured` is the last measured step's (peak allocated bytes, its mode, its second
+    buffer's bytes), or None before any step was measured. Free memory at the start of a step
+    does not see the step's own working set (the loss's logits chunks, a layer's recompute),
+    so once a step was measured its peak decides: a single-buffered step's peak had no second
+    buffer in it, a double-buffered one's had one of its own size."""
+    margin = DOUBLE_BUFFER_MARGIN
+    if measured is None:
+        if free < second + margin:
+            return f"free VRAM {free / 2**20:.0f} MiB < {(second + margin) / 2**20:.0f} MiB for the second buffer"
+        return ""
+    peak, mode, measured_second = measured
+    estimate = peak + (second if mode == "single" else max(0, second - measured_second))
+    ceiling = allocated + free
+    if estimate + margin > ceiling:
+        return (
+            f"the last step's peak {peak / 2**20:.0f} MiB with a second buffer needs "
+            f"{(estimate + margin) / 2**20:.0f} MiB of {ceiling / 2**20:.0f} MiB"
+        )
+    return ""
 
 
 def attention_keep_bytes(lengths, config, dtype: torch.dtype, layers: int) -> int:
@@ -311,6 +369,8 @@ class OffloadedLayer(torch.autograd.Function):
             out = out[0]
         if out.requires_grad:
             torch.autograd.backward(out, grad_out)
+        if ctx.index == 0:
+            off._measure_step()
         dx = hidden.grad if need_dx else None
         return None, None, None, None, dx
 

@@ -1172,6 +1172,13 @@ class TrainingSession:
         _set_rng_state(rng)
         reset_counters()
         self._emit_preflight(attempts, *measured)
+        if self._is_cuda:
+            # From here on the peak is the training steps': a rehearsal of a size that was then
+            # dropped must not stand as the run's peak, nor make offload's measured choice of
+            # double buffering (engine.fastpath.offload) more careful than the steps need.
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self._device)
 
     def _grow_to_fill(self, measured: tuple[int, float, int]) -> tuple[tuple[int, float, int], int]:
         """Where the policy's formula left much of the memory budget unused (it over-estimates,

@@ -197,3 +197,29 @@ def test_out_of_memory_with_kept_attention_reruns_the_step_without_keeping(tmp_p
     assert calls == plain_calls + 2  # two micro-batches of the failed attempt, then the step again
     assert any("no longer kept" in m for m in logs), logs
     assert kept == plain
+
+
+# -- choosing double buffering from the last step's measured peak --------------------------------
+
+MIB = 2**20
+
+
+def test_double_buffering_is_chosen_from_the_last_measured_peak():
+    from engine.fastpath.offload import DOUBLE_BUFFER_MARGIN, OffloadStats, second_buffer_short
+
+    second = 512 * MIB
+    # Nothing measured yet: free memory at the step's start decides.
+    assert second_buffer_short(second, free=second + DOUBLE_BUFFER_MARGIN, allocated=0, measured=None) == ""
+    assert "free VRAM" in second_buffer_short(second, free=second, allocated=0, measured=None)
+    # 6 GiB allocated, 1.5 GiB free: a start-of-step look would say double. But the last
+    # single-buffered step peaked at 7.2 GiB, and 7.2 + 0.5 + margin is over the 7.5 GiB ceiling.
+    why = second_buffer_short(second, free=1536 * MIB, allocated=6144 * MIB, measured=(7373 * MIB, "single", second))
+    assert why.startswith("the last step's peak 7373 MiB") and "of 7680 MiB" in why
+    # The same peak from a double-buffered step already held its second buffer: double fits.
+    assert second_buffer_short(second, 1536 * MIB, 6144 * MIB, (7373 * MIB, "double", second)) == ""
+    # ... unless this step's buffer is larger than the measured one by more than the room left.
+    assert second_buffer_short(2 * second, 1536 * MIB, 6144 * MIB, (7373 * MIB, "double", second))
+    # The step's line says how many reloads the compute stream waited for (GPU only).
+    stats = OffloadStats(mode="double", layers=28, copies=True)
+    assert stats.note() == "double, 0 of 28 reloads waited"
+    assert OffloadStats(mode="single", layers=28).note() == "single"  # a CPU: nothing travels
