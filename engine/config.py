@@ -151,6 +151,10 @@ class FastPathConfig:
     # With offload: keep attention outputs for the recompute when documents are long enough
     # for it to pay and there is room (engine.fastpath.offload.attention_keep_bytes).
     keep_attention: bool = True
+    # An untied input embedding in host memory (engine.fastpath.host_embed): auto moves it
+    # when the pre-flight or a step runs out of memory (the cheapest change: no speed cost);
+    # true from the start; false never.
+    host_embeddings: Union[bool, Literal["auto"]] = "auto"
     ce_chunk_tokens: Union[int, Literal["auto"]] = "auto"
 
 

@@ -84,6 +84,10 @@ HELP = {
         "With offload and long documents: keep attention outputs so the recompute skips attention "
         "(uses memory when it fits)."
     ),
+    "fast_paths.host_embeddings": (
+        "Keep the frozen input-embedding table in host memory (untied models), sending only each "
+        "batch's rows to the GPU. auto: when the card runs short."
+    ),
     "fast_paths.ce_chunk_tokens": "Tokens per chunk in the fused cross-entropy. auto: by vocabulary size.",
     "output.dir": "Folder where run folders are created.",
     "output.run_name": "Name of this run's folder; auto uses a timestamp.",

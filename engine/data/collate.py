@@ -9,7 +9,7 @@ document's first token, and the loss needs no shift on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -25,6 +25,9 @@ class PackedBatch:
     info: PackedSeqInfo
     num_tokens: int
     num_trained_tokens: int
+    # The ids on the host after `to(device)`: an embedding table in host memory
+    # (engine.fastpath.host_embed) looks them up without reading the device's copy back.
+    host_ids: Optional[torch.Tensor] = None
 
     @classmethod
     def from_documents(
@@ -69,6 +72,7 @@ class PackedBatch:
             self.info.to(device),
             self.num_tokens,
             self.num_trained_tokens,
+            self.input_ids,
         )
 
     def model_kwargs(self) -> dict:

@@ -615,6 +615,11 @@ class TrainingSession:
         if saved.get("gradient_checkpointing") and not self._checkpointing:
             self._checkpointing = enable_checkpointing(self._model)
             changed.append("gradient checkpointing")
+        if saved.get("host_embeddings") and self._host_embeddings_possible():
+            from engine.fastpath.host_embed import move_to_host
+
+            self._fast["host_embeddings"] = move_to_host(self._model, self._device)
+            changed.append("input embeddings in host memory")
         mode = saved.get("offload", "off")
         if mode != "off" and self._offloader is None and self._checkpointing:
             self._offloader, self._fast["offload"] = install_offload(
@@ -649,6 +654,7 @@ class TrainingSession:
             "rows_per_forward": self._exec_rows,
             "gradient_checkpointing": self._checkpointing,
             "offload": self._offloader.mode if self._offloader is not None else "off",
+            "host_embeddings": bool(self._fast.get("host_embeddings", "").startswith("on")),
             "rollbacks": self._rollbacks,
         }
         evaluation = {"best": self._best, "bad_evals": self._bad_evals, "best_only": self._best_only}
@@ -967,6 +973,8 @@ class TrainingSession:
     def _next_memory_change(self) -> Optional[tuple[str, Any, Any]]:
         """(setting, before, after) of the cheapest change left that saves memory, or None."""
         off = self._offloader
+        if self._host_embeddings_possible():  # costs no speed: first
+            return ("host_embeddings", "device", "host")
         if off is not None and off.keep_attention_allowed and off.stats.attention_kept == "kept":
             return ("keep_attention", "kept", "not kept")
         if off is not None and off.mode == "double":
@@ -979,6 +987,14 @@ class TrainingSession:
             return ("offload", "off", "single")
         return None
 
+    def _host_embeddings_possible(self) -> bool:
+        """May the input embedding still move to host memory? (auto, one process, untied.)"""
+        from engine.fastpath.host_embed import why_not
+
+        if self.config.fast_paths.host_embeddings != "auto" or self._dist.enabled:
+            return False
+        return not why_not(self._model, self._device)
+
     def _forwards_per_step(self) -> int:
         per_mb = self._plan.rows_per_mb
         if self._exec_rows > per_mb:
@@ -989,7 +1005,16 @@ class TrainingSession:
         from engine.train.step import enable_checkpointing, install_offload
 
         setting, before, after = change
-        if setting == "keep_attention":
+        if setting == "host_embeddings":
+            from engine.fastpath.host_embed import move_to_host
+
+            self._fast["host_embeddings"] = move_to_host(self._model, self._device)
+            if self._is_cuda:  # the device table's blocks back to the card (a cap counts reserved)
+                import torch
+
+                torch.cuda.empty_cache()
+            what = "input embeddings → host memory (" + self._fast["host_embeddings"].removeprefix("on: ") + ")"
+        elif setting == "keep_attention":
             self._offloader.stop_keeping_attention()
             what = "attention outputs are no longer kept for the recompute"
         elif setting == "offload" and before == "double":

@@ -76,6 +76,16 @@ def prepare_model(
     report["fused_ce"] = "on" if _wanted(fast_paths.fused_ce) else "off: disabled in config"
     report["cached_metadata"] = "on" if fast_paths.cached_metadata else "off: rebuilt in every layer"
 
+    hosted = fast_paths.host_embeddings
+    if hosted is True:
+        from engine.fastpath.host_embed import move_to_host
+
+        report["host_embeddings"] = move_to_host(model, device)
+    else:
+        report["host_embeddings"] = (
+            "off: disabled in config" if hosted is False else "off: moved when memory runs short"
+        )
+
     base = hf_model(model)
     base.config.use_cache = False
     if gradient_checkpointing:
@@ -159,6 +169,12 @@ def forward_loss(
     if not cached_metadata:
         # Ablation: hand the layers only positions, so each rebuilds cu_seqlens itself.
         kwargs = {"input_ids": kwargs["input_ids"], "position_ids": kwargs["position_ids"]}
+    from engine.fastpath.host_embed import host_embedding
+
+    hosted = host_embedding(base)
+    if hosted is not None:  # the table is in host memory: look the batch's host ids up there
+        ids = kwargs.pop("input_ids")
+        kwargs["inputs_embeds"] = hosted(batch.host_ids if batch.host_ids is not None else ids)
     hidden = decoder(**kwargs, use_cache=False).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = batch.targets.reshape(-1)

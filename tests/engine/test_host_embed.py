@@ -1,0 +1,108 @@
+"""The input embedding in host memory (engine.fastpath.host_embed), on the CPU: the same loss and
+LoRA gradients as the table on the device, who may move it (untied, frozen, on a GPU), and the
+session moving it as its first memory change when a step runs out of memory, with a curve
+equal to the run that never ran short. The memory it frees is measured on the GPU
+(tests/gpu/test_host_embed_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import FastPathConfig
+from engine.data.collate import PackedBatch
+from engine.events import MemoryAdjusted, StepMetrics
+from engine.fastpath import host_embed
+from engine.fastpath.host_embed import HostEmbedding, host_embedding, move_to_host, why_not
+from engine.train.session import Faults
+from engine.train.step import forward_loss, prepare_model
+from tests.learning_parity import learnable_jsonl, make_config, random_model_folder
+from tests.test_patches import tiny
+
+CPU = torch.device("cpu")
+
+
+def batch():
+    g = torch.Generator().manual_seed(5)
+    return PackedBatch.from_documents([torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 14, 6)])
+
+
+def step(hosted: bool):
+    model = tiny("qwen3", attn="sdpa", num_hidden_layers=2, tie_word_embeddings=False)
+    prepared = prepare_model(model, FastPathConfig(), CPU, gradient_checkpointing=False)
+    if hosted:  # on a CPU the session never offers it (nothing to free); the module works alike
+        from engine.peft_model import hf_model
+
+        base = hf_model(model)
+        base.set_input_embeddings(HostEmbedding(base.get_input_embeddings(), CPU))
+    model.train()
+    b = batch()
+    loss = forward_loss(prepared, b, normalizer=b.num_trained_tokens)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, model
+
+
+def test_host_table_gives_identical_loss_and_gradients():
+    l0, g0, _ = step(hosted=False)
+    l1, g1, model = step(hosted=True)
+    assert host_embedding(model) is not None
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys() and all(torch.equal(g0[n], g1[n]) for n in g0)
+
+
+def test_host_table_answers_device_ids_too():
+    emb = torch.nn.Embedding(50, 8)
+    hosted = HostEmbedding(emb, CPU)
+    ids = torch.tensor([[3, 1, 49, 3]])
+    assert torch.equal(hosted(ids), emb(ids).detach())
+    assert hosted.weight.shape == (50, 8) and "in host memory" in repr(hosted)
+
+
+def test_who_may_move_the_table():
+    untied = tiny("qwen3", attn="sdpa", num_hidden_layers=1, tie_word_embeddings=False)
+    tied = tiny("qwen3", attn="sdpa", num_hidden_layers=1, tie_word_embeddings=True)
+    assert why_not(untied, CPU) == "the model is not on a GPU"
+    assert move_to_host(untied, CPU) == "off: the model is not on a GPU"
+    assert "tied to the output head" in why_not(tied, "cuda")
+    assert why_not(untied, "cuda") == ""
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    root = tmp_path_factory.mktemp("host-embed")
+    folder = random_model_folder(
+        root / "model",
+        "qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
+    return folder, learnable_jsonl(root, docs=120)
+
+
+def _run(tmp_path, untied, faults=None):
+    from tests.engine.test_recovery import train
+
+    folder, data = untied
+    cfg = make_config(str(folder), data, tmp_path, steps=4, seq=64, rows=2, preflight="off")
+    cfg.model.dtype = "float32"
+    return train(cfg, tmp_path / "run", faults)
+
+
+def test_out_of_memory_moves_the_table_to_host_first_and_loses_nothing(tmp_path, untied, monkeypatch):
+    _, straight, events0 = _run(tmp_path / "a", untied)
+    # A CPU has no device table to free: let the session treat this one as movable, as on a GPU.
+    monkeypatch.setattr(host_embed, "why_not", lambda model, device: "" if host_embedding(model) is None else "moved")
+    session, result, events = _run(tmp_path / "b", untied, Faults(oom_at_steps=[2]))
+    changes = [(e.step, e.setting, e.before, e.after) for e in events if isinstance(e, MemoryAdjusted)]
+    assert changes == [(2, "host_embeddings", "device", "host")], changes
+    message = next(e.message for e in events if isinstance(e, MemoryAdjusted))
+    assert message.startswith("input embeddings → host memory ("), message
+    assert host_embedding(session._model) is not None
+    curve = [e.loss for e in events if isinstance(e, StepMetrics)]
+    assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4]
+    assert curve == pytest.approx([e.loss for e in events0 if isinstance(e, StepMetrics)], rel=1e-5)
