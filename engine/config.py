@@ -155,6 +155,9 @@ class FastPathConfig:
     # when the pre-flight or a step runs out of memory (the cheapest change: no speed cost);
     # true from the start; false never.
     host_embeddings: Union[bool, Literal["auto"]] = "auto"
+    # Dense MLPs over tiles of tokens (engine.fastpath.tiled_mlp): long rows' MLP intermediates
+    # one tile at a time, for one more MLP forward. auto: when memory runs short at one row.
+    tiled_mlp: Union[bool, Literal["auto"]] = "auto"
     ce_chunk_tokens: Union[int, Literal["auto"]] = "auto"
 
 

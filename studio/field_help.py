@@ -88,6 +88,10 @@ HELP = {
         "Keep the frozen input-embedding table in host memory (untied models), sending only each "
         "batch's rows to the GPU. auto: when the card runs short."
     ),
+    "fast_paths.tiled_mlp": (
+        "Run each MLP over tiles of tokens, so long rows need far less memory (one more MLP forward "
+        "per step). auto: when the card runs short."
+    ),
     "fast_paths.ce_chunk_tokens": "Tokens per chunk in the fused cross-entropy. auto: by vocabulary size.",
     "output.dir": "Folder where run folders are created.",
     "output.run_name": "Name of this run's folder; auto uses a timestamp.",

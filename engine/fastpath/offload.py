@@ -342,7 +342,7 @@ class OffloadedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, offloader: ActivationOffloader, index: int, fn: Callable, anchor, hidden):
         ctx.offloader, ctx.index, ctx.fn = offloader, index, fn
-        ctx.rng = _RngState.capture(hidden.device)
+        ctx.rng = RngState.capture(hidden.device)
         kept = offloader.slots[index].attention
         with torch.no_grad(), _passing(kept, "keep" if offloader._keep_attention else None) as extra:
             out = fn(hidden, **extra)
@@ -392,7 +392,7 @@ def _passing(kept: KeptAttention, mode: Optional[str]):
 
 
 @dataclass
-class _RngState:
+class RngState:
     """RNG states at a layer's forward, so the recompute draws the same dropout masks
     (as torch.utils.checkpoint does; reading them asks the device nothing)."""
 
@@ -401,7 +401,7 @@ class _RngState:
     device: torch.device
 
     @classmethod
-    def capture(cls, device: torch.device) -> "_RngState":
+    def capture(cls, device: torch.device) -> "RngState":
         cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         return cls(torch.get_rng_state(), cuda_state, device)
 

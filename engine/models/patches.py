@@ -405,6 +405,18 @@ def _install(module: nn.Module, forward: Callable, plan: Any) -> None:
     patching.install(module, forward, plan, _KIND)
 
 
+def dense_mlps(model: nn.Module) -> tuple[list[nn.Module], str]:
+    """(the dense gated MLP modules of a (PEFT-wrapped) causal LM, why there are none)."""
+    hf = hf_model(model)
+    model_type = getattr(getattr(hf, "config", None), "model_type", None)
+    arch = REGISTRY.get(model_type)
+    if arch is None:
+        return [], f"model_type '{model_type}' has no patch"
+    mlp_cls = arch.classes()[2]
+    mlps = [m for m in hf.modules() if type(m).__name__ == mlp_cls]
+    return mlps, "" if mlps else f"no {mlp_cls} modules found"
+
+
 def remove_fast_paths(model: nn.Module) -> int:
     """Restore every stock forward `apply_fast_paths` replaced; returns how many."""
     return sum(patching.uninstall(module, _KIND) for module in list(model.modules()))

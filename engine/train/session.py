@@ -129,7 +129,8 @@ class Faults:
     oom_above_rows: any forward (a step's or the pre-flight rehearsal's) over more packed rows
         than this raises torch.OutOfMemoryError, like a card that holds only that many.
     oom_when: a predicate over the forward about to run, {"step", "rows", "rehearsal",
-        "gradient_checkpointing", "offload"}; True raises torch.OutOfMemoryError.
+        "gradient_checkpointing", "offload", "host_embeddings", "tiled_mlp"}; True raises
+        torch.OutOfMemoryError.
     nan_at_steps / spike_at_steps: the step's loss is made NaN / 50x before its backward, so
         its update is poisoned as a real one would be.
     disk_free: replaces engine.train.checkpoint.disk_free(path) -> free bytes.
@@ -620,6 +621,11 @@ class TrainingSession:
 
             self._fast["host_embeddings"] = move_to_host(self._model, self._device)
             changed.append("input embeddings in host memory")
+        if saved.get("tiled_mlp") and self._tiled_mlp_possible():
+            from engine.train.step import tile_mlps
+
+            self._fast["tiled_mlp"] = tile_mlps(self._model, self._device)
+            changed.append("tiled MLP")
         mode = saved.get("offload", "off")
         if mode != "off" and self._offloader is None and self._checkpointing:
             self._offloader, self._fast["offload"] = install_offload(
@@ -655,6 +661,7 @@ class TrainingSession:
             "gradient_checkpointing": self._checkpointing,
             "offload": self._offloader.mode if self._offloader is not None else "off",
             "host_embeddings": bool(self._fast.get("host_embeddings", "").startswith("on")),
+            "tiled_mlp": bool(self._fast.get("tiled_mlp", "").startswith("on")),
             "rollbacks": self._rollbacks,
         }
         evaluation = {"best": self._best, "bad_evals": self._bad_evals, "best_only": self._best_only}
@@ -934,6 +941,8 @@ class TrainingSession:
             "rehearsal": rehearsal,
             "gradient_checkpointing": self._checkpointing,
             "offload": self._offloader.mode if self._offloader is not None else "off",
+            "host_embeddings": self._fast.get("host_embeddings", "").startswith("on"),
+            "tiled_mlp": self._fast.get("tiled_mlp", "").startswith("on"),
         }
 
     def _forward_backward_recovering(self, step: int):
@@ -981,6 +990,8 @@ class TrainingSession:
             return ("offload", "double", "single")
         if self._exec_rows > 1:
             return ("micro_batch", self._exec_rows, self._exec_rows // 2)
+        if self._tiled_mlp_possible():
+            return ("tiled_mlp", "off", "on")
         if not self._checkpointing and getattr(_hf(self._model), "supports_gradient_checkpointing", False):
             return ("gradient_checkpointing", False, True)
         if off is None and self._checkpointing:
@@ -994,6 +1005,18 @@ class TrainingSession:
         if self.config.fast_paths.host_embeddings != "auto" or self._dist.enabled:
             return False
         return not why_not(self._model, self._device)
+
+    def _tiled_mlp_possible(self) -> bool:
+        """May the MLPs still be tiled, and would it help? (auto, one process, rows longer than a tile.)"""
+        from engine.fastpath.tiled_mlp import tile_of, tile_tokens
+        from engine.models.patches import dense_mlps
+
+        if self.config.fast_paths.tiled_mlp != "auto" or self._dist.enabled or tile_of(self._model):
+            return False
+        if not dense_mlps(self._model)[0]:
+            return False
+        inter = getattr(_hf(self._model).config, "intermediate_size", 0) or 0
+        return self.config.data.max_seq_len * self._exec_rows > tile_tokens(inter)
 
     def _forwards_per_step(self) -> int:
         per_mb = self._plan.rows_per_mb
@@ -1014,6 +1037,11 @@ class TrainingSession:
 
                 torch.cuda.empty_cache()
             what = "input embeddings → host memory (" + self._fast["host_embeddings"].removeprefix("on: ") + ")"
+        elif setting == "tiled_mlp":
+            from engine.train.step import tile_mlps
+
+            self._fast["tiled_mlp"] = tile_mlps(self._model, self._device)
+            what = "tiled MLP " + self._fast["tiled_mlp"].split(" in ")[0]
         elif setting == "keep_attention":
             self._offloader.stop_keeping_attention()
             what = "attention outputs are no longer kept for the recompute"

@@ -85,6 +85,11 @@ def prepare_model(
         report["host_embeddings"] = (
             "off: disabled in config" if hosted is False else "off: moved when memory runs short"
         )
+    if fast_paths.tiled_mlp is True:
+        report["tiled_mlp"] = tile_mlps(model, device)
+    else:
+        off = "disabled in config" if fast_paths.tiled_mlp is False else "turned on when memory runs short"
+        report["tiled_mlp"] = f"off: {off}"
 
     base = hf_model(model)
     base.config.use_cache = False
@@ -95,6 +100,19 @@ def prepare_model(
         base, offload, device, gradient_checkpointing, bool(fast_paths.keep_attention)
     )
     return PreparedModel(model, offloader, report)
+
+
+def tile_mlps(model, device) -> str:
+    """Run the model's dense MLPs over tiles of tokens (engine.fastpath.tiled_mlp), also mid-run
+    (the session's out-of-memory recovery); the report line."""
+    from engine.fastpath.tiled_mlp import enable_tiled_mlp
+    from engine.models.patches import dense_mlps
+
+    mlps, why = dense_mlps(model)
+    if not mlps:
+        return f"off: {why}"
+    inter = getattr(hf_model(model).config, "intermediate_size", 0) or 0
+    return enable_tiled_mlp(mlps, inter, torch.device(device))
 
 
 def enable_checkpointing(model) -> bool:
