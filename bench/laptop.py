@@ -369,6 +369,9 @@ def table(rows: list[dict] | str) -> str:
         pre = r.get("preflight") or {}
         if pre.get("rows_per_micro_batch") and pre["rows_per_micro_batch"] != c.get("rows_per_micro_batch"):
             chosen += f"; pre-flight: {pre['rows_per_micro_batch']} rows per forward"
+        for change in r.get("memory_changes") or []:  # what the run lowered, up to its reason
+            if not change.startswith("micro-batch"):
+                chosen += "; then " + change.split(":")[0]
         if (r.get("parallel") or 1) > 1:
             chosen += f" [{r['parallel']} cases shared the GPU]"
         out.append(

@@ -521,7 +521,7 @@ def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD
         f"within {FALL_TOL:.0%}, and every step of ours is within {STEP_TOL:.0%} of the stock curve. "
         'Otherwise the row says "FAILED learning" or "no learning check" (records from before '
         "the check have no loss curve; their token ids were uniform random and could not be learned).",
-        '- "vs best peer (same run)" is tokens/s over the fastest peer\'s (HF + PEFT, Liger, Unsloth) '
+        '- "vs best peer (same run)" is tokens/s over the fastest peer\'s (HF + PEFT, Liger, TRL, Unsloth) '
         "of the same run id; ratios are never taken across runs. With `--repeat N` a run measures each "
         "implementation N times (interleaved); the headline row shows the median and the range.",
         "",
@@ -639,6 +639,8 @@ def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD
         out.append("")
     if Path(results) == DEFAULT_RESULTS:
         out += multi_gpu_section(MULTI_GPU) + laptop_section(LAPTOP)
+        if LEVERS.exists():  # the targets' standing and the levers tried: kept by hand
+            out += ["", LEVERS.read_text(encoding="utf-8").rstrip(), ""]
     text = "\n".join(out).rstrip() + "\n"
     Path(md).write_text(text, encoding="utf-8")
     return text
@@ -648,6 +650,7 @@ def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD
 # committed beside results.jsonl; a record with "missing" says why a measurement is not there.
 MULTI_GPU = BENCH_DIR / "results" / "multi_gpu.jsonl"
 LAPTOP = BENCH_DIR / "results" / "laptop.jsonl"
+LEVERS = BENCH_DIR / "results" / "levers.md"
 
 
 def multi_gpu_section(path: Path) -> list[str]:

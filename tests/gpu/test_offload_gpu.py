@@ -225,13 +225,14 @@ def test_double_or_single_is_decided_from_the_last_steps_measured_peak():
     assert mode == "double" and measured_second == second
     # A cap just above the double step's peak, short of its margin: free memory at the start of
     # a step (the old rule) still says double; the measured peak says single.
-    total = torch.cuda.get_device_properties(CUDA).total_memory
+    device = torch.device("cuda", torch.cuda.current_device())  # the cap wants an index
+    total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction((peak + DOUBLE_BUFFER_MARGIN // 2) / total, CUDA)
+    torch.cuda.set_per_process_memory_fraction((peak + DOUBLE_BUFFER_MARGIN // 2) / total, device)
     try:
-        free = free_device_bytes(CUDA)
-        assert second_buffer_short(second, free, torch.cuda.memory_allocated(CUDA), None) == ""
+        free = free_device_bytes(device)
+        assert second_buffer_short(second, free, torch.cuda.memory_allocated(device), None) == ""
         assert off.begin_step(tokens=second // (4096 * 2), hidden_size=4096, dtype=torch.bfloat16) == "single"
         assert "the last step's peak" in off.stats.fell_back, off.stats.fell_back
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
