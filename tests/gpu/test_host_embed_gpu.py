@@ -13,7 +13,7 @@ from bench.ours import prepare_ours
 from bench.workloads import WORKLOADS, build_model, shrink
 from engine.data.collate import PackedBatch
 from engine.fastpath.host_embed import host_embedding, move_to_host
-from engine.train.step import forward_loss
+from tests.gpu_step import lora_grads, measured_step, randomize_lora_b
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -26,28 +26,12 @@ def test_host_table_frees_its_memory_and_gives_identical_steps():
     model = build_model(wl, dtype=torch.bfloat16, device=CUDA, attn_implementation="sdpa")
     prepared, _ = prepare_ours(model, wl, CUDA, {})
     model = prepared.model
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    randomize_lora_b(model)
     b = make_batches(1, 8192, wl.config["vocab_size"])[0]
     batch = PackedBatch.from_documents(b.documents()).to(CUDA)
-
-    def one_step(check_syncs: bool):
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if check_syncs:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            loss = forward_loss(prepared, batch, normalizer=batch.num_trained_tokens)
-            loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-        return loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-    one_step(False)  # compiles the kernels
-    l0, g0 = one_step(False)
+    measured_step(prepared, batch)  # compiles the kernels
+    l0, _ = measured_step(prepared, batch)
+    g0 = lora_grads(model)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(CUDA)
     report = move_to_host(model, CUDA)
@@ -57,6 +41,7 @@ def test_host_table_frees_its_memory_and_gives_identical_steps():
     print(f"host embeddings: {report}; freed {freed / GIB:.3f} GiB of a {table / GIB:.3f} GiB table")
     assert report.startswith("on: ") and host_embedding(model) is not None
     assert freed >= 0.99 * table
-    l1, g1 = one_step(True)  # no device-to-host sync in the step
+    l1, _ = measured_step(prepared, batch, check_syncs=True)  # no device-to-host sync in the step
+    g1 = lora_grads(model)
     assert torch.equal(l0, l1)
     assert all(torch.equal(g0[n], g1[n]) for n in g0)

@@ -68,20 +68,6 @@ SHAPES = {
         rope_theta=500_000.0,
         max_position_embeddings=131_072,
     ),
-    # Llama's shape with its own output head: the input table may move to host memory.
-    "llama_untied": dict(
-        model_type="llama",
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=2,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        rope_theta=500_000.0,
-        max_position_embeddings=131_072,
-    ),
     "qwen3_moe": dict(
         model_type="qwen3_moe",
         hidden_size=2048,
@@ -115,6 +101,9 @@ SHAPES = {
         max_position_embeddings=131_072,
     ),
 }
+
+# Llama's shape with its own output head: the input table may move to host memory.
+SHAPES["llama_untied"] = dict(SHAPES["llama"], tie_word_embeddings=False)
 
 _LOG = os.environ.get("TUNESMITH_LEARNING_LOG")
 

@@ -17,6 +17,7 @@ from bench.ours import prepare_ours
 from bench.workloads import WORKLOADS, build_model, shrink
 from engine.data.collate import PackedBatch
 from engine.train.step import forward_loss
+from tests.gpu_step import lora_grads, measured_step, randomize_lora_b
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -31,28 +32,12 @@ def run(offload: str, sync_check: bool = False):
     fields = {} if offload == "off" else {"offload": offload}
     prepared, fp = prepare_ours(model, wl, CUDA, fields)
     model, report = prepared.model, prepared.report
-    with torch.no_grad():  # nonzero B so every LoRA gradient is informative
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    randomize_lora_b(model)
     b = make_batches(1, wl.tokens, wl.config["vocab_size"])[0]
     batch = PackedBatch.from_documents(b.documents()).to(CUDA)
-    # one warm-up step (Triton compiles, pinned buffers), then the measured one
-    for i in range(2):
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        if sync_check and i == 1:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            loss = forward_loss(prepared, batch, normalizer=batch.num_trained_tokens)
-            loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / GIB
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    measured_step(prepared, batch)  # warm-up: Triton compiles, pinned buffers
+    loss, peak = measured_step(prepared, batch, check_syncs=sync_check)
+    grads = lora_grads(model)
     out = dict(
         loss=loss.item(),
         grads=grads,
@@ -117,22 +102,11 @@ def run_long(keep: bool, monkeypatch):
     model = build_model(wl, dtype=torch.bfloat16, device=CUDA, attn_implementation="sdpa")
     prepared, fp = prepare_ours(model, wl, CUDA, {"offload": "double"})
     model = prepared.model
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    randomize_lora_b(model)
     b = make_batches(1, wl.tokens, wl.config["vocab_size"], packing="single")[0]
     batch = PackedBatch.from_documents(b.documents()).to(CUDA)
-    for i in range(2):  # warm-up (compiles), then the checked step without syncs
-        model.zero_grad(set_to_none=True)
-        if i == 1:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            loss = forward_loss(prepared, batch, normalizer=batch.num_trained_tokens)
-            loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    measured_step(prepared, batch)  # warm-up (compiles), then the checked step without syncs
+    loss, _ = measured_step(prepared, batch, check_syncs=True)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return loss.detach(), grads, prepared.offloader.stats
 

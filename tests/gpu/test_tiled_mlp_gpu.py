@@ -12,12 +12,11 @@ from bench.batches import make_batches
 from bench.ours import prepare_ours
 from bench.workloads import WORKLOADS, build_model, shrink
 from engine.data.collate import PackedBatch
-from engine.train.step import forward_loss
+from tests.gpu_step import lora_grads, measured_step, randomize_lora_b
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CUDA = torch.device("cuda")
-GIB = 2**30
 TOKENS = 32_768
 
 
@@ -26,27 +25,12 @@ def run(tiled: bool):
     model = build_model(wl, dtype=torch.bfloat16, device=CUDA, attn_implementation="sdpa")
     prepared, _ = prepare_ours(model, wl, CUDA, {"offload": "single", "tiled_mlp": tiled})
     model = prepared.model
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    randomize_lora_b(model)
     b = make_batches(1, TOKENS, wl.config["vocab_size"], packing="single")[0]
     batch = PackedBatch.from_documents(b.documents()).to(CUDA)
-    for i in range(2):  # warm-up (compiles), then the measured step, checked for syncs
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        if i == 1:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            loss = forward_loss(prepared, batch, normalizer=batch.num_trained_tokens)
-            loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / GIB
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    measured_step(prepared, batch)  # warm-up (compiles), then the measured step, checked for syncs
+    loss, peak = measured_step(prepared, batch, check_syncs=True)
+    grads = lora_grads(model)
     report = prepared.report["tiled_mlp"]
     del model, prepared
     torch.cuda.empty_cache()
@@ -67,4 +51,4 @@ def test_tiled_mlp_matches_and_needs_less_memory():
     # Untiled, a layer's recompute and backward hold gate, up and their product for every token
     # (14,336 x 2 bytes a token each, 0.875 GiB apiece at 32k); tiled, one 2,048-token tile's.
     # At least half of two of them must be gone.
-    assert p0 - p1 >= 0.5 * 2 * inter * 2 * TOKENS / GIB
+    assert p0 - p1 >= 0.5 * 2 * inter * 2 * TOKENS / 2**30
