@@ -5,6 +5,7 @@
     python -m bench --workloads W1 --impls ours,hf_sdpa,trl_sdpa,trl_liger,liger_varlen  # the peers users pick
     python -m bench --parity                                   # learning check (30 steps) + one-step grads
     python -m bench --memcap                                   # W7, longest sequence at 16 GiB
+    python -m bench --memcap --memcap-impls ours:offload-single,liger_varlen,trl_liger_varlen,unsloth
     python -m bench --workloads W9 --impls ours,hf --max-seconds 540  # whole MoE model vs HF grouped_mm
     python -m bench --cpu-smoke --results /tmp/r.jsonl         # tiny end-to-end run on a CPU
     python -m bench --summarize [--merge more.jsonl]           # RESULTS.md from results.jsonl
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 from bench.report import DEFAULT_MD, DEFAULT_RESULTS, PEER_IMPLS, progress
@@ -138,10 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--memcap-impls",
         default="ours:offload-single",
-        help="comma list for --memcap; ours takes a variant after a colon (ours:offload-double)",
+        help="comma list for --memcap; ours takes a variant after a colon (ours:offload-double); peers: "
+        "hf_sdpa, hf_flex, hf_varlen, liger_sdpa, liger_flex, liger_varlen, trl_varlen, trl_liger_varlen "
+        "(any trl_* name), unsloth (in a child process, needs --unsloth-site)",
     )
-    p.add_argument("--memcap-gib", type=float, default=16.0)
-    p.add_argument("--memcap-max-tokens", type=int, default=131_072)
+    p.add_argument("--memcap-gib", type=float, default=16.0, help="the per-process CUDA memory cap of --memcap")
+    p.add_argument(
+        "--memcap-max-tokens",
+        type=int,
+        default=131_072,
+        help="the search's longest length (a multiple of 1024; Unsloth's max_seq_length, TRL's max_length)",
+    )
     p.add_argument(
         "--cpu-smoke",
         action="store_true",
@@ -289,37 +296,30 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
 
 
 def run_memcaps(args, workloads, device, budget, env) -> list[dict]:
-    from bench.memcap import UNIT, run_memcap
+    """W7's search for each --memcap-impls name: in this process (bench.memcap.memcap_fields),
+    or for unsloth in its child process (the same search there), whose record is merged here."""
+    from bench.memcap import CUDA_ONLY, memcap_fields
+    from bench.peers.unsloth import run_child
     from bench.report import append_record
-    from bench.runner import NotSupported, free_memory
 
     records = []
     for wl in workloads:
         for impl in _list(args.memcap_impls):
+            lr = lr_for(wl, args)
             rec = dict(
-                base_record(args, env, "memcap"), workload=wl.id, impl=impl, options={"cap_gib": args.memcap_gib}
+                base_record(args, env, "memcap"),
+                workload=wl.id,
+                impl=impl,
+                lr=lr,
+                options={"cap_gib": args.memcap_gib},
             )
             progress(f"== {wl.id} {impl}: memcap search up to {args.memcap_max_tokens} tokens at {args.memcap_gib} GiB")
-            try:
-                rec.update(
-                    run_memcap(
-                        wl,
-                        impl,
-                        device,
-                        budget,
-                        cap_gib=args.memcap_gib,
-                        hi_units=max(1, args.memcap_max_tokens // UNIT),
-                    )
-                )
-            except NotSupported as exc:
-                rec["status"] = f"not supported: {exc}"
-            except Exception as exc:
-                import traceback
-
-                traceback.print_exc(file=sys.stdout)
-                rec["status"] = f"error: {type(exc).__name__}: {str(exc).strip()[:300]}"
-                traceback.clear_frames(exc.__traceback__)
-            free_memory(device)
+            if impl != "unsloth":
+                rec.update(memcap_fields(wl, impl, device, budget, args.memcap_gib, args.memcap_max_tokens, lr))
+            elif device.type != "cuda":
+                rec["status"] = f"not supported: {CUDA_ONLY}"
+            else:
+                rec = run_child(wl.id, args, budget, rec, lr=lr, memcap=True)
             progress(f"{wl.id} {impl} memcap: {rec.get('status')}, longest {rec.get('longest_tokens')} tokens")
             append_record(args.results, rec)
             records.append(rec)
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.learning_steps is not None and args.learning_steps < 4:
         raise SystemExit("--learning-steps must be >= 4 (a first step and three to average); WORKLOADS.md asks >= 30")
 
-    if args.child_impl == "unsloth":  # must import unsloth before anything imports transformers
+    if args.child_impl == "unsloth":  # must import unsloth before anything imports transformers (--memcap too)
         from bench.peers.unsloth import child_main
 
         return child_main(args)

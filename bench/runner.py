@@ -355,16 +355,33 @@ def setup_for(impl: str, options: dict):
         from bench.peers.moe import setup_hf_moe_model
 
         return setup_hf_moe_model(options.get("experts_implementation") or impl.removeprefix("hf_experts_"))
-    attn = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager", "varlen": "varlen"}
-    family, _, kind = impl.partition("_")
-    if family in ("hf", "liger") and kind in attn:
-        return setup_hf(attn[kind], liger=family == "liger")
-    if family == "trl":
-        # trl_sdpa, trl_flex, trl_varlen; trl_liger (Liger + sdpa), trl_liger_flex, trl_liger_varlen
+    parts = peer_parts(impl)
+    if parts is not None:
+        family, attn, liger = parts
+        if family == "hf":
+            return setup_hf(attn, liger=liger)
         from bench.peers.trl_sft import setup_trl
 
+        return setup_trl(attn, liger=liger)
+    raise SystemExit(f"unknown impl {impl!r}")
+
+
+PEER_ATTN = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager", "varlen": "varlen"}
+
+
+def peer_parts(impl: str) -> tuple[str, str, bool] | None:
+    """(family "hf" or "trl", attention, Liger or not) of an HF-based peer's name; None otherwise.
+
+    hf_sdpa, hf_flex, hf_eager, hf_varlen and liger_* (HF + PEFT, with Liger); trl_sdpa, trl_flex,
+    trl_varlen, trl_liger (Liger + sdpa), trl_liger_flex, trl_liger_varlen (TRL's SFTTrainer).
+    The attention is transformers' name, or "varlen" (bench.peers.varlen).
+    """
+    family, _, kind = impl.partition("_")
+    if family in ("hf", "liger") and kind in PEER_ATTN:
+        return "hf", PEER_ATTN[kind], family == "liger"
+    if family == "trl":
         liger = kind == "liger" or kind.startswith("liger_")
         kind = kind.removeprefix("liger").removeprefix("_") or "sdpa"
-        if kind in attn and kind != "eager":
-            return setup_trl(attn[kind], liger=liger)
-    raise SystemExit(f"unknown impl {impl!r}")
+        if kind in PEER_ATTN and kind != "eager":
+            return "trl", PEER_ATTN[kind], liger
+    return None

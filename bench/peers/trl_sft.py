@@ -23,6 +23,10 @@ restarting at each document, -100 labels at each document start (the same traine
 other peers), and the flash-attention kwargs (cu_seq_lens_q, max_length_q). Collation is host
 work a data loader does ahead of the GPU: it is done at setup, as the other peers build inputs
 before timing.
+
+`TrlPeer` is that trainer and its step; `setup_trl` times it on the bench's steps and
+`single_document_step` gives the memory-capped search (W7, bench.memcap) the same trainer
+stepping one document of the searched length per call (packed and collated the same way).
 """
 
 from __future__ import annotations
@@ -46,14 +50,13 @@ def _tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-def packed_rows(batches, max_length: int):
+def pack_documents(steps: list[list[list[int]]], max_length: int) -> list[dict]:
     """One TRL-packed row per step: pack_dataset(bfd) over that step's documents alone."""
     from datasets import Dataset
     from trl.data_utils import pack_dataset
 
     rows = []
-    for b in batches:
-        docs = b.documents()
+    for docs in steps:
         packed = pack_dataset(Dataset.from_dict({"input_ids": docs, "labels": docs}), max_length, "bfd")
         if len(packed) != 1:  # the step's tokens are exactly one row: BFD must not split them
             raise RuntimeError(f"TRL packed one step into {len(packed)} rows, not 1")
@@ -76,32 +79,35 @@ def _apply_liger(trainer) -> dict:
     return config
 
 
-def setup_trl(attn: str, liger: bool = False):
-    """attn: "sdpa", "flex_attention" or "varlen" (bench.peers.varlen); liger: use_liger_kernel=True."""
+class TrlPeer:
+    """The SFTTrainer of a peer, set up as `train()` sets it up before its loop, and its step.
 
-    def setup(ctx: Context) -> Prepared:
+    `steps` are the documents of each training row (packed here by `pack_documents` into the
+    trainer's dataset, `self.rows`); `collate(row)` is the trainer's padding-free collator and
+    the loop's token count; `step(batch, n)` is one iteration of the loop.
+    """
+
+    def __init__(self, wl, device, lr: float, attn: str, liger: bool, steps, max_length: int):
         import torch
         from peft import get_peft_model
 
         from bench.peers.hf import peft_config
         from bench.workloads import build_model
 
-        wl = ctx.workload
-        cuda = ctx.device.type == "cuda"
+        cuda = device.type == "cuda"
         if liger and not cuda:
             raise NotSupported("Liger's Triton kernels need a CUDA GPU")
-        if attn == "varlen":
+        options: dict = {"attn_implementation": attn}
+        if attn == "varlen":  # NotSupported (and why) before importing TRL or building anything
             from bench.peers import varlen
 
-            why = varlen.unavailable(ctx.device)
-            if why:
-                raise NotSupported(why)
+            options.update(varlen.attn_options(device))
         if attn == "flex_attention" and not cuda:
             raise NotSupported("torch's flex_attention has no backward on the CPU")
         if wl.quant == "nf4":
             from bench.ours import _need_bnb
 
-            _need_bnb(ctx.device)
+            _need_bnb(device)
         try:
             import trl
             from trl import SFTConfig, SFTTrainer
@@ -113,11 +119,9 @@ def setup_trl(attn: str, liger: bool = False):
             except Exception as exc:
                 raise NotSupported(f"liger_kernel does not import ({type(exc).__name__}: {exc})") from None
 
-        options: dict = {"trainer": f"trl.SFTTrainer {trl.__version__}", "attn_implementation": attn}
-        if attn == "varlen":
-            options.update(attn_implementation=varlen.register(), **varlen.signature_note())
+        options["trainer"] = f"trl.SFTTrainer {trl.__version__}"
         dtype = torch.bfloat16 if cuda else torch.float32
-        model = build_model(wl, dtype=dtype, device=ctx.device, attn_implementation=options["attn_implementation"])
+        model = build_model(wl, dtype=dtype, device=device, attn_implementation=options["attn_implementation"])
         # What train() would switch on from SFTConfig(gradient_checkpointing=True), done here as
         # the HF peer does it: HF's own non-reentrant checkpointing on every layer.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -125,25 +129,25 @@ def setup_trl(attn: str, liger: bool = False):
         # be built over the LoRA parameters before the trainer takes it (optimizers=...). Same
         # call and config as the HF peer, so the LoRA starts from the same weights.
         model = get_peft_model(model, peft_config(wl))
-        opt, options["optimizer"] = make_peer_optimizer([p for p in model.parameters() if p.requires_grad], ctx.lr)
+        opt, options["optimizer"] = make_peer_optimizer([p for p in model.parameters() if p.requires_grad], lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)  # constant, as every implementation
 
-        out_dir = tempfile.TemporaryDirectory(prefix="bench-trl-")  # nothing is saved; removed with the peer
-        rows = packed_rows(ctx.batches, wl.tokens)
+        self.out_dir = tempfile.TemporaryDirectory(prefix="bench-trl-")  # nothing is saved; removed with the peer
+        self.rows = pack_documents(steps, max_length)
         from datasets import Dataset
 
         args = SFTConfig(
-            output_dir=out_dir.name,
-            max_steps=len(ctx.batches),
+            output_dir=self.out_dir.name,
+            max_steps=len(self.rows),
             per_device_train_batch_size=1,
             gradient_accumulation_steps=1,
-            learning_rate=ctx.lr,
+            learning_rate=lr,
             lr_scheduler_type="constant",
             max_grad_norm=0.0,
             packing=True,
             packing_strategy="bfd",
             padding_free=True,
-            max_length=wl.tokens,
+            max_length=max_length,
             dataset_kwargs={"skip_prepare_dataset": True},  # rows are packed above, per step
             gradient_checkpointing=True,
             gradient_checkpointing_kwargs={"use_reentrant": False},
@@ -158,7 +162,7 @@ def setup_trl(attn: str, liger: bool = False):
         trainer = SFTTrainer(
             model=model,
             args=args,
-            train_dataset=Dataset.from_list(rows),
+            train_dataset=Dataset.from_list(self.rows),
             processing_class=_tiny_tokenizer(),
             optimizers=(opt, sched),
         )
@@ -167,14 +171,33 @@ def setup_trl(attn: str, liger: bool = False):
         model_p, opt_p = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
         trainer.model_wrapped, trainer.optimizer = model_p, opt_p
         trainer.current_gradient_accumulation_steps = 1  # what the loop sets for one micro-batch per step
+        self.trainer, self.args, self.model, self.model_p = trainer, args, model, model_p
+        self.opt, self.opt_p, self.sched, self.options = opt, opt_p, sched, options
 
+    def collate(self, row) -> tuple[dict, object]:
+        """The collator's batch of one packed row and the loop's count of its trained tokens."""
+        batch = self.trainer.data_collator([row])
+        _, n = self.trainer.get_batch_samples(iter([batch]), 1, self.trainer.args.device)
+        return batch, n
+
+    def step(self, batch, num_items):
+        """One iteration of Trainer's loop (gradient accumulation 1); returns the loss."""
+        loss = self.trainer.training_step(self.model_p, dict(batch), num_items)
+        self.opt_p.step()
+        self.sched.step()
+        self.model_p.zero_grad()
+        return loss.detach()
+
+
+def setup_trl(attn: str, liger: bool = False):
+    """attn: "sdpa", "flex_attention" or "varlen" (bench.peers.varlen); liger: use_liger_kernel=True."""
+
+    def setup(ctx: Context) -> Prepared:
+        wl = ctx.workload
+        peer = TrlPeer(wl, ctx.device, ctx.lr, attn, liger, [b.documents() for b in ctx.batches], wl.tokens)
         # The collator's batches and the loop's token counts, made ahead of timing.
-        batches, items = [], []
-        for row in rows:
-            batch = trainer.data_collator([row])
-            _, n = trainer.get_batch_samples(iter([batch]), 1, trainer.args.device)
-            batches.append(batch)
-            items.append(n)
+        collated = [peer.collate(row) for row in peer.rows]
+        batches = [b for b, _ in collated]
         tokens = [int(b["input_ids"].numel()) for b in batches]
         trained = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
         want = [b.num_tokens for b in ctx.batches]
@@ -182,13 +205,10 @@ def setup_trl(attn: str, liger: bool = False):
             raise RuntimeError(f"TRL's batches hold {tokens} tokens, the bench's steps {want}")
 
         def step(i):
-            loss = trainer.training_step(model_p, dict(batches[i]), items[i])
-            opt_p.step()
-            sched.step()
-            model_p.zero_grad()
-            return loss.detach()
+            return peer.step(*collated[i])
 
-        b0 = batches[0]
+        trainer, model, args = peer.trainer, peer.model, peer.args
+        options = dict(peer.options)
         options.update(
             attn_implementation_used=model.config._attn_implementation,
             packing=True,
@@ -196,7 +216,7 @@ def setup_trl(attn: str, liger: bool = False):
             padding_free=bool(trainer.padding_free),
             data="pre-tokenized ids; each step's documents packed by trl.data_utils.pack_dataset (bfd) into one row",
             collator=type(trainer.data_collator).__name__,
-            collator_keys=sorted(b0),
+            collator_keys=sorted(batches[0]),
             loss="TRL compute_loss: fused LM head, chunked log-probs (trl.trainer.utils.add_fused_lm_head)",
             mixed_precision=str(trainer.accelerator.mixed_precision),
             gradient_checkpointing="HF non-reentrant, every layer",
@@ -208,6 +228,24 @@ def setup_trl(attn: str, liger: bool = False):
             lora_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         )
         extra = {"tokens_per_step": tokens, "trained_tokens_per_step": trained}
-        return Prepared(step, options, extra, keep=[trainer, model_p, opt_p, model, opt, batches, out_dir])
+        return Prepared(step, options, extra, keep=[peer, collated])
 
     return setup
+
+
+def single_document_step(wl, device, lr: float, attn: str, liger: bool, max_length: int):
+    """(model, optimizer, step(ids)) for the memory-capped search (bench.memcap): the speed runs'
+    trainer (TrlPeer, same SFTConfig, padding-free) stepping one document of any length up to
+    `max_length` per call, packed by pack_dataset and collated by the trainer's collator as a
+    speed step's row is. SFTTrainer insists on a train_dataset: it gets a two-token placeholder
+    row (train() never runs; each call brings its own row)."""
+    peer = TrlPeer(wl, device, lr, attn, liger, [[[0, 1]]], max_length)
+
+    def step(ids: list[int]) -> None:
+        (row,) = pack_documents([[list(ids)]], max_length)
+        batch, n = peer.collate(row)
+        if int(batch["input_ids"].numel()) != len(ids):  # padded or truncated: not the length searched
+            raise RuntimeError(f"TRL's batch holds {int(batch['input_ids'].numel())} tokens, not {len(ids)}")
+        peer.step(batch, n)
+
+    return peer.model, peer.opt_p, step

@@ -9,6 +9,14 @@ The child saves the random-weight model and a word-level tokenizer to a folder, 
 FastLanguageModel, and times the same batches (packed lengths as an int32 `packed_seq_lengths`),
 rebuilt from the same numbers (bench.batches), with the same optimizer definition and
 learning rate (--lr); its record carries the parent's run id and its loss curve.
+
+W7 (--memcap) runs the same way: the parent's run_memcaps launches
+``python -m bench --child-impl unsloth --memcap --workloads W7 --memcap-gib G
+--memcap-max-tokens N --lr LR --run-id R [--max-seconds S] --json-out F``; the child loads the
+model as above (max_seq_length = the search's longest length, 4-bit on load for QLoRA
+workloads) and runs bench.memcap's own search (`memcap_fields`: the same cap, ids, trials, OOM
+handling and record fields as the in-process implementations). It rewrites its record after
+every trial, so a child stopped at the deadline still reports what it found.
 """
 
 from __future__ import annotations
@@ -36,9 +44,29 @@ def find_site(explicit: str | None) -> str | None:
     return None
 
 
-def run_child(workload_id: str, args, budget: Budget, base: dict, lr: float) -> dict:
-    """Run the Unsloth child for one workload; always returns a record."""
-    rec = dict(base, workload=workload_id, impl="unsloth", options={})
+def child_command(workload_id: str, args, budget: Budget, lr: float, out_json: Path, memcap: bool = False) -> list[str]:
+    """The child's command line: a speed run of one workload, or (memcap) W7's search."""
+    cmd = [sys.executable, "-m", "bench", "--child-impl", "unsloth", "--workloads", workload_id]
+    if memcap:
+        cmd += ["--memcap", "--memcap-gib", repr(float(args.memcap_gib)), "--memcap-max-tokens"]
+        cmd += [str(int(args.memcap_max_tokens))]
+    else:
+        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--json-out", str(out_json), "--lr", repr(float(lr))]
+    if args.run_id:  # the child's record belongs to this run: its loss curve is compared within it
+        cmd += ["--run-id", args.run_id]
+    if budget.deadline is not None:
+        cmd += ["--max-seconds", str(int(max(1, budget.remaining() - 5)))]
+    return cmd
+
+
+def run_child(workload_id: str, args, budget: Budget, base: dict, lr: float, memcap: bool = False) -> dict:
+    """Run the Unsloth child for one workload (memcap: W7's search); always returns a record.
+
+    A memcap record is `base` (the parent's memcap record: run id, options) updated with the
+    child's fields; the run id, workload, impl and mode stay the parent's.
+    """
+    rec = dict(base, workload=workload_id, impl="unsloth", options=dict(base.get("options") or {}))
     site = find_site(getattr(args, "unsloth_site", None))
     if site is None:
         try:
@@ -60,27 +88,7 @@ def run_child(workload_id: str, args, budget: Budget, base: dict, lr: float) -> 
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tunesmith-unsloth-") as tmp:
         out_json = Path(tmp) / "record.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench",
-            "--child-impl",
-            "unsloth",
-            "--workloads",
-            workload_id,
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-            "--json-out",
-            str(out_json),
-            "--lr",
-            repr(float(lr)),
-        ]
-        if args.run_id:  # the child's record belongs to this run: its loss curve is compared within it
-            cmd += ["--run-id", args.run_id]
-        if budget.deadline is not None:
-            cmd += ["--max-seconds", str(int(max(1, remaining - 5)))]
+        cmd = child_command(workload_id, args, budget, lr, out_json, memcap=memcap)
         env = dict(os.environ)
         paths = [p for p in (site, str(REPO_ROOT), env.get("PYTHONPATH")) if p]
         env.update(
@@ -124,7 +132,16 @@ def run_child(workload_id: str, args, budget: Budget, base: dict, lr: float) -> 
         if out_json.exists():
             child = json.loads(out_json.read_text())
             child["wall_s"] = round(time.monotonic() - t0, 2)
-            return child
+            if not memcap:
+                return child
+            # A memcap child that was stopped leaves the record of its last finished trial.
+            if killed_at_deadline.is_set() or rc != 0:
+                child["child_exit"] = "stopped at the deadline" if killed_at_deadline.is_set() else rc
+            merged = dict(rec)
+            merged.update(child)
+            merged["options"] = dict(rec["options"], **(child.get("options") or {}))
+            merged.update({k: rec[k] for k in ("run_id", "workload", "impl", "mode") if k in rec})
+            return merged
     last = next((ln for ln in reversed(tail) if ln.strip()), "")
     if killed_at_deadline.is_set():
         rec["status"] = (
@@ -174,36 +191,64 @@ def save_model_folder(workload, folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
+def load_unsloth_model(wl, folder: Path, max_seq_length: int):
+    """The workload's random-weight model saved to `folder` and loaded the way Unsloth's users
+    load it: FastLanguageModel.from_pretrained (4-bit on load for QLoRA workloads), its LoRA
+    through get_peft_model with Unsloth's gradient checkpointing, in training mode.
+    Returns (model, seconds the folder's save took)."""
+    import torch
+    from unsloth import FastLanguageModel
+
+    t0 = time.monotonic()
+    save_model_folder(wl, folder)
+    save_s = time.monotonic() - t0
+    model, _tok = FastLanguageModel.from_pretrained(
+        model_name=str(folder),
+        max_seq_length=max_seq_length,
+        dtype=torch.bfloat16,
+        load_in_4bit=wl.quant == "nf4",
+        full_finetuning=False,
+    )
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=16,
+        target_modules=list(wl.lora_targets),
+        lora_alpha=16,
+        lora_dropout=0.0,
+        bias="none",
+        use_gradient_checkpointing="unsloth",
+        random_state=0,
+        max_seq_length=max_seq_length,
+    )
+    FastLanguageModel.for_training(model)
+    return model, save_s
+
+
+def load_for_memcap(wl, max_seq_length: int):
+    """(model, folder) for bench.memcap's "unsloth" step, inside the child only (unsloth imported
+    before transformers); the model folder lives as long as the returned folder object."""
+    if "unsloth" not in sys.modules:
+        raise NotSupported(
+            "Unsloth must be imported before transformers and patches it for the whole process: its "
+            "memcap search runs in a child process (`python -m bench --child-impl unsloth --memcap`, "
+            "which run_memcaps launches), not in the bench's"
+        )
+    folder = tempfile.TemporaryDirectory(prefix="tunesmith-unsloth-model-")
+    try:
+        model, _ = load_unsloth_model(wl, Path(folder.name), max_seq_length)
+    except BaseException:
+        folder.cleanup()
+        raise
+    return model, folder
+
+
 def setup_unsloth(folder: Path):
     def setup(ctx: Context) -> Prepared:
         import torch
-        from unsloth import FastLanguageModel
 
-        wl = ctx.workload
         if ctx.device.type != "cuda":
             raise NotSupported("Unsloth needs a CUDA GPU")
-        t0 = time.monotonic()
-        save_model_folder(wl, folder)
-        save_s = time.monotonic() - t0
-        model, _tok = FastLanguageModel.from_pretrained(
-            model_name=str(folder),
-            max_seq_length=wl.tokens,
-            dtype=torch.bfloat16,
-            load_in_4bit=wl.quant == "nf4",
-            full_finetuning=False,
-        )
-        model = FastLanguageModel.get_peft_model(
-            model,
-            r=16,
-            target_modules=list(wl.lora_targets),
-            lora_alpha=16,
-            lora_dropout=0.0,
-            bias="none",
-            use_gradient_checkpointing="unsloth",
-            random_state=0,
-            max_seq_length=wl.tokens,
-        )
-        FastLanguageModel.for_training(model)
+        model, save_s = load_unsloth_model(ctx.workload, folder, ctx.workload.tokens)
         opt, opt_options = make_peer_optimizer([p for p in model.parameters() if p.requires_grad], ctx.lr)
         inputs = []
         for b in ctx.batches:
@@ -238,8 +283,17 @@ def setup_unsloth(folder: Path):
     return setup
 
 
+def write_record(path, rec: dict) -> None:
+    """Write the child's record whole or not at all (the parent may stop the child at any time)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rec))
+    os.replace(tmp, path)
+
+
 def child_main(args) -> int:
-    """`--child-impl unsloth`: measure one workload and write the record to --json-out."""
+    """`--child-impl unsloth`: measure one workload (or, with --memcap, search W7's longest
+    sequence) and write the record to --json-out."""
     try:
         version = import_unsloth_first()
         why = None
@@ -256,6 +310,9 @@ def child_main(args) -> int:
     env["versions"]["unsloth"] = version
     wl = get_workload(args.workloads.split(",")[0])
     lr = float(args.lr if args.lr is not None else wl.extra.get("lr", DEFAULT_LR))
+    if args.memcap:
+        write_record(args.json_out, memcap_child(args, wl, lr, {"date": now_iso(), "run_id": args.run_id, **env}, why))
+        return 0
     base = {
         "date": now_iso(),
         "run_id": args.run_id,
@@ -276,5 +333,41 @@ def child_main(args) -> int:
 
         if rec.get("tokens_per_s"):
             rec["ceiling_fraction"] = rec["tokens_per_s"] / ceiling_tokens_per_s(wl)
-    Path(args.json_out).write_text(json.dumps(rec))
+    write_record(args.json_out, rec)
     return 0
+
+
+def memcap_child(args, wl, lr: float, base: dict, why: str | None) -> dict:
+    """The child's W7 record: bench.memcap's search over the Unsloth model (the same code as the
+    in-process implementations), rewritten to --json-out after every trial."""
+    import torch
+
+    from bench.memcap import UNIT, hi_units_for, memcap_fields
+
+    rec = dict(
+        base,
+        mode="memcap",
+        workload=wl.id,
+        impl="unsloth",
+        lr=lr,
+        options={
+            "cap_gib": args.memcap_gib,
+            "max_seq_length": hi_units_for(args.memcap_max_tokens) * UNIT,
+            "load_in_4bit": wl.quant == "nf4",
+            "use_gradient_checkpointing": "unsloth",
+        },
+    )
+    if why is not None:
+        return dict(rec, status=why)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fields = memcap_fields(
+        wl,
+        "unsloth",
+        device,
+        Budget(args.max_seconds),
+        cap_gib=args.memcap_gib,
+        max_tokens=args.memcap_max_tokens,
+        lr=lr,
+        on_trial=lambda partial: write_record(args.json_out, dict(rec, **partial)),
+    )
+    return dict(rec, **fields)

@@ -8,6 +8,8 @@ TRL's padding-free collator and transformers' DataCollatorWithFlattening put in 
 `varlen_kwargs` builds them once per step on the host for the HF peers. Without them the
 function derives the boundaries from the packed `position_ids` (restarts at 0), which costs a
 device-to-host sync per layer, as transformers' own flash path does in that case.
+`attn_options(device)` is what a peer calls before building its model (register, or
+NotSupported with the reason).
 
 A name that transformers' mask interface does not know gets no mask built (masking_utils
 exits early for it), so no block-diagonal mask is ever materialized.
@@ -133,6 +135,18 @@ def varlen_attention_forward(
         extra["scale"] = scaling
     out = fn(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
     return out.unsqueeze(0), None  # [1, S, H, D]
+
+
+def attn_options(device) -> dict:
+    """For a peer about to build its model on `device`: register the attention function and
+    return the record's note on it (`attn_implementation` is the name to build the model with);
+    raises NotSupported when varlen_attn cannot run there."""
+    from bench.runner import NotSupported
+
+    why = unavailable(device)
+    if why:
+        raise NotSupported(why)
+    return {"attn_implementation": register(), **signature_note()}
 
 
 def register() -> str:
