@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--memcap-gib", type=float, default=16.0, help="the per-process CUDA memory cap of --memcap")
     p.add_argument(
+        "--memcap-min-tokens",
+        type=int,
+        default=1024,
+        help="the search's shortest length: lengths below it are not tried (a search that starts where an "
+        "earlier run left off; equal to --memcap-max-tokens: one trial at that length)",
+    )
+    p.add_argument(
         "--memcap-max-tokens",
         type=int,
         default=131_072,
@@ -315,7 +322,18 @@ def run_memcaps(args, workloads, device, budget, env) -> list[dict]:
             )
             progress(f"== {wl.id} {impl}: memcap search up to {args.memcap_max_tokens} tokens at {args.memcap_gib} GiB")
             if impl != "unsloth":
-                rec.update(memcap_fields(wl, impl, device, budget, args.memcap_gib, args.memcap_max_tokens, lr))
+                rec.update(
+                    memcap_fields(
+                        wl,
+                        impl,
+                        device,
+                        budget,
+                        args.memcap_gib,
+                        args.memcap_max_tokens,
+                        lr,
+                        min_tokens=args.memcap_min_tokens,
+                    )
+                )
             elif device.type != "cuda":
                 rec["status"] = f"not supported: {CUDA_ONLY}"
             else:

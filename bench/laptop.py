@@ -81,6 +81,7 @@ OVERRIDES = {
     "seq": ("data", "max_seq_len"),
     "rows": ("training", "rows_per_micro_batch"),
     "accum": ("training", "grad_accum"),
+    "host": ("fast_paths", "host_embeddings"),  # 1: the table in host memory from the start; 0: never
 }
 
 
@@ -96,7 +97,7 @@ def parse_case(text: str) -> tuple[float, str, bool, dict]:
         cap = float(cap_text)
         overrides = {k: int(v) for k, _, v in (e.partition("=") for e in extra)}
     except ValueError:
-        raise SystemExit(f"bad case {text!r}: CAP:MODEL[-qlora][+seq=N][+rows=N][+accum=N]") from None
+        raise SystemExit(f"bad case {text!r}: CAP:MODEL[-qlora][+seq=N][+rows=N][+accum=N][+host=0|1]") from None
     if model not in MODELS or not any(cap <= c for c in CARDS) or set(overrides) - set(OVERRIDES):
         raise SystemExit(
             f"unknown case {text!r}: caps up to {max(CARDS)} GiB, models {sorted(MODELS)} (+ '-qlora'), "
@@ -157,7 +158,7 @@ def run_config(
         cfg["training"]["grad_accum"] = accum
     for key, value in (overrides or {}).items():
         section, field = OVERRIDES[key]
-        cfg[section][field] = value
+        cfg.setdefault(section, {})[field] = bool(value) if key == "host" else value
     cfg["output"] = {"dir": str(out.parent), "run_name": out.name}
     path = out.parent / f"{out.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -248,6 +248,8 @@ def run_memcap(
 
     try:
         longest, trials = search_longest(trial, lo_units, hi_units, budget)
+        if lo_units > 1 and not any(t["ok"] for t in trials):
+            longest = 0  # the lengths below the range were not tried: nothing is known to train
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         _model = opt = step = None  # noqa: F841 - drop the model before freeing memory
@@ -265,8 +267,9 @@ def memcap_fields(
     max_tokens: int,
     lr: float = DEFAULT_LR,
     on_trial: Callable[[dict], None] | None = None,
+    min_tokens: int = UNIT,
 ) -> dict:
-    """`run_memcap`'s fields for a search up to `max_tokens`, or a status that says why there
+    """`run_memcap`'s fields for a search from `min_tokens` up to `max_tokens`, or a status that says why there
     are none ("not supported: ...", "error: ..."); never raises. What run_memcaps records for
     the in-process implementations and the Unsloth child for itself."""
     from bench.runner import free_memory
@@ -279,6 +282,7 @@ def memcap_fields(
                 device,
                 budget,
                 cap_gib=cap_gib,
+                lo_units=min(hi_units_for(min_tokens), hi_units_for(max_tokens)),
                 hi_units=hi_units_for(max_tokens),
                 lr=lr,
                 on_trial=on_trial,

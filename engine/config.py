@@ -151,9 +151,10 @@ class FastPathConfig:
     # With offload: keep attention outputs for the recompute when documents are long enough
     # for it to pay and there is room (engine.fastpath.offload.attention_keep_bytes).
     keep_attention: bool = True
-    # An untied input embedding in host memory (engine.fastpath.host_embed): auto moves it
-    # when the pre-flight or a step runs out of memory (the cheapest change: no speed cost);
-    # true from the start; false never.
+    # The frozen embedding table in host memory (engine.fastpath.host_embed; a tied head
+    # streams it, engine.fastpath.host_head): auto moves it when the pre-flight or a step runs
+    # out of memory (untied first: no speed cost; tied after the free changes: a copy of the
+    # table per micro-batch); true from the start; false never.
     host_embeddings: Union[bool, Literal["auto"]] = "auto"
     # Dense MLPs over tiles of tokens (engine.fastpath.tiled_mlp): long rows' MLP intermediates
     # one tile at a time, for one more MLP forward. auto: when memory runs short at one row.

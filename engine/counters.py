@@ -17,7 +17,8 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
   q/k/v and o, LoRAMLP for the gated MLP).
 - ``<op>:triton`` / ``<op>:torch`` for op in rmsnorm, rope, activations, fused_ce: forward
   computations of each kernel op by the path that ran (the Triton kernel or its torch
-  reference; on a CPU the reference is the engine's path).
+  reference; on a CPU the reference is the engine's path); ``fused_ce:streamed``: the loss
+  streamed over a tied table in host memory (engine.fastpath.host_head).
 - ``attention:<backend>``: packed attention calls by backend (varlen_triton, torch_flash,
   flash_attn, reference) and ``attention:dense``, the dense path of the packed attention
   function for a KV cache or an explicit mask.
@@ -43,6 +44,7 @@ CALL_KEYS = (
     "activations:torch",
     "fused_ce:triton",
     "fused_ce:torch",
+    "fused_ce:streamed",
     "attention:varlen_triton",
     "attention:torch_flash",
     "attention:flash_attn",
@@ -111,7 +113,7 @@ _RAN_BY: dict[str, tuple[str, ...]] = {
         "attention:flash_attn",
         "attention:reference",
     ),
-    "fused_ce": ("fused_ce:triton", "fused_ce:torch"),
+    "fused_ce": ("fused_ce:triton", "fused_ce:torch", "fused_ce:streamed"),
     "moe_grouping": ("moe_calls",),
 }
 _REFERENCE_ONLY = {"rmsnorm:torch", "rope:torch", "activations:torch", "fused_ce:torch", "attention:reference"}

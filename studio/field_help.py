@@ -85,8 +85,9 @@ HELP = {
         "(uses memory when it fits)."
     ),
     "fast_paths.host_embeddings": (
-        "Keep the frozen input-embedding table in host memory (untied models), sending only each "
-        "batch's rows to the GPU. auto: when the card runs short."
+        "Keep the frozen embedding table in host memory, sending only each batch's rows to the GPU; "
+        "a tied output head streams the table through the GPU once per micro-batch. auto: when the "
+        "card runs short."
     ),
     "fast_paths.tiled_mlp": (
         "Run each MLP over tiles of tokens, so long rows need far less memory (one more MLP forward "

@@ -49,7 +49,7 @@ def child_command(workload_id: str, args, budget: Budget, lr: float, out_json: P
     cmd = [sys.executable, "-m", "bench", "--child-impl", "unsloth", "--workloads", workload_id]
     if memcap:
         cmd += ["--memcap", "--memcap-gib", repr(float(args.memcap_gib)), "--memcap-max-tokens"]
-        cmd += [str(int(args.memcap_max_tokens))]
+        cmd += [str(int(args.memcap_max_tokens)), "--memcap-min-tokens", str(int(args.memcap_min_tokens))]
     else:
         cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--json-out", str(out_json), "--lr", repr(float(lr))]
@@ -367,6 +367,7 @@ def memcap_child(args, wl, lr: float, base: dict, why: str | None) -> dict:
         Budget(args.max_seconds),
         cap_gib=args.memcap_gib,
         max_tokens=args.memcap_max_tokens,
+        min_tokens=args.memcap_min_tokens,
         lr=lr,
         on_trial=lambda partial: write_record(args.json_out, dict(rec, **partial)),
     )

@@ -12,10 +12,12 @@ The training step hands the batch's host copy of the ids (PackedBatch.host_ids),
 read back from the device; generation hands device ids, which are copied to the host first
 (one small sync per generated token, where the forward is tiny anyway).
 
-A tied table (the output head multiplies by the same weight) stays on the device: the head
-needs it there every step. The session turns this on as its cheapest memory change (the
-pre-flight's or an out-of-memory step's, engine.train.session) or from the start with
-`fast_paths.host_embeddings: true`.
+A tied table (the output head multiplies by the same weight) moves too: the head becomes a
+`HostHead` (engine.fastpath.host_head) over the same pinned table, and the loss streams the
+table through the device in vocabulary slices, once per micro-batch. That costs the copy (0.72
+GiB for Qwen3-4B, hidden under the slices' matmuls only in part), so the session makes the
+untied move first and the tied one after the free changes (engine.train.session), when the
+pre-flight or a step runs short, or from the start with `fast_paths.host_embeddings: true`.
 """
 
 from __future__ import annotations
@@ -87,9 +89,22 @@ def why_not(model, device) -> str:
         return f"the input embedding is a {type(emb).__name__}, not an nn.Embedding"
     if emb.weight.requires_grad:
         return "the input embedding is trained"
-    if head is not None and getattr(head, "weight", None) is emb.weight:
-        return "it is tied to the output head, which needs it on the GPU"
+    if is_tied(model):
+        if type(head) is not nn.Linear:
+            return f"its tied output head is a {type(head).__name__}, not a plain nn.Linear"
+        if head.bias is not None:
+            return "its tied output head has a bias"
     return ""
+
+
+def is_tied(model) -> bool:
+    """Does the model's output head multiply by its input embedding's table (on the device)?"""
+    from engine.peft_model import hf_model
+
+    base = hf_model(model)
+    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
+    weight = getattr(emb, "weight", None)
+    return weight is not None and head is not None and getattr(head, "weight", None) is weight
 
 
 def move_to_host(model, device) -> str:
@@ -100,8 +115,15 @@ def move_to_host(model, device) -> str:
     if why:
         return f"off: {why}"
     base = hf_model(model)
+    tied = is_tied(model)
     emb = base.get_input_embeddings()
     size = emb.weight.numel() * emb.weight.element_size()
-    base.set_input_embeddings(HostEmbedding(emb, torch.device(device)))
+    hosted = HostEmbedding(emb, torch.device(device))
+    base.set_input_embeddings(hosted)
+    if tied:  # the head reads the same pinned table, streamed by the loss
+        from engine.fastpath.host_head import HostHead
+
+        base.set_output_embeddings(HostHead(hosted.host_weight, torch.device(device)))
     del emb  # the device table is freed with the last reference (the caller empties the cache)
-    return f"on: {size / 2**30:.2f} GiB table in host memory"
+    where = "; the tied head streams it" if tied else ""
+    return f"on: {size / 2**30:.2f} GiB table in host memory{where}"

@@ -982,12 +982,14 @@ class TrainingSession:
     def _next_memory_change(self) -> Optional[tuple[str, Any, Any]]:
         """(setting, before, after) of the cheapest change left that saves memory, or None."""
         off = self._offloader
-        if self._host_embeddings_possible():  # costs no speed: first
+        if self._host_embeddings_possible(tied=False):  # costs no speed: first
             return ("host_embeddings", "device", "host")
         if off is not None and off.keep_attention_allowed and off.stats.attention_kept == "kept":
             return ("keep_attention", "kept", "not kept")
         if off is not None and off.mode == "double":
             return ("offload", "double", "single")
+        if self._host_embeddings_possible(tied=True):  # a copy of the table per micro-batch
+            return ("host_embeddings", "device", "host")
         if self._exec_rows > 1:
             return ("micro_batch", self._exec_rows, self._exec_rows // 2)
         if self._tiled_mlp_possible():
@@ -998,11 +1000,14 @@ class TrainingSession:
             return ("offload", "off", "single")
         return None
 
-    def _host_embeddings_possible(self) -> bool:
-        """May the input embedding still move to host memory? (auto, one process, untied.)"""
-        from engine.fastpath.host_embed import why_not
+    def _host_embeddings_possible(self, tied: Optional[bool] = None) -> bool:
+        """May the embedding table still move to host memory? (auto, one process; `tied`: only
+        if the head is (True) or is not (False) tied to it, None either way.)"""
+        from engine.fastpath.host_embed import is_tied, why_not
 
         if self.config.fast_paths.host_embeddings != "auto" or self._dist.enabled:
+            return False
+        if tied is not None and is_tied(self._model) != tied:
             return False
         return not why_not(self._model, self._device)
 

@@ -197,6 +197,14 @@ def forward_loss(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = batch.targets.reshape(-1)
     softcap = getattr(base.config, "final_logit_softcapping", None)
+    from engine.fastpath.host_head import HostHead, streamed_linear_cross_entropy
+
+    if isinstance(head, HostHead):
+        # A tied table in host memory: the loss streams it (fused or not, the only way: the
+        # head has no device weight to multiply by).
+        return streamed_linear_cross_entropy(
+            hidden, head.host_weight, targets, ignore_index=IGNORE_INDEX, softcap=softcap, normalizer=float(normalizer)
+        )
     if fused_ce:
         from engine.kernels.fused_ce import fused_linear_cross_entropy
 

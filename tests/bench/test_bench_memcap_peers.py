@@ -97,6 +97,21 @@ def test_the_shared_search_trial_and_record(monkeypatch):
     assert set(partial[-1]) == set(rec)
 
 
+def test_a_search_from_a_shortest_length(monkeypatch):
+    """--memcap-min-tokens: lengths below it are not tried, and a range where nothing trains
+    reports 0 (not the untried length below it)."""
+    cuda = FakeCuda(monkeypatch)
+    calls: list[int] = []
+    monkeypatch.setattr(memcap, "_make_step", lambda *a, **k: _fake_step(calls, cuda))
+    rec = memcap_fields(
+        CPU_TINY, "hf_sdpa", torch.device("cuda"), Budget(None), 16.0, 128 * UNIT, min_tokens=128 * UNIT
+    )
+    assert calls == [128 * UNIT] and rec["longest_tokens"] == 0 and rec["search_range"] == [128 * UNIT, 128 * UNIT]
+    calls.clear()
+    rec = memcap_fields(CPU_TINY, "hf_sdpa", torch.device("cuda"), Budget(None), 16.0, 40 * UNIT, min_tokens=36 * UNIT)
+    assert min(calls) >= 36 * UNIT and rec["longest_tokens"] == 39 * UNIT
+
+
 def test_record_fields_say_why_there_is_no_search(monkeypatch):
     # Not on a CPU: no memory cap there.
     assert memcap_fields(CPU_TINY, "hf_sdpa", torch.device("cpu"), Budget(None), 16.0, 8192) == {
@@ -179,6 +194,7 @@ def test_the_unsloth_child_command_carries_the_search_and_the_run(tmp_path):
     child = build_parser().parse_args(cmd[3:])  # the child parses what the parent wrote
     assert child.child_impl == "unsloth" and child.memcap and child.workloads == "W7"
     assert (child.memcap_gib, child.memcap_max_tokens, child.run_id, child.lr) == (16.0, 131072, "run-42", 1e-3)
+    assert child.memcap_min_tokens == 1024
     assert child.json_out == str(tmp_path / "r.json")
     assert 280 <= child.max_seconds <= 295  # the parent's remaining budget, less a margin
     # No budget: no --max-seconds. The speed child keeps its own arguments.

@@ -33,6 +33,11 @@ def test_the_case_config_is_the_preset_with_the_case_settings(tmp_path):
     assert plain.model.load_in_4bit == "auto"  # the quality preset: 4-bit only where 16-bit does not fit
     assert plain.training.rows_per_micro_batch == "auto" and plain.training.grad_accum == 1
 
+    _, _, _, hosted = parse_case("16:qwen3-4b-qlora+seq=2048+host=1")
+    assert hosted == {"seq": 2048, "host": 1}
+    cfg = RunConfig.load(run_config(tmp_path / "model", data, True, 20, tmp_path / "runs" / "c", hosted))
+    assert cfg.fast_paths.host_embeddings is True
+
 
 def test_results_md_has_the_multi_gpu_and_laptop_rows(tmp_path):
     """The records of bench.fsdp / bench.ddp / bench.laptop become their own RESULTS.md rows,

@@ -13,7 +13,7 @@ from engine.config import FastPathConfig
 from engine.data.collate import PackedBatch
 from engine.events import MemoryAdjusted, StepMetrics
 from engine.fastpath import host_embed
-from engine.fastpath.host_embed import HostEmbedding, host_embedding, move_to_host, why_not
+from engine.fastpath.host_embed import HostEmbedding, host_embedding, is_tied, move_to_host, why_not
 from engine.train.session import Faults
 from engine.train.step import forward_loss, prepare_model
 from tests.learning_parity import learnable_jsonl, make_config, random_model_folder
@@ -63,8 +63,8 @@ def test_who_may_move_the_table():
     tied = tiny("qwen3", attn="sdpa", num_hidden_layers=1, tie_word_embeddings=True)
     assert why_not(untied, CPU) == "the model is not on a GPU"
     assert move_to_host(untied, CPU) == "off: the model is not on a GPU"
-    assert "tied to the output head" in why_not(tied, "cuda")
-    assert why_not(untied, "cuda") == ""
+    assert why_not(untied, "cuda") == "" and why_not(tied, "cuda") == ""  # a tied head streams it
+    assert is_tied(tied) and not is_tied(untied)
 
 
 @pytest.fixture(scope="module")
