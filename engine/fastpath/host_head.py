@@ -59,8 +59,9 @@ def weight_slices(
     """(start, end, slice on `device`) over the table's rows, `rows` at a time.
 
     On CUDA the copies run on a side stream into two alternating buffers: slice j+1 is in
-    flight while slice j computes, and a buffer is written again only after the compute stream
-    is done with it (events, no host sync). Elsewhere the slices are views of the table."""
+    flight while slice j computes, the first copy waits for the work already queued on the
+    compute stream, and a buffer is written again only after the compute stream is done with
+    it (events, no host sync). Elsewhere the slices are views of the table."""
     vocab = host_weight.shape[0]
     bounds = [(a, min(a + rows, vocab)) for a in range(0, vocab, rows)]
     if device.type != "cuda":
@@ -70,6 +71,10 @@ def weight_slices(
     compute = torch.cuda.current_stream(device)
     copier = torch.cuda.Stream(device)
     bufs = [torch.empty((rows, host_weight.shape[1]), dtype=host_weight.dtype, device=device) for _ in range(2)]
+    # The buffers come from the compute stream's pool: their blocks may have been freed by
+    # kernels still queued there (the forward runs ahead of the host). The copier must not
+    # write into them before those kernels have run.
+    copier.wait_stream(compute)
     ready = [torch.cuda.Event(), torch.cuda.Event()]
     done = [torch.cuda.Event(), torch.cuda.Event()]
 

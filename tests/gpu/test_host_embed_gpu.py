@@ -102,9 +102,9 @@ def test_streamed_loss_against_the_fused_kernel_at_qwen3_4b_width():
     from engine.kernels.fused_ce import fused_linear_cross_entropy_triton
 
     g = torch.Generator(device=CUDA).manual_seed(0)
-    n, h, v = 2048, 2560, 151_936
-    weight = (torch.randn(v, h, device=CUDA, generator=g) * 0.02).bfloat16()
-    hidden = torch.randn(n, h, device=CUDA, generator=g).bfloat16()
+    n, width, v = 2048, 2560, 151_936
+    weight = (torch.randn(v, width, device=CUDA, generator=g) * 0.02).bfloat16()
+    hidden = torch.randn(n, width, device=CUDA, generator=g).bfloat16()
     targets = torch.randint(0, v, (n,), device=CUDA, generator=g)
     targets[::7] = -100
     host = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
@@ -112,6 +112,9 @@ def test_streamed_loss_against_the_fused_kernel_at_qwen3_4b_width():
     h_ref = hidden.clone().requires_grad_(True)
     ref = fused_linear_cross_entropy_triton(h_ref, weight, targets)
     ref.backward()
+    # No sync here: the reference's freed buffers are still in use by its queued kernels when
+    # the streamed loss allocates its slice buffers (the copies must wait for them; a first
+    # version did not, and corrupted the reference's gradient).
     h = hidden.clone().requires_grad_(True)
     streamed_linear_cross_entropy(h, host, targets).backward()  # warm-up
     h.grad = None
@@ -128,7 +131,7 @@ def test_streamed_loss_against_the_fused_kernel_at_qwen3_4b_width():
     t1.record()
     torch.cuda.synchronize()
     ms = t0.elapsed_time(t1)
-    print(f"streamed CE at {n} x {h} x {v}: {ms:.1f} ms, {weight.numel() * 2 / ms / 1e6:.1f} GB/s of table")
+    print(f"streamed CE at {n} x {width} x {v}: {ms:.1f} ms, {weight.numel() * 2 / ms / 1e6:.1f} GB/s of table")
     assert abs(got.item() - ref.item()) <= 1e-3 * abs(ref.item())
     err = (h.grad.float() - h_ref.grad.float()).norm() / h_ref.grad.float().norm()
     assert err <= 1e-2, err.item()
