@@ -358,6 +358,8 @@ def table(rows: list[dict] | str) -> str:
             outcome = f"{r.get('steps', 0)} of {r.get('steps_asked', '?')} steps in the case's time limit"
         elif r.get("rc") not in (0, None):
             outcome = f"{outcome}: {(r.get('error') or '')[:140]}"
+        if r.get("note"):  # added after the run, by hand: what the record turned out to show
+            outcome += f" ({r['note']})"
         if not r.get("steps"):
             out.append(f"| {card} | {model} | - | 0 | - | - | - | - | - | {outcome} | {r.get('commit', '-')} |")
             continue

@@ -569,14 +569,23 @@ def summarize(results: str | Path = DEFAULT_RESULTS, md: str | Path = DEFAULT_MD
         out += [
             "## W7: longest single sequence that trains under a memory cap",
             "",
-            "| impl | status | longest tokens | cap GiB | trials | gpu | date |",
-            "|---|---|---|---|---|---|---|",
+            "Every search, newest first; the implementations of one run searched in the same call. A search "
+            "range that starts above 1,024 tried only lengths from its start (a check of one length where "
+            "start and end are equal).",
+            "",
+            "| impl | status | longest tokens | peak GiB | cap GiB | searched | trials | gpu | date | commit | run |",
+            "|" + "---|" * 11,
         ]
-        for r in _latest_per_key(memcap, lambda r: (r.get("gpu"), r.get("workload"), impl_label(r))).values():
+        for r in sorted(memcap, key=lambda r: str(r.get("date") or ""), reverse=True):
             trials = ", ".join(f"{t['tokens']}:{'ok' if t['ok'] else 'oom'}" for t in r.get("trials", []))
+            lo, hi = (r.get("search_range") or [None, None])[:2]
+            searched = f"{_fmt(lo)}-{_fmt(hi)}" if lo is not None else "-"
+            peak = r.get("peak_gib")
             out.append(
                 f"| {impl_label(r)} | {r.get('status')} | {_fmt(r.get('longest_tokens'))} | "
-                f"{r.get('cap_gib')} | {trials} | {r.get('gpu')} | {(r.get('date') or '')[:16]} |"
+                f"{f'{peak:.2f}' if isinstance(peak, (int, float)) else '-'} | {r.get('cap_gib')} | {searched} | "
+                f"{trials} | {r.get('gpu')} | {(r.get('date') or '')[:16]} | {r.get('commit') or '-'} | "
+                f"{r.get('run_id') or '-'} |"
             )
         out.append("")
     learning = [r for r in records if r.get("mode") == "learning"]
