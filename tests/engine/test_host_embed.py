@@ -67,9 +67,9 @@ def test_who_may_move_the_table():
     assert is_tied(tied) and not is_tied(untied)
 
 
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory):
-    root = tmp_path_factory.mktemp("host-embed")
+def small_model_and_data(root, tied: bool):
+    """(model folder, learnable data) of a 2-layer Qwen3 with or without a tied head, for runs
+    through the session (shared with tests/engine/test_host_head.py)."""
     folder = random_model_folder(
         root / "model",
         "qwen3",
@@ -79,25 +79,35 @@ def untied(tmp_path_factory):
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     return folder, learnable_jsonl(root, docs=120)
 
 
-def _run(tmp_path, untied, faults=None):
+def short_run(tmp_path, model_and_data, faults=None):
+    """4 steps of 2 rows of 64 tokens in fp32, no pre-flight: (session, result, events)."""
     from tests.engine.test_recovery import train
 
-    folder, data = untied
+    folder, data = model_and_data
     cfg = make_config(str(folder), data, tmp_path, steps=4, seq=64, rows=2, preflight="off")
     cfg.model.dtype = "float32"
     return train(cfg, tmp_path / "run", faults)
 
 
-def test_out_of_memory_moves_the_table_to_host_first_and_loses_nothing(tmp_path, untied, monkeypatch):
-    _, straight, events0 = _run(tmp_path / "a", untied)
-    # A CPU has no device table to free: let the session treat this one as movable, as on a GPU.
+def movable_on_the_cpu(monkeypatch):
+    """A CPU has no device table to free: let the session treat the table as movable, as on a GPU."""
     monkeypatch.setattr(host_embed, "why_not", lambda model, device: "" if host_embedding(model) is None else "moved")
-    session, result, events = _run(tmp_path / "b", untied, Faults(oom_at_steps=[2]))
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    return small_model_and_data(tmp_path_factory.mktemp("host-embed"), tied=False)
+
+
+def test_out_of_memory_moves_the_table_to_host_first_and_loses_nothing(tmp_path, untied, monkeypatch):
+    _, straight, events0 = short_run(tmp_path / "a", untied)
+    movable_on_the_cpu(monkeypatch)
+    session, result, events = short_run(tmp_path / "b", untied, Faults(oom_at_steps=[2]))
     changes = [(e.step, e.setting, e.before, e.after) for e in events if isinstance(e, MemoryAdjusted)]
     assert changes == [(2, "host_embeddings", "device", "host")], changes
     message = next(e.message for e in events if isinstance(e, MemoryAdjusted))

@@ -14,14 +14,13 @@ import torch
 from engine.config import FastPathConfig
 from engine.data.collate import PackedBatch
 from engine.events import MemoryAdjusted, StepMetrics
-from engine.fastpath import host_embed
 from engine.fastpath.host_embed import HostEmbedding, host_embedding
 from engine.fastpath.host_head import HostHead, slice_rows, streamed_linear_cross_entropy
 from engine.kernels.fused_ce import fused_linear_cross_entropy_reference
 from engine.peft_model import hf_model
 from engine.train.session import Faults
 from engine.train.step import forward_loss, prepare_model
-from tests.learning_parity import learnable_jsonl, make_config, random_model_folder
+from tests.engine.test_host_embed import movable_on_the_cpu, short_run, small_model_and_data
 from tests.test_patches import tiny
 
 CPU = torch.device("cpu")
@@ -118,12 +117,16 @@ def test_generation_logits_from_the_host_head():
     model = _tied_model().eval()
     base = hf_model(model)
     hidden = torch.randn(3, 5, base.config.hidden_size)
+    prompt = torch.tensor([[5, 9, 17, 33, 2]])
     with torch.no_grad():
         want = base.get_output_embeddings()(hidden)
+        want_tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)
         _host_tied(model)
         head = base.get_output_embeddings()
         got = head(hidden)
+        got_tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)  # chat's path
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_tokens, want_tokens)
     assert "in host memory, tied" in repr(head)
     with pytest.raises(RuntimeError, match="generation only"):
         head(hidden.requires_grad_(True))
@@ -131,35 +134,13 @@ def test_generation_logits_from_the_host_head():
 
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory):
-    root = tmp_path_factory.mktemp("host-head")
-    folder = random_model_folder(
-        root / "model",
-        "qwen3",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-    )
-    return folder, learnable_jsonl(root, docs=120)
-
-
-def _run(tmp_path, tied, faults=None):
-    from tests.engine.test_recovery import train
-
-    folder, data = tied
-    cfg = make_config(str(folder), data, tmp_path, steps=4, seq=64, rows=2, preflight="off")
-    cfg.model.dtype = "float32"
-    return train(cfg, tmp_path / "run", faults)
+    return small_model_and_data(tmp_path_factory.mktemp("host-head"), tied=True)
 
 
 def test_out_of_memory_moves_a_tied_table_before_halving_the_micro_batch(tmp_path, tied, monkeypatch):
-    _, straight, events0 = _run(tmp_path / "a", tied)
-    # A CPU has no device table to free: let the session treat this one as movable, as on a GPU.
-    monkeypatch.setattr(host_embed, "why_not", lambda model, device: "" if host_embedding(model) is None else "moved")
-    session, result, events = _run(tmp_path / "b", tied, Faults(oom_at_steps=[2]))
+    _, straight, events0 = short_run(tmp_path / "a", tied)
+    movable_on_the_cpu(monkeypatch)
+    session, result, events = short_run(tmp_path / "b", tied, Faults(oom_at_steps=[2]))
     changes = [(e.step, e.setting, e.before, e.after) for e in events if isinstance(e, MemoryAdjusted)]
     assert changes == [(2, "host_embeddings", "device", "host")], changes
     message = next(e.message for e in events if isinstance(e, MemoryAdjusted))
