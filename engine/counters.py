@@ -15,7 +15,7 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
   matmul path those calls took.
 - ``lora_linears`` / ``lora_mlp``: forward calls of the fused LoRA Functions (LoRALinears for
   q/k/v and o, LoRAMLP for the gated MLP).
-- ``<op>:triton`` / ``<op>:torch`` for op in rmsnorm, rope, activations, fused_ce: forward
+- ``<op>:triton`` / ``<op>:torch`` for op in rmsnorm, rope, activations, fused_ce, token_logp: forward
   computations of each kernel op by the path that ran (the Triton kernel or its torch
   reference; on a CPU the reference is the engine's path); ``fused_ce:streamed``: the loss
   streamed over a tied table in host memory (engine.fastpath.host_head).
@@ -45,6 +45,8 @@ CALL_KEYS = (
     "fused_ce:triton",
     "fused_ce:torch",
     "fused_ce:streamed",
+    "token_logp:triton",
+    "token_logp:torch",
     "attention:varlen_triton",
     "attention:torch_flash",
     "attention:flash_attn",
