@@ -64,23 +64,27 @@ def converter_missing() -> list[str]:
     return [f"llama.cpp's converter (`python -m engine.export fetch-converter` puts it in {converter_dir()})"]
 
 
+def download_sdist(directory: str | Path) -> Path:
+    """The pinned llama-cpp-python source distribution, downloaded by pip into `directory` (from
+    pip's cache when it built the wheel from it). The converter and the test suite's conformance
+    fixtures (llama.cpp's templates and vocabularies) both come from it."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    cmd += ["--disable-pip-version-check", "-q", "-d", str(directory), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise ExportError(f"pip could not download llama-cpp-python {LLAMA_CPP_PYTHON}: {out.stderr.strip()[-400:]}")
+    return next(Path(directory).glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))
+
+
 def fetch_converter(sdist: Optional[str | Path] = None, progress=None) -> Path:
     """Extract the converter of llama-cpp-python's source distribution into converter_dir().
-    `sdist`: a llama_cpp_python-<version>.tar.gz already here; else pip downloads the pinned one
-    (from its cache when it built the wheel from it)."""
+    `sdist`: a llama_cpp_python-<version>.tar.gz already here; else pip downloads the pinned one."""
     dest = converter_dir()
     with tempfile.TemporaryDirectory() as tmp:
         if sdist is None:
             if progress:
                 progress(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} source for its converter")
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-            cmd += ["--disable-pip-version-check", "-q", "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise ExportError(
-                    f"pip could not download llama-cpp-python {LLAMA_CPP_PYTHON}: {out.stderr.strip()[-400:]}"
-                )
-            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+            sdist = download_sdist(tmp)
         staging = Path(tmp) / "staging"
         with tarfile.open(sdist) as tar:
             members = []
@@ -218,14 +222,21 @@ def _stored_dtype(folder: Path) -> str:
 
 
 def _adds_bos(path: Path) -> bool:
-    """Whether llama.cpp adds a BOS token itself for this GGUF (tokenizer.ggml.add_bos_token)."""
-    try:
-        from gguf import GGUFReader
+    """Whether llama.cpp (and Ollama, which tokenizes through it) adds a BOS token itself for this
+    GGUF, asked of llama.cpp's own vocabulary: a GGUF without tokenizer.ggml.add_bos_token gets
+    the tokenizer type's default (true for SentencePiece), so the metadata alone is not the answer."""
+    import llama_cpp
 
-        field = GGUFReader(str(path)).get_field("tokenizer.ggml.add_bos_token")
-        return bool(field is not None and field.contents())
-    except Exception:  # an unreadable field: assume it does not, and keep BOS in the template
-        return False
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    with _c_stderr_to_file():
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ExportError(f"llama.cpp cannot read the vocabulary of {path.name}")
+    try:
+        return bool(llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(model)))
+    finally:
+        llama_cpp.llama_model_free(model)
 
 
 def check(folder: Path) -> None:
@@ -370,6 +381,8 @@ def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT,
                 )
             )
 
+        lints.append(_lint_prompt_tokens(llm, tok, ref, folder))
+
         # llama.cpp's tokenizer against the trained one, on the rendered held-out conversations.
         bad = 0
         for p in ref.probes:
@@ -414,6 +427,36 @@ def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT,
         llm.close()
     key = f"gguf:{quant}"
     return selfcheck.verdict("gguf", path, selfcheck.THRESHOLDS[key], metrics, lints, out, ref)
+
+
+def _lint_prompt_tokens(llm, tok, ref, folder: Path):
+    """What Ollama feeds the model: the Modelfile's TEMPLATE rendered for each held-out prompt,
+    tokenized by llama.cpp with the BOS it adds itself, must be the tokens the trained model saw
+    (no second BOS, nothing lost)."""
+    from engine.export import modelfile
+    from engine.export.selfcheck import Lint
+
+    adds_bos = _adds_bos(Path(llm.model_path))
+    tr = modelfile.translate(tok, runtime_adds_bos=adds_bos)
+    written = modelfile.read_modelfile(folder / "Modelfile")["template"]
+    if tr.template is None or written != tr.template:
+        reason = tr.reason or "the Modelfile's TEMPLATE is not the translation of the tokenizer's template"
+        return Lint("modelfile", False, f"the Modelfile has no checked TEMPLATE ({reason})", blocking=False)
+    bad = []
+    for p in ref.probes:
+        if not p.messages:
+            continue
+        head = p.messages[: max(i for i, m in enumerate(p.messages) if m["role"] != "assistant") + 1]
+        ids = llm.tokenize(tr.render(head).encode("utf-8"), add_bos=adds_bos, special=True)
+        if ids != p.prompt_ids:
+            bad.append((ids, p.prompt_ids))
+    if not bad:
+        return Lint("modelfile", True, "the Modelfile's template gives llama.cpp the trained prompt tokens (one BOS)")
+    got, want = bad[0]
+    bos = llm.token_bos()
+    double = got[:2] == [bos, bos] and want[:1] == [bos] and want[1:2] != [bos]
+    what = "a second BOS token" if double else "different tokens"
+    return Lint("modelfile", False, f"the Modelfile's template gives llama.cpp {what} on {len(bad)} held-out prompts")
 
 
 def published(dst: Path, source, extras: dict, quant: str = DEFAULT_QUANT, **_options) -> None:

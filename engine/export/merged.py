@@ -11,6 +11,7 @@ loads the folder with plain transformers and compares it with the trained model.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -47,7 +48,70 @@ def write(source, out: Path, progress=None, dtype: str = "auto", **_options) -> 
     merged.save_pretrained(out, safe_serialization=True)
     tokenizer = trained_tokenizer(source)
     tokenizer.save_pretrained(out)
+    carry_tokenizer_files(source, out, tokenizer)
     stop_at_turn_end(out, tokenizer)
+
+
+# Tokenizer files save_pretrained may leave out that llama.cpp's converter reads: a SentencePiece
+# family's model (Llama-2, Mistral, Phi-3, Gemma) converts from tokenizer.model and nothing else,
+# and transformers 5 writes only tokenizer.json.
+SIDE_FILES = ("tokenizer.model",)
+
+
+def tokenizer_folders(source) -> list[Path]:
+    """Where the run's tokenizer files are: beside its adapter, then the base model's folder (a
+    local folder, or the Hub cache's snapshot of a Hub id; never the network)."""
+    from engine.models.loading import resolve_model_source
+
+    folders = [source.adapter]
+    try:
+        path, local = resolve_model_source(source.config().model.name_or_path)
+    except Exception:  # the base is named but gone: the adapter folder is all there is
+        return folders
+    if local:
+        folders.append(Path(path))
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        for name in ("tokenizer_config.json", *SIDE_FILES):
+            cached = try_to_load_from_cache(path, name)
+            if isinstance(cached, str):
+                folders.append(Path(cached).parent)
+                break
+    return folders
+
+
+def carry_tokenizer_files(source, out: Path, tokenizer) -> list[str]:
+    """Copy SIDE_FILES from the run's tokenizer folders into `out` when save_pretrained did not
+    write them, and state in tokenizer_config.json whether the tokenizer adds BOS / EOS itself
+    (the converter reads add_bos_token there; without it llama.cpp guesses, and a SentencePiece
+    vocabulary then gets a second BOS before the template's literal <s>). Returns the files copied."""
+    copied = []
+    for name in SIDE_FILES:
+        if (out / name).is_file():
+            continue
+        for folder in tokenizer_folders(source):
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, out / name)
+                copied.append(name)
+                break
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    config.update(special_token_flags(tokenizer))
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return copied
+
+
+def special_token_flags(tokenizer) -> dict:
+    """add_bos_token / add_eos_token as the tokenizer behaves: whether encoding a text with
+    special tokens puts its BOS first / its EOS last."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return {
+        "add_bos_token": bos is not None and len(full) > len(plain) and full[0] == bos,
+        "add_eos_token": eos is not None and len(full) > len(plain) and full[-1] == eos,
+    }
 
 
 def stop_at_turn_end(out: Path, tokenizer) -> None:

@@ -3,14 +3,27 @@ from the tokenizer's Jinja template into Ollama's Go template, the stop tokens, 
 generation parameters of the run's generation_config. Ollama is not needed to write it.
 
 The translation does not parse Jinja. It renders conversations through the tokenizer's own
-template with marker contents and reads off what comes before and after each role's message
-(ChatML, Llama-3, Gemma, Phi-3 and most chat templates render each message independently this
-way), then renders the resulting Go template here (`render_go`, the small subset the
-translation emits) on several conversations and keeps it only when every one matches the
-tokenizer's rendering character for character. A template that puts a message's rendering
-under conditions (a default system prompt, the system prompt merged into the first user turn,
-content trimmed) cannot be translated this way: the Modelfile then has no TEMPLATE line, says
-why in a comment, and Ollama falls back to the template in the GGUF's metadata."""
+template with marker contents and reads off the parts of one fixed shape (`Shape`), the shape
+the chat templates of the families Tunesmith checks share (Qwen, Llama-3.x, Phi, Mistral,
+Gemma, SmolLM, DeepSeek-R1 distills, GPT-OSS, Granite):
+
+- the BOS text, and the block before the first message when there is no system message (a
+  default system prompt, Llama-3.x's dated header, or nothing);
+- the system message as a turn of its own, or folded into the first (Gemma-3, Mistral v1) or the
+  last (Mistral v3) user turn, or not rendered at all;
+- the text before and after each user and assistant message, and the generation prompt;
+- what the template does to each message's content: kept, trimmed (`| trim`), its leading
+  newlines dropped, or (reasoning models) only the answer after the last `</think>` kept in the
+  history (`CONTENT_RULES`).
+
+The Go template written from these parts uses only Go's own text/template (Ollama adds no string
+functions): trimming and the `</think>` cut are small recursive `define` blocks over `slice`,
+`len` and `eq`. `Shape.render` renders the same shape in Python, with Ollama's data (`.System`
+is every system message joined, consecutive messages of one role merged), and the translation is
+kept only when it renders every conversation of `checks()` (system prompts, several turns,
+padded contents, reasoning in the history) exactly as the tokenizer's template does. Otherwise
+the Modelfile has no TEMPLATE line and says why. tests/engine/export_conformance/ renders the
+written templates with Go's real text/template (render_modelfile.go) against the HF template."""
 
 from __future__ import annotations
 
@@ -18,10 +31,335 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-ROLES = ("system", "user", "assistant")
 _MARK = "\x02{}\x03"  # marker contents no template changes
+_WS = " \t\n\r\v\f"  # what trimming removes, here and in the Go template (ASCII whitespace)
+_THINK_END = "</think>"
+
+
+# -- what a template does to a message's content ----------------------------------------------
+def _after_think(text: str) -> str:
+    return text.split(_THINK_END)[-1] if _THINK_END in text else text
+
+
+# Tried in this order; the first that explains every probe is the rule of that slot.
+CONTENT_RULES: dict[str, Callable[[str], str]] = {
+    "keep": lambda s: s,
+    "trim": lambda s: s.strip(_WS),
+    "lstrip_newlines": lambda s: s.lstrip("\n"),
+    "answer_only": _after_think,
+    "answer_only_lstrip_newlines": lambda s: _after_think(s).lstrip("\n") if _THINK_END in s else s,
+}
+
+_TAIL = "(slice . (len (slice . 1)))"  # the last byte of the string
+_HEAD = "(slice . 0 (len (slice . 1)))"  # all but the last byte
+_ENDS_THINK = f'(and (ge (len .) {len(_THINK_END)}) (eq (slice . (len (slice . {len(_THINK_END)}))) "{_THINK_END}"))'
+
+
+def _is_ws(byte: str) -> str:
+    return "(or " + " ".join(f"(eq {byte} {json.dumps(c)})" for c in _WS) + ")"
+
+
+def _go(text: str) -> str:
+    """Go template text written with shorthands: HEAD, TAIL, ENDS_THINK, WS(TAIL), WS(FIRST)."""
+    text = text.replace("WS(TAIL)", _is_ws(_TAIL)).replace("WS(FIRST)", _is_ws("(slice . 0 1)"))
+    return text.replace("ENDS_THINK", _ENDS_THINK).replace("HEAD", _HEAD).replace("TAIL", _TAIL)
+
+
+# Go text/template blocks, each rendering its string argument; `and` stops at its first false
+# argument (Go 1.18+), so no slice runs out of range.
+_DEFINES = {
+    "ts_rtrim": _go('{{ if and (gt (len .) 0) WS(TAIL) }}{{ template "ts_rtrim" HEAD }}{{ else }}{{ . }}{{ end }}'),
+    "ts_trim": _go(
+        '{{ if and (gt (len .) 0) WS(FIRST) }}{{ template "ts_trim" (slice . 1) }}{{ else }}{{ template "ts_rtrim" . }}'
+        "{{ end }}"
+    ),
+    "ts_lstrip_nl": _go(
+        '{{ if and (gt (len .) 0) (eq (slice . 0 1) "\\n") }}{{ template "ts_lstrip_nl" (slice . 1) }}'
+        "{{ else }}{{ . }}{{ end }}"
+    ),
+    # After the last </think>: walk back from the end; the bytes are written as the calls return.
+    "ts_answer": _go('{{ if ENDS_THINK }}{{ else if gt (len .) 0 }}{{ template "ts_answer" HEAD }}{{ TAIL }}{{ end }}'),
+    # The same, without the newlines right after the last </think>.
+    "ts_answer_nl": _go(
+        '{{ if ENDS_THINK }}{{ else if gt (len .) 0 }}{{ template "ts_answer_nl" HEAD }}'
+        '{{ if eq TAIL "\\n" }}{{ template "ts_nl" HEAD }}{{ else }}{{ TAIL }}{{ end }}{{ end }}'
+    ),
+    # A newline whose text before it is (</think> then newlines): dropped; else written.
+    "ts_nl": _go(
+        '{{ if ENDS_THINK }}{{ else if and (gt (len .) 0) (eq TAIL "\\n") }}{{ template "ts_nl" HEAD }}'
+        '{{ else }}{{ "\\n" }}{{ end }}'
+    ),
+}
+_GO_RULES = {  # rule -> (Go expression of a string value X, define blocks it needs)
+    "keep": ("{{ X }}", ()),
+    "trim": ('{{ template "ts_trim" X }}', ("ts_rtrim", "ts_trim")),
+    "lstrip_newlines": ('{{ template "ts_lstrip_nl" X }}', ("ts_lstrip_nl",)),
+    "answer_only": ('{{ template "ts_answer" X }}', ("ts_answer",)),
+    "answer_only_lstrip_newlines": ('{{ template "ts_answer_nl" X }}', ("ts_answer_nl", "ts_nl")),
+}
+
+
+# -- the shape -------------------------------------------------------------------------------
+@dataclass
+class Shape:
+    """The parts of a chat template, read off its renders (see the module docstring)."""
+
+    bos: str
+    no_system: str  # before the first message when there is no system message
+    user: tuple[str, str]
+    assistant: tuple[str, str]
+    gen: str  # the generation prompt
+    system: str = "turn"  # "turn" | "first_user" | "last_user" | "none"
+    system_parts: tuple[str, str] = ("", "")  # around the system text (a turn, or inside the user turn)
+    rules: dict = field(default_factory=lambda: {"user": "keep", "assistant": "keep", "system": "keep"})
+
+    def render(self, messages: list[dict], with_bos: bool = True) -> str:
+        """The prompt Ollama renders from this shape's Go template: `messages` collated as Ollama
+        does, then the generation prompt."""
+        system, msgs = ollama_collate(messages)
+        rule = {k: CONTENT_RULES[v] for k, v in self.rules.items()}
+        out = [self.bos if with_bos else ""]
+        if self.system == "turn" and system:
+            out.append(self.system_parts[0] + rule["system"](system) + self.system_parts[1])
+        else:
+            out.append(self.no_system)
+        folded = system if self.system in ("first_user", "last_user") else ""
+        for i, m in enumerate(msgs):
+            if m["role"] == "user":
+                out.append(self.user[0])
+                if folded and (self.system == "first_user" or i == len(msgs) - 1):
+                    out.append(self.system_parts[0] + rule["system"](folded) + self.system_parts[1])
+                    folded = ""
+                out.append(rule["user"](m["content"]) + self.user[1])
+            elif m["role"] == "assistant":
+                out.append(self.assistant[0] + rule["assistant"](m["content"]) + self.assistant[1])
+        out.append(self.gen)
+        return "".join(out)
+
+    def go_template(self, with_bos: bool = True) -> str:
+        """The same as an Ollama (Go text/template) TEMPLATE."""
+        needed: list[str] = []
+
+        def content(slot: str, value: str) -> str:
+            expr, defines = _GO_RULES[self.rules[slot]]
+            needed.extend(d for d in defines if d not in needed)
+            return expr.replace("X", value)
+
+        system = content("system", "$.System")
+        fold = ""
+        if self.system == "turn":
+            head = "{{ if .System }}" + _lit(self.system_parts[0]) + system + _lit(self.system_parts[1])
+            head += "{{ else }}" + _lit(self.no_system) + "{{ end }}"
+        else:
+            head = _lit(self.no_system)
+            if self.system != "none":
+                when = "$folded" if self.system == "first_user" else "and $folded $last"
+                fold = "{{ if " + when + " }}" + _lit(self.system_parts[0]) + system
+                fold += _lit(self.system_parts[1]) + '{{ $folded = "" }}{{ end }}'
+        body = (
+            "{{ $folded := .System }}{{ range $i, $_ := .Messages }}"
+            "{{ $last := eq (len (slice $.Messages $i)) 1 }}"
+            '{{ if eq .Role "user" }}'
+            + _lit(self.user[0])
+            + fold
+            + content("user", ".Content")
+            + _lit(self.user[1])
+            + '{{ else if eq .Role "assistant" }}'
+            + _lit(self.assistant[0])
+            + content("assistant", ".Content")
+            + _lit(self.assistant[1])
+            + "{{ end }}{{ end }}"
+            + _lit(self.gen)
+        )
+        if "$last" not in body:
+            body = body.replace("{{ $last := eq (len (slice $.Messages $i)) 1 }}", "")
+        defines = "".join(f'{{{{ define "{name}" }}}}{_DEFINES[name]}{{{{ end }}}}' for name in needed)
+        return defines + (_lit(self.bos) if with_bos else "") + head + body
+
+
+def ollama_collate(messages: list[dict]) -> tuple[str, list[dict]]:
+    """What Ollama's template sees: `.System` (every system message, joined by a blank line) and
+    `.Messages` (consecutive messages of one role merged with a blank line)."""
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    out: list[dict] = []
+    for m in messages:
+        if out and out[-1]["role"] == m["role"]:
+            out[-1] = {"role": m["role"], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return system, out
+
+
+def _lit(text: str) -> str:
+    """Literal template text; a '{{' inside it is written as a Go string action."""
+    return text.replace("{{", '{{ "{{" }}')
+
+
+# -- reading a template's shape --------------------------------------------------------------
+def _render(tokenizer, messages, gen=True) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+
+def _msgs(*roles: str) -> list[dict]:
+    return [{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)]
+
+
+def _split(text: str, n: int) -> Optional[list[str]]:
+    """The text around markers 0..n-1 (n + 1 pieces), or None when a marker is missing or repeated."""
+    pieces, rest = [], text
+    for i in range(n):
+        mark = _MARK.format(i)
+        if rest.count(mark) != 1:
+            return None
+        head, rest = rest.split(mark, 1)
+        pieces.append(head)
+    return pieces + [rest]
+
+
+class _NoShape(ValueError):
+    """The template does not have the shape; the message says where it differs."""
+
+
+def _tail_after(tokenizer, text: str, follow: str) -> str:
+    """The end of a turn: `text` (rendered without a generation prompt, after the marker), less
+    an EOS some templates add at the very end, when the next piece starts with it."""
+    eos = tokenizer.eos_token or ""
+    if follow.startswith(text):
+        return text
+    if eos and text.endswith(eos) and follow.startswith(text[: -len(eos)]):
+        return text[: -len(eos)]
+    raise _NoShape("a turn ends differently depending on what follows it")
+
+
+def read_shape(tokenizer) -> Shape:
+    """The template's parts, from renders with marker contents; _NoShape when it has another shape."""
+    one = _split(_render(tokenizer, _msgs("user")), 1)
+    three = _split(_render(tokenizer, _msgs("user", "assistant", "user")), 3)
+    if one is None or three is None:
+        raise _NoShape("the template changes or drops message contents")
+    bos = tokenizer.bos_token or ""
+    bos = bos if bos and one[0].startswith(bos) else ""
+    start, end = one[0][len(bos) :], one[1]
+    if three[0] != one[0] or three[3] != end:
+        raise _NoShape("the template renders the first or last turn differently in a longer conversation")
+    user_end = _tail_after(tokenizer, _split(_render(tokenizer, _msgs("user"), gen=False), 1)[1], three[1])
+    assistant_end = _tail_after(
+        tokenizer, _split(_render(tokenizer, _msgs("user", "assistant"), gen=False), 2)[2], three[2]
+    )
+    user_start = three[2][len(assistant_end) :]
+    if not start.endswith(user_start) or not end.startswith(user_end):
+        raise _NoShape("the template does not render each message on its own (it depends on the turn)")
+    shape = Shape(
+        bos=bos,
+        no_system=start[: len(start) - len(user_start)],
+        user=(user_start, user_end),
+        assistant=(three[1][len(user_end) :], assistant_end),
+        gen=end[len(user_end) :],
+    )
+    _read_system(tokenizer, shape)
+    _read_rules(tokenizer, shape)
+    return shape
+
+
+def _read_system(tokenizer, s: Shape) -> None:
+    try:
+        text = _render(tokenizer, _msgs("system", "user"))
+        two = _split(text, 2)
+        four = _split(_render(tokenizer, _msgs("system", "user", "assistant", "user")), 4)
+    except Exception:  # templates that refuse a system message (Gemma-2) raise on purpose
+        s.system = "none"
+        return
+    if _MARK.format(0) not in text:
+        s.system = "none"  # the template drops it
+        return
+    if two is None or four is None:
+        raise _NoShape("the template drops the system message or renders it more than once")
+    lead = s.bos + s.no_system + s.user[0]
+    if two[0].startswith(s.bos) and two[1].endswith(s.user[0]) and not two[0].startswith(lead):
+        s.system = "turn"
+        s.system_parts = (two[0][len(s.bos) :], two[1][: len(two[1]) - len(s.user[0])])
+        return
+    # Folded into a user turn: into the first one when it comes before that turn's content.
+    if four[0].startswith(lead):
+        s.system, s.system_parts = "first_user", (four[0][len(lead) :], four[1])
+        return
+    # Mistral v3: into the last user turn ([INST] system\n\nquestion[/INST]).
+    text = _render(tokenizer, _msgs("system", "user", "assistant", "user"))
+    order = [text.find(_MARK.format(i)) for i in range(4)]
+    if order[3] > order[0] > order[2]:
+        between = text[order[2] + len(_MARK.format(2)) : order[0]]
+        head = s.assistant[1] + s.user[0]
+        tail = text[order[0] + len(_MARK.format(0)) : order[3]]
+        if between.startswith(head):
+            s.system, s.system_parts = "last_user", (between[len(head) :], tail)
+            return
+    raise _NoShape("the template puts the system message somewhere this translation does not handle")
+
+
+# Contents that show what a template does to a message: padded with whitespace, and (for an
+# answer in the history) with reasoning before it.
+_PROBES = {
+    "user": ["\n \n" + _MARK.format(0) + " \n\n", " " + _MARK.format(0) + "\n"],
+    "system": ["\n \n" + _MARK.format(0) + " \n\n", " " + _MARK.format(0) + "\n"],
+    "assistant": [
+        "\n \n" + _MARK.format(1) + " \n\n",
+        "<think>\nR\n</think>\n\n" + _MARK.format(1) + "\n",
+        "<think>\nR\n</think>" + _MARK.format(1),
+    ],
+}
+
+
+def _read_rules(tokenizer, s: Shape) -> None:
+    for slot, probes in _PROBES.items():
+        if slot == "system" and s.system == "none":
+            continue
+        seen = [(probe, _render(tokenizer, _probe_messages(slot, probe))) for probe in probes]
+        for name in CONTENT_RULES:
+            trial = Shape(**{**s.__dict__, "rules": {**s.rules, slot: name}})
+            if all(trial.render(_probe_messages(slot, p)) == text for p, text in seen):
+                s.rules[slot] = name
+                break
+        else:
+            raise _NoShape(f"the template changes {slot} messages in a way this translation does not handle")
+
+
+def _probe_messages(slot: str, probe: str) -> list[dict]:
+    if slot == "user":
+        return [{"role": "user", "content": probe}]
+    if slot == "system":
+        return [{"role": "system", "content": probe}, {"role": "user", "content": _MARK.format(1)}]
+    return [
+        {"role": "user", "content": _MARK.format(0)},
+        {"role": "assistant", "content": probe},
+        {"role": "user", "content": _MARK.format(2)},
+    ]
+
+
+# -- checking a translation --------------------------------------------------------------------
+def checks(system: bool = True) -> list[list[dict]]:
+    """The conversations a translation must render exactly as the tokenizer's template does:
+    one and several turns, with and without a system prompt, padded contents, and answers with
+    their reasoning in the history."""
+    q1, q2, q3 = "What is 2 plus 2?", "  And 3 plus 3?\n", "Why?"
+    a1 = "Answer: 4"
+    reasoned = "<think>\nAdd them.\n</think>\n\nAnswer: 6"
+    convs = [
+        [{"role": "user", "content": q1}],
+        [{"role": "user", "content": q1}, {"role": "assistant", "content": a1}, {"role": "user", "content": q2}],
+        [
+            {"role": "user", "content": "\n" + q1},
+            {"role": "assistant", "content": " " + a1 + "\n"},
+            {"role": "user", "content": q2},
+            {"role": "assistant", "content": reasoned},
+            {"role": "user", "content": q3},
+        ],
+    ]
+    if system:
+        sys = {"role": "system", "content": "Be brief. Answer with a number."}
+        convs += [[sys] + convs[0], [sys] + convs[1], [{"role": "system", "content": " Be brief.\n"}] + convs[2]]
+    return convs
 
 
 @dataclass
@@ -30,206 +368,60 @@ class Translation:
     reason: str = ""  # why not, one sentence
     bos_dropped: str = ""  # the BOS text left out because the runtime adds it
     system: bool = True  # system messages are rendered
-    parts: dict = field(default_factory=dict)
+    shape: Optional[Shape] = None
+    notes: list[str] = field(default_factory=list)  # comments for the Modelfile
 
-
-def _render(tokenizer, messages, gen=False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-
-
-def _split(text: str, n: int) -> Optional[list[str]]:
-    """The text between markers 0..n-1 (n + 1 pieces), or None when a marker is missing."""
-    pieces, rest = [], text
-    for i in range(n):
-        mark = _MARK.format(i)
-        if mark not in rest:
-            return None
-        head, rest = rest.split(mark, 1)
-        pieces.append(head)
-    return pieces + [rest]
-
-
-def _msgs(*roles: str) -> list[dict]:
-    return [{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)]
-
-
-def _decompose(tokenizer) -> tuple[Optional[dict], str]:
-    try:
-        one = _split(_render(tokenizer, _msgs("user")), 1)
-        three = _split(_render(tokenizer, _msgs("user", "assistant", "user")), 3)
-        with_gen = _render(tokenizer, _msgs("user"), gen=True)
-        plain = _render(tokenizer, _msgs("user"))
-    except Exception as exc:  # a template can raise on purpose; that is its answer
-        return None, f"the template cannot render a plain user/assistant conversation ({exc})"
-    if one is None or three is None:
-        return None, "the template changes or drops message contents"
-    x0, x1 = one
-    y0, y1, y2, y3 = three
-    if y0 != x0 or y3 != x1 or not y1.startswith(x1) or not with_gen.startswith(plain):
-        return None, "the template does not render each message on its own (it depends on the turn)"
-    bos = tokenizer.bos_token or ""
-    if not (bos and x0.startswith(bos)):
-        bos = ""
-    user_pre, user_post = x0[len(bos) :], x1
-    if not y2.endswith(user_pre):
-        return None, "the template does not render each message on its own (it depends on the turn)"
-    parts = {
-        "bos": bos,
-        "user": (user_pre, user_post),
-        "assistant": (y1[len(user_post) :], y2[: len(y2) - len(user_pre)]),
-        "gen": with_gen[len(plain) :],
-    }
-    try:  # system messages are optional: some templates refuse them
-        z = _split(_render(tokenizer, _msgs("system", "user")), 2)
-    except Exception:
-        z = None
-    if z is not None and z[0].startswith(bos) and z[1].endswith(user_pre) and z[2] == user_post:
-        parts["system"] = (z[0][len(bos) :], z[1][: len(z[1]) - len(user_pre)])
-    return parts, ""
-
-
-def _lit(text: str) -> str:
-    """Literal template text; a '{{' inside it is written as a Go string action."""
-    return text.replace("{{", '{{ "{{" }}')
-
-
-def _go_template(parts: dict, with_bos: bool) -> str:
-    branches = []
-    for role in ROLES:
-        if role in parts:
-            pre, post = parts[role]
-            branches.append(f'if eq .Role "{role}" }}}}{_lit(pre)}{{{{ .Content }}}}{_lit(post)}')
-    body = "{{ " + "{{ else ".join(branches) + "{{ end }}"
-    head = _lit(parts["bos"]) if with_bos else ""
-    return f"{head}{{{{ range .Messages }}}}{body}{{{{ end }}}}{_lit(parts['gen'])}"
-
-
-# -- the Go template subset the translation writes, rendered here to check it -----------------
-_ACTION = re.compile(r"\{\{-?\s*(.*?)\s*-?\}\}", re.S)
-
-
-def render_go(template: str, messages: list[dict]) -> str:
-    """Render the subset of Go's text/template that `translate` emits: literals, `range
-    .Messages`, `if / else if eq .Role "x"`, `end`, `.Content`, `.Role` and string literals.
-    Whitespace trimming (`{{-`) is not emitted and not supported. Raises ValueError otherwise."""
-    tokens: list[tuple[str, str]] = []
-    pos = 0
-    for m in _ACTION.finditer(template):
-        if m.group(0).startswith("{{-") or m.group(0).endswith("-}}"):
-            raise ValueError("whitespace trimming is not part of the subset")
-        tokens.append(("text", template[pos : m.start()]))
-        tokens.append(("action", m.group(1)))
-        pos = m.end()
-    tokens.append(("text", template[pos:]))
-
-    def block(i: int, msg: Optional[dict], out: list[str], emit: bool) -> tuple[int, str]:
-        """Render tokens from i until an `end`/`else` at this level; returns (index, stopper)."""
-        while i < len(tokens):
-            kind, val = tokens[i]
-            if kind == "text":
-                if emit:
-                    out.append(val)
-                i += 1
-            elif val == "range .Messages":
-                start = i + 1
-                end = start
-                for m in messages if emit else [None]:
-                    end, _ = block(start, m, out, emit and m is not None)
-                if emit and not messages:
-                    end, _ = block(start, None, [], False)
-                i = end + 1
-            elif val.startswith("if "):
-                i = _if(i, val[3:], msg, out, emit)
-            elif val == "end" or val.startswith("else"):
-                return i, val
-            elif val in (".Content", ".Role"):
-                if emit:
-                    out.append(str(msg[val[1:].lower()]))
-                i += 1
-            elif val.startswith('"') and val.endswith('"'):
-                if emit:
-                    out.append(json.loads(val))
-                i += 1
-            else:
-                raise ValueError(f"unsupported action {{{{ {val} }}}}")
-        return i, ""
-
-    def cond(expr: str, msg: Optional[dict]) -> bool:
-        m = re.fullmatch(r'eq \.Role "([^"]*)"', expr)
-        if not m:
-            raise ValueError(f"unsupported condition {expr!r}")
-        return msg is not None and msg["role"] == m.group(1)
-
-    def _if(i: int, expr: str, msg, out, emit) -> int:
-        taken = False
-        j = i + 1
-        while True:
-            ok = not taken and (expr is None or cond(expr, msg))
-            j, stop = block(j, msg, out, emit and ok)
-            taken = taken or ok
-            if stop == "end":
-                return j + 1
-            if stop.startswith("else if "):
-                expr = stop[len("else if ") :]
-            elif stop == "else":
-                expr = None
-            else:
-                raise ValueError("an if without its end")
-            j += 1
-
-    out: list[str] = []
-    i, stop = block(0, None, out, True)
-    if stop:
-        raise ValueError(f"unexpected {{{{ {stop} }}}}")
-    return "".join(out)
-
-
-SAMPLES = [
-    [{"role": "user", "content": "What is 2 plus 2?"}],
-    [
-        {"role": "user", "content": "What is 2 plus 2?"},
-        {"role": "assistant", "content": "Answer: 4"},
-        {"role": "user", "content": "And 3 plus 3?"},
-    ],
-]
-SYSTEM_SAMPLES = [
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
-    [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hello"},
-        {"role": "assistant", "content": "Answer: hi"},
-        {"role": "user", "content": "Again"},
-    ],
-]
+    def render(self, messages: list[dict]) -> str:
+        """The prompt the TEMPLATE renders for `messages` (with the BOS it writes, if any)."""
+        return self.shape.render(messages, with_bos=not self.bos_dropped)
 
 
 def translate(tokenizer, runtime_adds_bos: bool = False) -> Translation:
-    """The tokenizer's chat template as an Ollama Go template, checked on sample conversations."""
-    if not getattr(tokenizer, "chat_template", None):
+    """The tokenizer's chat template as an Ollama Go template, checked on the `checks()`
+    conversations. `runtime_adds_bos`: llama.cpp adds the BOS token itself, so the template
+    leaves out a literal one (two BOS tokens otherwise)."""
+    source = getattr(tokenizer, "chat_template", None)
+    if not source:
         return Translation(None, "the tokenizer has no chat template")
-    parts, reason = _decompose(tokenizer)
-    if parts is None:
-        return Translation(None, reason)
-    full = _go_template(parts, with_bos=True)
-    samples = SAMPLES + (SYSTEM_SAMPLES if "system" in parts else [])
-    for msgs in samples:
-        want = _render(tokenizer, msgs, gen=True)
-        got = render_go(full, msgs)
-        if got != want:
+    try:
+        shape = read_shape(tokenizer)
+    except _NoShape as exc:
+        return Translation(None, str(exc))
+    except Exception as exc:  # a template can raise on purpose; that is its answer
+        return Translation(None, f"the template cannot render a plain user/assistant conversation ({exc})")
+    for msgs in checks(system=shape.system != "none"):
+        try:
+            want = _render(tokenizer, msgs)
+        except Exception:  # a conversation this template refuses is not one Ollama must render
+            continue
+        if shape.render(msgs) != want:
+            kind = "with a system prompt" if msgs[0]["role"] == "system" else "without a system prompt"
             return Translation(
                 None,
-                "the template renders some conversations differently from a per-message translation "
-                f"(first difference in {len(msgs)}-message conversation)",
+                f"the translation renders a {len(msgs)}-message conversation {kind} differently from the template",
             )
-    drop = runtime_adds_bos and bool(parts["bos"])
+    notes = []
+    if shape.system == "none":
+        notes.append("The chat template has no system turn: system messages are not rendered.")
+    elif shape.system != "turn":
+        notes.append(
+            f"The system prompt is folded into the {shape.system.replace('_', ' ')} turn, as the template does."
+        )
+    if "strftime_now" in source:
+        notes.append("The template writes today's date; the date of this export is written here instead.")
+    if "answer" in shape.rules["assistant"]:
+        notes.append("Earlier answers keep only the text after </think>, as the template renders the history.")
+    drop = runtime_adds_bos and bool(shape.bos)
     return Translation(
-        _go_template(parts, with_bos=not drop),
-        bos_dropped=parts["bos"] if drop else "",
-        system="system" in parts,
-        parts=parts,
+        shape.go_template(with_bos=not drop),
+        bos_dropped=shape.bos if drop else "",
+        system=shape.system != "none",
+        shape=shape,
+        notes=notes,
     )
 
 
+# -- the rest of the Modelfile -----------------------------------------------------------------
 def stop_tokens(tokenizer, gen_eos: list[int]) -> list[str]:
     """The strings Ollama stops on: the EOS, the token that ends an assistant turn, and every
     eos_token_id of generation_config."""
@@ -292,8 +484,7 @@ def write_modelfile(
     if tr.template is not None and '"""' not in tr.template:
         if tr.bos_dropped:
             lines.append(f"# {tr.bos_dropped!r} is left out of the template: llama.cpp adds the BOS token itself.")
-        if not tr.system:
-            lines.append("# The chat template has no system turn: system messages are not rendered.")
+        lines += [f"# {note}" for note in tr.notes]
         lines.append(f'TEMPLATE """{tr.template}"""')
     else:
         reason = tr.reason or "the template contains three double quotes"
@@ -308,6 +499,7 @@ def write_modelfile(
     return {
         "template_translated": tr.template is not None,
         "template_reason": tr.reason,
+        "template_bos_dropped": tr.bos_dropped,
         "stops": stops,
         "parameters": dict(params),
     }

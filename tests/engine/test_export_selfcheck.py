@@ -203,10 +203,9 @@ LLAMA3 = (
     "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-CHATML_DEFAULT_SYSTEM = (
-    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+NUMBERED_TURNS = (  # a per-turn counter: no fixed text before and after each message
+    "{% for message in messages %}{{ '<|im_start|>' + loop.index|string + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 
@@ -215,10 +214,11 @@ def test_the_modelfile_template_and_stops_match_the_tokenizer(tmp_path):
     info = modelfile.write_modelfile(tmp_path, "demo.gguf", tok, {"eos_token_id": 2, "temperature": 0.7})
     written = modelfile.read_modelfile(tmp_path / "Modelfile")
     assert info["template_translated"] and written["template"] is not None
-    conversations = modelfile.SAMPLES + modelfile.SYSTEM_SAMPLES
-    for msgs in conversations:
+    tr = modelfile.translate(tok)
+    assert written["template"] == tr.template  # Go's own text/template renders it: tests/engine/export_conformance/
+    for msgs in modelfile.checks():
         want = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        assert modelfile.render_go(written["template"], msgs) == want
+        assert tr.render(msgs) == want
     assert written["stops"] == [tok.eos_token] == ["<|im_end|>"]
     assert written["parameters"] == {"temperature": "0"}  # greedy, as transformers decodes without do_sample
     assert written["from"] == "./demo.gguf"
@@ -228,13 +228,14 @@ def test_llama3_shape_translates_without_the_bos_the_runtime_adds():
     tok = _tokenizer(LLAMA3, bos="<|endoftext|>")
     tr = modelfile.translate(tok, runtime_adds_bos=True)
     assert tr.template is not None and tr.bos_dropped == "<|endoftext|>"
-    msgs = modelfile.SAMPLES[1]
+    msgs = modelfile.checks()[1]
     want = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert "<|endoftext|>" + modelfile.render_go(tr.template, msgs) == want
+    assert want.startswith("<|endoftext|>") and "<|endoftext|>" + tr.render(msgs) == want
+    assert tr.shape.rules["user"] == "trim" and "<|endoftext|>" not in tr.template
 
 
 def test_a_template_that_cannot_be_translated_says_why(tmp_path):
-    tok = _tokenizer(CHATML_DEFAULT_SYSTEM)
+    tok = _tokenizer(NUMBERED_TURNS)
     info = modelfile.write_modelfile(tmp_path, "demo.gguf", tok, {"eos_token_id": 2, "do_sample": True, "top_p": 0.9})
     text = (tmp_path / "Modelfile").read_text()
     assert not info["template_translated"] and "does not render each message on its own" in info["template_reason"]
