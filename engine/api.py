@@ -44,6 +44,12 @@ from engine.data.sources import DataError
 from engine.data.xray import KINDS as DATA_FINDINGS
 from engine.data.xray import XRay, xray
 
+# -- doctor: is everything a run needs here (`tunesmith doctor`, the Hardware page) --------------
+from engine.doctor import Check as DoctorCheck
+from engine.doctor import install_fix as doctor_install_fix
+from engine.doctor import report as doctor_report
+from engine.doctor import run_checks as doctor_checks
+
 # -- events ------------------------------------------------------------------------------------
 from engine.events import (
     CheckpointSaved,
@@ -239,6 +245,10 @@ __all__ = [
     "resolve_defaults",
     "explain_defaults",
     "format_profile",
+    "DoctorCheck",
+    "doctor_checks",
+    "doctor_report",
+    "doctor_install_fix",
     "DeviceMemory",
     "device_memory",
     # estimates

@@ -15,6 +15,10 @@ def main(argv: list[str] | None = None) -> int:
         from studio.app import main as app_main
 
         return app_main(argv[1:] if argv and argv[0] in ("studio", "gui") else argv)
+    if argv[0] == "doctor":  # the engine's checks plus the Qt libraries' (studio.doctor)
+        from studio.doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
     from engine.api import cli_main
 
     return cli_main(argv)
