@@ -88,6 +88,11 @@ class DataConfig:
 
 @dataclass
 class TrainingConfig:
+    # What the run learns: the name of an objective registered in engine.train.objectives
+    # ("sft": the next-token loss on trained tokens; "dpo", "orpo", "simpo", "kto", "grpo" as
+    # they are registered). The registry checks the name when the run starts (a ConfigError
+    # naming training.method and the known methods); the config cannot import it (a leaf).
+    method: str = "sft"
     # Optimizer steps; 0 means derive from epochs.
     max_steps: int = 0
     epochs: float = 1.0
@@ -159,6 +164,9 @@ class FastPathConfig:
     # Dense MLPs over tiles of tokens (engine.fastpath.tiled_mlp): long rows' MLP intermediates
     # one tile at a time, for one more MLP forward. auto: when memory runs short at one row.
     tiled_mlp: Union[bool, Literal["auto"]] = "auto"
+    # QLoRA: NF4 base weights decoded tile by tile inside the matmul (engine.kernels.nf4_matmul)
+    # instead of dequantized whole before each one. auto: on CUDA where the kernel applies.
+    nf4_matmul: Union[bool, Literal["auto"]] = "auto"
     ce_chunk_tokens: Union[int, Literal["auto"]] = "auto"
 
 
@@ -260,6 +268,8 @@ class RunConfig:
         positive("training.max_grad_norm", t.max_grad_norm, allow_zero=True)
         positive("training.save_every", t.save_every, allow_zero=True)
         positive("training.log_every", t.log_every)
+        if not t.method.strip():
+            raise ConfigError("training.method", "must name a training method, e.g. 'sft'")
         if t.spike_factor != 0 and t.spike_factor <= 1:
             raise ConfigError(
                 "training.spike_factor", f"must be 0 (off) or above 1 (a multiple of the median), got {t.spike_factor}"

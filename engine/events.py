@@ -71,6 +71,9 @@ class StepMetrics(Event):
     # that took their stock forward; empty when none did.
     fast_path_calls: dict[str, int] = field(default_factory=dict)
     fallbacks: dict[str, int] = field(default_factory=dict)
+    # The objective's own metrics of this step (engine.train.objectives: reward margins and
+    # accuracy, chosen/rejected log-probs, rewards ...); empty for SFT.
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -197,6 +200,8 @@ class EvalMetrics(Event):
     best_checkpoint: Optional[str] = None  # the checkpoint folder of the best eval loss, once written
     evals_without_improvement: int = 0
     stopping: bool = False
+    # The objective's own metrics over the held-out examples; empty for SFT.
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -86,6 +86,8 @@ from engine.events import (
 from engine.runs import RunFolder, RunFolderError, publish, resume_checkpoint, step_of
 from engine.train.distributed import CONTROL_FILE, DistContext, read_control, share_from_main
 from engine.train.guard import RunGuard
+from engine.train.objectives import objective_for
+from engine.train.objectives.base import Forward, StepContext
 
 __all__ = ["TrainingSession", "RunFolderError", "Faults", "TrainingDiverged", "ProbeUnavailable"]
 
@@ -360,6 +362,8 @@ class TrainingSession:
         # defaults need it; without it the policy keeps to what it can decide safely.
         info = policy.model_info_for(self.config)
         self.config = config = policy.apply_defaults(self.config, self._profile, info, self._dist.world_size)
+        # What the run learns (training.method): the session asks it and never tests which it is.
+        self._objective = objective_for(config)
         self._device = torch.device(self._dist.device(config.training.device))
         self._dist.init(self._device)
         why = self._dist.check_plan(config.training.grad_accum)
@@ -392,13 +396,12 @@ class TrainingSession:
 
     def _setup_data(self) -> None:
         """Tokenizer and packed data set; then the run folder opens (bad data fails before it exists)."""
-        from engine.data.dataset import prepare_dataset
         from engine.models.loading import load_tokenizer
 
         config = self.config
         self.log(f"Loading tokenizer and data ({config.data.source})")
         self._tokenizer = load_tokenizer(config.model)
-        self._data = prepare_dataset(config.data, self._tokenizer)
+        self._data = self._objective.prepare_data(self._tokenizer)
         heldout_note = self._setup_heldout()
         data = self._data
         self._summary = summary = data.summary()
@@ -433,12 +436,7 @@ class TrainingSession:
         from engine.train import evaluation
 
         config = self.config
-        if config.data.eval_source.strip():
-            self._heldout, note = evaluation.load_heldout(config.data, config.data.eval_source, self._tokenizer)
-        else:
-            self._data, self._heldout, note = evaluation.split_heldout(
-                self._data, config.data.eval_fraction, config.training.seed
-            )
+        self._data, self._heldout, note = self._objective.held_out(self._data, self._tokenizer)
         t = config.training
         chat = self._data.spec.kind != "text"
         if t.gallery_prompts:
@@ -485,7 +483,7 @@ class TrainingSession:
         """The model with LoRA attached and the fast paths on (engine.train.step.prepare_model)."""
         from engine.models.loading import load_model, quiet_third_party
         from engine.models.lora import attach_lora, lora_parameters
-        from engine.train.step import forward_loss, prepare_model
+        from engine.train.step import prepare_model
 
         config, t, device = self.config, self.config.training, self._device
         # FSDP: the whole base goes to host memory once, then one decoder layer at a time to the
@@ -499,7 +497,13 @@ class TrainingSession:
         # offloader's Function, gathering the weights for the forward and again for the recompute.
         prepared = prepare_model(model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=t.offload)
         self._model, self._offloader, self._fast = prepared.model, prepared.offloader, prepared.report
-        self._forward_loss = forward_loss
+        chunk = config.fast_paths.ce_chunk_tokens
+        self._forward = Forward(
+            fused_ce=prepare_flag(self._fast.get("fused_ce", "on")),
+            cached_metadata=config.fast_paths.cached_metadata,
+            ce_chunk_tokens=None if chunk == "auto" else int(chunk),
+            offloader=lambda: self._offloader,  # recovery may install or change it mid-run
+        )
         if self._fsdp:
             from engine.train import fsdp
 
@@ -547,9 +551,6 @@ class TrainingSession:
         self._is_cuda = device.type == "cuda"
         # The profile's total: an emulated card's cap (TUNESMITH_EMULATE_GPU), not the host GPU's.
         self._mem_total = self._profile.total_vram if self._is_cuda else _host_total()
-        self._use_fused = prepare_flag(self._fast.get("fused_ce", "on"))
-        chunk = self.config.fast_paths.ce_chunk_tokens
-        self._chunk = None if chunk == "auto" else int(chunk)
         self._last_loss = float("nan")
         self._tok_per_s = []
         self._said = set()  # fallbacks and missing fast paths already logged (once each)
@@ -836,11 +837,8 @@ class TrainingSession:
             self.request_stop()
 
     def _batch(self, row_ids: list[int]):
-        from engine.data.collate import PackedBatch
-
-        data, rows = self._data, self._data.packing.rows
-        doc_ids = [d for r in row_ids for d in rows[r]]
-        return PackedBatch.from_documents([data.docs[d] for d in doc_ids], [data.trained[d] for d in doc_ids])
+        rows = self._data.packing.rows
+        return self._objective.collate(self._data, [d for r in row_ids for d in rows[r]])
 
     def _micro_batches(self, step: int) -> list:
         """[(rows, PackedBatch)] of the forwards of optimizer step `step` (0-based): the plan's
@@ -864,7 +862,7 @@ class TrainingSession:
         t0 = time.perf_counter()
         if step > self._start_step and (step - self._start_step) % SNAPSHOT_EVERY == 0:
             self._pending = self._take_snapshot(step)
-        micro, normalizer, loss_sum = self._forward_backward_recovering(step)
+        micro, normalizer, loss_sum, sums = self._forward_backward_recovering(step)
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
         if self._fsdp:  # a DTensor norm (every rank's shards counted), made a plain tensor
@@ -883,19 +881,20 @@ class TrainingSession:
         if bad is not None:
             return self._roll_back(step, *bad)
         self._good_loss(step, self._last_loss)
-        self._report_step(step, [b for _, b in micro], normalizer, grad_norm, dt)
+        self._report_step(step, [b for _, b in micro], normalizer, grad_norm, dt, sums)
         if self._guard is not None:
             for warning in self._guard.check():  # battery, throttling: each said once
                 self.log(warning, "warning")
         return step
 
     def _forward_backward(self, micro: list, normalizer: int, step: int, rehearsal: bool = False):
-        """Forward and backward over [(rows, PackedBatch)]; the summed loss (a device tensor).
-        `step`: the 1-based step it belongs to (for Faults)."""
+        """Forward and backward over [(rows, batch)]; (the summed loss, the summed objective
+        metrics), device tensors. `step`: the 1-based step it belongs to (for Faults)."""
         import torch
 
         device, faults, dist = self._device, self.faults, self._dist
         loss_sum = torch.zeros((), device=device)
+        sums: dict = {}
         # Several processes: this rank's share of the step's forwards, through DDP (the
         # rehearsal measures one rank's forward alone, with no gradient exchange).
         ddp = None if rehearsal else self._ddp
@@ -907,13 +906,18 @@ class TrainingSession:
                 faults.check_oom(self._attempt(step, rows, rehearsal), last_micro_batch=last)
             batch = batch.to(device)
             with self._sync_context(ddp, last):
-                loss = ddp(batch, normalizer) if ddp is not None else self._loss(self._model, batch, normalizer)
+                out = ddp(batch, normalizer) if ddp is not None else self._loss(self._model, batch, normalizer)
+                loss = out.loss
                 if faults is not None and i == 0 and not rehearsal:
                     loss = faults.poison(step, loss)
                 (loss * scale if scale != 1 else loss).backward()
             loss_sum += loss.detach()
+            for k, v in out.metrics.items():
+                sums[k] = sums[k] + v.detach() if k in sums else v.detach()
             batch.info.free()
-        return dist.sum(loss_sum) if ddp is not None else loss_sum
+        if ddp is None:
+            return loss_sum, sums
+        return dist.sum(loss_sum), {k: dist.sum(v) for k, v in sums.items()}
 
     def _sync_context(self, ddp, last: bool):
         if ddp is not None and self._fsdp:
@@ -923,16 +927,8 @@ class TrainingSession:
         return self._dist.sync_context(ddp, last)
 
     def _loss(self, model, batch, normalizer):
-        """One forward's loss: the engine's forward_loss with the run's settings."""
-        return self._forward_loss(
-            model,
-            batch,
-            normalizer,
-            fused_ce=self._use_fused,
-            cached_metadata=self.config.fast_paths.cached_metadata,
-            ce_chunk_tokens=self._chunk,
-            offloader=self._offloader,
-        )
+        """One forward's LossOutput: the objective's loss through the run's forward."""
+        return self._objective.loss(self._forward, model, batch, normalizer)
 
     def _attempt(self, step: int, rows: int, rehearsal: bool) -> dict:
         return {
@@ -951,10 +947,10 @@ class TrainingSession:
         start with the same RNG state. (micro-batches, normalizer, summed loss)."""
         rng = _rng_state()
         while True:
-            micro = self._micro_batches(step)
-            normalizer = max(1, sum(b.num_trained_tokens for _, b in micro))
+            micro = self._objective.prepare_step(self._step_context(step + 1), self._micro_batches(step))
+            normalizer = self._objective.normalizer([b for _, b in micro])
             try:
-                return micro, normalizer, self._forward_backward(micro, normalizer, step + 1)
+                return micro, normalizer, *self._forward_backward(micro, normalizer, step + 1)
             except Exception as exc:
                 # Several processes: the others wait in the step's all-reduce, so a rank that
                 # runs out of memory ends the run (torchrun stops them all; the checkpoint stays).
@@ -966,6 +962,9 @@ class TrainingSession:
             self._drop_partial_step()
             _set_rng_state(rng)
             self._apply_memory_change(change, "step", step + 1, f"step {step + 1} ran out of memory; it runs again")
+
+    def _step_context(self, step: int, rehearsal: bool = False) -> StepContext:
+        return StepContext(self._model, self._device, self._tokenizer, self._forward, step, rehearsal)
 
     def _drop_partial_step(self) -> None:
         import gc
@@ -1305,8 +1304,8 @@ class TrainingSession:
         return grown, tries
 
     def _row_tokens(self) -> list[int]:
-        data = self._data
-        return [sum(len(data.docs[d]) for d in row) for row in data.packing.rows]
+        sizes = self._objective.example_tokens(self._data)
+        return [sum(sizes[d] for d in row) for row in self._data.packing.rows]
 
     def _rehearse(self) -> tuple[int, float, int]:
         """(peak bytes or 0 on a CPU, seconds of one forward + backward, tokens) on the
@@ -1322,10 +1321,10 @@ class TrainingSession:
         # On CUDA the first pass also compiles and autotunes kernels: time a second one.
         seconds, tokens = 0.0, 0
         for _ in range(2 if self._is_cuda else 1):
-            batch = self._batch(longest)
-            tokens = batch.num_tokens
+            micro = self._objective.prepare_step(self._step_context(0, True), [(len(longest), self._batch(longest))])
+            tokens = sum(b.num_tokens for _, b in micro)
             t0 = time.perf_counter()
-            self._forward_backward([(len(longest), batch)], max(1, batch.num_trained_tokens), 0, rehearsal=True)
+            self._forward_backward(micro, self._objective.normalizer([b for _, b in micro]), 0, rehearsal=True)
             self._optimizer.zero_grad(set_to_none=True)
             if self._is_cuda:
                 torch.cuda.synchronize(device)
@@ -1372,7 +1371,7 @@ class TrainingSession:
             )
         )
 
-    def _report_step(self, step: int, micro: list, normalizer: int, grad_norm, dt: float) -> None:
+    def _report_step(self, step: int, micro: list, normalizer: int, grad_norm, dt: float, sums: dict) -> None:
         """The step's fast-path counters (warnings once each) and, every log_every steps, StepMetrics."""
         import torch
 
@@ -1413,6 +1412,7 @@ class TrainingSession:
                 offload=_offload_note(self._offloader),
                 fast_path_calls=calls,
                 fallbacks=fallbacks,
+                metrics=self._objective.step_metrics({k: float(v) for k, v in sums.items()}),
             )
             self._emit(metrics)
             if self._loggers is not None:
@@ -1423,7 +1423,7 @@ class TrainingSession:
         every = self._eval_every
         return bool(every) and (step % every == 0 or step == self._total)
 
-    def _eval_loss(self) -> tuple[float, int]:
+    def _eval_loss(self) -> tuple[float, int, dict]:
         """(mean loss per trained token, trained tokens) over the held-out examples, through the
         run's own forward (fast paths, fused CE); each rank takes a share of the batches."""
         import torch
@@ -1431,10 +1431,22 @@ class TrainingSession:
         from engine.train import evaluation
 
         if self._eval_batches is None:
-            self._eval_batches = evaluation.eval_batches(self._heldout, self._data.packing.row_tokens, self._exec_rows)
+            self._eval_batches = self._objective.eval_batches(
+                self._heldout, self._data.packing.row_tokens, self._exec_rows
+            )
         batches, dist = self._eval_batches, self._dist
-        tokens = max(1, sum(b.num_trained_tokens for b in batches))
+        tokens = self._objective.normalizer(batches)
         total = torch.zeros((), device=self._device)
+        sums: dict = {}
+
+        def add(out, keep: bool = True) -> None:
+            nonlocal total
+            loss = out.loss.detach()
+            total += loss if keep else 0 * loss
+            for k, v in out.metrics.items():
+                v = v.detach() if keep else 0 * v.detach()
+                sums[k] = sums[k] + v if k in sums else v
+
         with evaluation.side_effect_free(self._model):
             if self._fsdp:
                 # Every forward gathers each layer from all ranks: every rank runs as many
@@ -1442,18 +1454,18 @@ class TrainingSession:
                 rounds = math.ceil(len(batches) / dist.world_size) * dist.world_size
                 for k in range(dist.rank, rounds, dist.world_size):
                     on_device = batches[k if k < len(batches) else 0].to(self._device)
-                    loss = self._ddp(on_device, tokens).detach()
-                    total += loss if k < len(batches) else 0 * loss
+                    add(self._ddp(on_device, tokens), k < len(batches))
                     on_device.info.free()
             for k, batch in enumerate(batches):
                 if self._fsdp or (dist.enabled and k % dist.world_size != dist.rank):
                     continue
                 on_device = batch.to(self._device)
-                total += self._loss(self._model, on_device, tokens).detach()
+                add(self._loss(self._model, on_device, tokens))
                 on_device.info.free()
-            total = dist.sum(total) if dist.enabled else total
+            if dist.enabled:
+                total, sums = dist.sum(total), {k: dist.sum(v) for k, v in sums.items()}
             loss = float(total)
-        return loss, tokens
+        return loss, tokens, self._objective.eval_metrics({k: float(v) for k, v in sums.items()})
 
     def _evaluate(self, step: int) -> bool:
         """The eval loss after `step` (EvalMetrics); a new best gets a checkpoint and best.json.
@@ -1461,7 +1473,7 @@ class TrainingSession:
         from engine.train import evaluation
 
         t0 = time.perf_counter()
-        loss, tokens = self._eval_loss()
+        loss, tokens, metrics = self._eval_loss()
         seconds = time.perf_counter() - t0
         best = self._best
         if evaluation.best_improved(loss, best["eval_loss"] if best else None):
@@ -1485,6 +1497,7 @@ class TrainingSession:
                 best.get("checkpoint"),
                 self._bad_evals,
                 stop,
+                metrics,
             )
         )
         if self._loggers is not None:

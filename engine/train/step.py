@@ -156,16 +156,9 @@ def _decoder_and_head(model):
     return base, base.get_decoder(), base.get_output_embeddings()
 
 
-def forward_loss(
-    model,
-    batch: PackedBatch,
-    normalizer: float,
-    fused_ce: bool = True,
-    cached_metadata: bool = True,
-    ce_chunk_tokens: int | None = None,
-    offloader=None,
-) -> torch.Tensor:
-    """sum(token losses over trained targets) / normalizer for one micro-batch.
+def decoder_hidden(model, batch: PackedBatch, cached_metadata: bool = True, offloader=None):
+    """(the transformers model, the decoder's last hidden states as [tokens, hidden], the output
+    head) for one packed micro-batch: the part of every objective's forward before its loss.
 
     `model`: the model, or the PreparedModel prepare_model returned (whose offloader is then
     used). `offloader`: the ActivationOffloader installed in the model, if any; it chooses
@@ -194,7 +187,22 @@ def forward_loss(
         ids = kwargs.pop("input_ids")
         kwargs["inputs_embeds"] = hosted(batch.host_ids if batch.host_ids is not None else ids)
     hidden = decoder(**kwargs, use_cache=False).last_hidden_state
-    hidden = hidden.reshape(-1, hidden.shape[-1])
+    return base, hidden.reshape(-1, hidden.shape[-1]), head
+
+
+def forward_loss(
+    model,
+    batch: PackedBatch,
+    normalizer: float,
+    fused_ce: bool = True,
+    cached_metadata: bool = True,
+    ce_chunk_tokens: int | None = None,
+    offloader=None,
+) -> torch.Tensor:
+    """sum(token losses over trained targets) / normalizer for one micro-batch (SFT's loss).
+
+    `model`, `offloader`: as for decoder_hidden."""
+    base, hidden, head = decoder_hidden(model, batch, cached_metadata, offloader)
     targets = batch.targets.reshape(-1)
     softcap = getattr(base.config, "final_logit_softcapping", None)
     from engine.fastpath.host_head import HostHead, streamed_linear_cross_entropy
