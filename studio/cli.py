@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
         from studio.doctor import main as doctor_main
 
         return doctor_main(argv[1:])
+    if argv[0] in ("install-desktop", "uninstall-desktop"):  # the launcher and the menu entry
+        from studio.desktop_entry import main as desktop_main
+
+        return desktop_main(argv)
     from engine.api import cli_main
 
     return cli_main(argv)
