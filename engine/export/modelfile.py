@@ -28,6 +28,7 @@ written templates with Go's real text/template (render_modelfile.go) against the
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ def _after_think(text: str) -> str:
 CONTENT_RULES: dict[str, Callable[[str], str]] = {
     "keep": lambda s: s,
     "trim": lambda s: s.strip(_WS),
+    "rstrip": lambda s: s.rstrip(_WS),
     "lstrip_newlines": lambda s: s.lstrip("\n"),
     "answer_only": _after_think,
     "answer_only_lstrip_newlines": lambda s: _after_think(s).lstrip("\n") if _THINK_END in s else s,
@@ -95,6 +97,7 @@ _DEFINES = {
 _GO_RULES = {  # rule -> (Go expression of a string value X, define blocks it needs)
     "keep": ("{{ X }}", ()),
     "trim": ('{{ template "ts_trim" X }}', ("ts_rtrim", "ts_trim")),
+    "rstrip": ('{{ template "ts_rtrim" X }}', ("ts_rtrim",)),
     "lstrip_newlines": ('{{ template "ts_lstrip_nl" X }}', ("ts_lstrip_nl",)),
     "answer_only": ('{{ template "ts_answer" X }}', ("ts_answer",)),
     "answer_only_lstrip_newlines": ('{{ template "ts_answer_nl" X }}', ("ts_answer_nl", "ts_nl")),
@@ -223,14 +226,16 @@ class _NoShape(ValueError):
 
 
 def _tail_after(tokenizer, text: str, follow: str) -> str:
-    """The end of a turn: `text` (rendered without a generation prompt, after the marker), less
-    an EOS some templates add at the very end, when the next piece starts with it."""
+    """The end of a turn: `text` (what a template renders after the last message when it adds no
+    generation prompt) where the next turn (`follow`) starts with it, else without the EOS some
+    templates add at the very end, else (a template that always adds a generation prompt) the
+    part `follow` shares with it."""
     eos = tokenizer.eos_token or ""
     if follow.startswith(text):
         return text
     if eos and text.endswith(eos) and follow.startswith(text[: -len(eos)]):
         return text[: -len(eos)]
-    raise _NoShape("a turn ends differently depending on what follows it")
+    return os.path.commonprefix([text, follow])
 
 
 def read_shape(tokenizer) -> Shape:
@@ -266,35 +271,32 @@ def read_shape(tokenizer) -> Shape:
 def _read_system(tokenizer, s: Shape) -> None:
     try:
         text = _render(tokenizer, _msgs("system", "user"))
-        two = _split(text, 2)
-        four = _split(_render(tokenizer, _msgs("system", "user", "assistant", "user")), 4)
+        text4 = _render(tokenizer, _msgs("system", "user", "assistant", "user"))
     except Exception:  # templates that refuse a system message (Gemma-2) raise on purpose
         s.system = "none"
         return
     if _MARK.format(0) not in text:
         s.system = "none"  # the template drops it
         return
-    if two is None or four is None:
-        raise _NoShape("the template drops the system message or renders it more than once")
+    two = _split(text, 2)
+    at = [text4.find(_MARK.format(i)) if text4.count(_MARK.format(i)) == 1 else -1 for i in range(4)]
+    if two is None or -1 in at:
+        raise _NoShape("the template renders the system message more than once")
     lead = s.bos + s.no_system + s.user[0]
     if two[0].startswith(s.bos) and two[1].endswith(s.user[0]) and not two[0].startswith(lead):
         s.system = "turn"
         s.system_parts = (two[0][len(s.bos) :], two[1][: len(two[1]) - len(s.user[0])])
         return
-    # Folded into a user turn: into the first one when it comes before that turn's content.
-    if four[0].startswith(lead):
-        s.system, s.system_parts = "first_user", (four[0][len(lead) :], four[1])
+    end = [a + len(_MARK.format(i)) for i, a in enumerate(at)]
+    # Folded into the first user turn, before its content (Gemma-3, Mistral v1).
+    if at == sorted(at) and text4[: at[0]].startswith(lead):
+        s.system, s.system_parts = "first_user", (text4[len(lead) : at[0]], text4[end[0] : at[1]])
         return
-    # Mistral v3: into the last user turn ([INST] system\n\nquestion[/INST]).
-    text = _render(tokenizer, _msgs("system", "user", "assistant", "user"))
-    order = [text.find(_MARK.format(i)) for i in range(4)]
-    if order[3] > order[0] > order[2]:
-        between = text[order[2] + len(_MARK.format(2)) : order[0]]
-        head = s.assistant[1] + s.user[0]
-        tail = text[order[0] + len(_MARK.format(0)) : order[3]]
-        if between.startswith(head):
-            s.system, s.system_parts = "last_user", (between[len(head) :], tail)
-            return
+    # Folded into the last user turn (Mistral v3: [INST] system\n\nquestion[/INST]).
+    head = s.assistant[1] + s.user[0]
+    if at[2] < at[0] < at[3] and text4[end[2] : at[0]].startswith(head):
+        s.system, s.system_parts = "last_user", (text4[end[2] + len(head) : at[0]], text4[end[0] : at[3]])
+        return
     raise _NoShape("the template puts the system message somewhere this translation does not handle")
 
 
