@@ -22,6 +22,10 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
 - ``attention:<backend>``: packed attention calls by backend (varlen_triton, torch_flash,
   flash_attn, reference) and ``attention:dense``, the dense path of the packed attention
   function for a KV cache or an explicit mask.
+- ``nf4_dequant:<path>`` / ``nf4_matmul:<path>``: a 4-bit (NF4) base weight decoded whole
+  (Triton kernel or torch reference), or multiplied with the weight decoded inside the matmul
+  (``nf4_matmul:triton``) or by dequantize + torch matmul (``nf4_matmul:torch``); on CUDA a
+  product that could not use the kernel is also a ``fallback:nf4_matmul: <reason>``.
 - ``fallback:<module kind>: <reason>``: a patched module took the stock path at run time
   (autocast on, a KV cache, adapters disabled, ...). Created on first use; reset removes them.
 """
@@ -54,6 +58,10 @@ CALL_KEYS = (
     "attention:dense",
     "moe:grouped_mm",
     "moe:loop",
+    "nf4_dequant:triton",
+    "nf4_dequant:torch",
+    "nf4_matmul:triton",
+    "nf4_matmul:torch",
 )
 
 FALLBACK = "fallback:"

@@ -93,6 +93,10 @@ HELP = {
         "Run each MLP over tiles of tokens, so long rows need far less memory (one more MLP forward "
         "per step). auto: when the card runs short."
     ),
+    "fast_paths.nf4_matmul": (
+        "QLoRA: read the 4-bit base inside each matmul instead of unpacking a full 16-bit copy of "
+        "every weight first. auto: on NVIDIA GPUs."
+    ),
     "fast_paths.ce_chunk_tokens": "Tokens per chunk in the fused cross-entropy. auto: by vocabulary size.",
     "output.dir": "Folder where run folders are created.",
     "output.run_name": "Name of this run's folder; auto uses a timestamp.",

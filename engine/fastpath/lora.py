@@ -11,9 +11,10 @@ every intermediate. Here one `torch.autograd.Function` covers a group of project
   [N, r] products); the activation output is recomputed in backward instead of saved.
 
 Products are bracketed so ``A B`` ([out, in]) is never formed. Gradients flow to x, A and B
-only; the base weight is read through `base_weight(layer, dtype)`, the single place where a
-4-bit (QLoRA) base is dequantized (engine.fastpath.quant): once in forward and once more in
-backward for dx, each copy dropped right after its matmul, never saved for backward.
+only; the base weight is read through `base_operand` / `base_mm` (engine.fastpath.lora_group):
+an NF4 (QLoRA) base is decoded inside the matmul by the fused NF4 kernel on CUDA, and
+elsewhere dequantized once in forward and once more in backward for dx, each copy dropped
+right after its matmul, never saved for backward.
 
 What a projection is made of, whether it can fuse, and the per-step cache of its adapter
 weights (`LoRAParts`, `LoRAGroup`, the adapter generation) live in engine.fastpath.lora_group;
@@ -37,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.counters import COUNTERS
-from engine.fastpath.lora_group import LoRAGroup, as_group, base_linear, base_weight, lora_linear_out
+from engine.fastpath.lora_group import LoRAGroup, as_group, base_linear, base_mm, base_operand, lora_linear_out
 from engine.kernels import activations as K
 
 # -- the math shared by the Functions (plain tensors, no autograd) ----------------------------
@@ -58,16 +59,15 @@ def _group_forward(x, group: LoRAGroup, w):
     ys, col = [], 0
     for base, B, r in zip(group.bases, bs, group.ranks):
         if B is None:
-            ys.append(base_linear(x, base))
+            ys.append(base_linear(x, base, group.nf4))
             continue
-        ys.append(lora_linear_out(x, xa[:, col : col + r], B, base))
+        ys.append(lora_linear_out(x, xa[:, col : col + r], B, base, group.nf4))
         col += r
     return ys, xa
 
 
 def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab: Sequence[bool]):
     """Gradients for a projection group: (dx or None, [dA_1, dB_1, ...] with None where unneeded)."""
-    dtype = x.dtype
     a_all, bs, _ = w
     dx = None
     g_parts = []  # dy_i (s_i B_i), stacked to [N, R] to pair with the stacked A
@@ -88,8 +88,8 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
         # The rank-R term first; every base GEMM then adds onto dx (see lora_linear_out).
         dx = None if g is None else torch.mm(g, a_all)
         for dy, base in zip(dys, group.bases):
-            wt = base_weight(base, dtype)
-            dx = torch.mm(dy, wt) if dx is None else dx.addmm_(dy, wt)
+            wt = base_operand(base, dy, False, group.nf4)
+            dx = base_mm(dy, wt, False) if dx is None else base_mm(dy, wt, False, out=dx, accumulate=True)
             del wt  # a dequantized 4-bit weight goes before the next one is made
     if g is not None:
         if any(need_ab[0::2]):
@@ -157,17 +157,18 @@ def _down_forward(gate, up, act, down: LoRAGroup, w_out):
         h = act.forward_raw(gate, up)
         (y,), ha = _group_forward(h, down, w_out)
         return y, ha
-    W = base_weight(base, gate.dtype)  # one dequantization (4-bit) for all slices
-    y = torch.empty((n, W.shape[0]), dtype=gate.dtype, device=gate.device)
+    # One operand for all slices: a 4-bit base is dequantized once, or read packed by the NF4 kernel.
+    W = base_operand(base, gate, True, down.nf4)
+    y = torch.empty((n, base.out_features), dtype=gate.dtype, device=gate.device)
     ha = None if a_all is None else torch.empty((n, a_all.shape[0]), dtype=gate.dtype, device=gate.device)
     for s, e in slices:
         h = act.forward_raw(gate[s:e], up[s:e])
         if ha is None:
-            torch.mm(h, W.t(), out=y[s:e])
+            base_mm(h, W, out=y[s:e])
         else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
             torch.mm(h, a_all.t(), out=ha[s:e])
             torch.mm(ha[s:e], B.t(), out=y[s:e])
-            y[s:e].addmm_(h, W.t())
+            base_mm(h, W, out=y[s:e], accumulate=True)
         del h
     if base.bias is not None:
         y += base.bias.to(y.dtype)
@@ -182,10 +183,9 @@ def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
     """
     a_all, (B,), _ = w_out
     base = down.bases[0]
-    dtype = gate.dtype
     n = gate.shape[0]
     slices = _row_slices(n, gate.shape[1], gate.element_size())
-    W = base_weight(base, dtype)
+    W = base_operand(base, dy, False, down.nf4)
     dab: list[Optional[torch.Tensor]] = [None, None]
     g = None
     if B is not None:
@@ -201,9 +201,9 @@ def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
             da = part if da is None else (da.float() if da.dtype != torch.float32 else da).add_(part)
         del h
         if g is None:
-            dh = torch.mm(dy[s:e], W)
+            dh = base_mm(dy[s:e], W, False)
         else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
-            dh = torch.mm(g[s:e], a_all).addmm_(dy[s:e], W)
+            dh = base_mm(dy[s:e], W, False, out=torch.mm(g[s:e], a_all), accumulate=True)
         dgate, dup = act_grad(dh)
         del dh
         if dgate.data_ptr() != gate[s:e].data_ptr():  # the torch fallback returns new tensors

@@ -2,8 +2,9 @@
 
 The fused LoRA Functions (engine.fastpath.lora) work on plain tensors; this module gives them:
 
-- base access: `base_weight` / `base_dtype` / `base_linear` / `lora_linear_out`, the single
-  place where a 4-bit (QLoRA) base is dequantized (engine.fastpath.quant);
+- base access: `base_weight` / `base_dtype` / `base_linear` / `lora_linear_out`, and
+  `base_operand` / `base_mm` (an NF4 base read by the fused NF4 matmul, never dequantized whole),
+  the single place where a 4-bit (QLoRA) base plugs in (engine.fastpath.quant);
 - `lora_unsupported_reason` / `lora_parts` / `runtime_ok`: whether a projection can take the
   fused path (at patch time, then per call), and its split into a frozen base and the active
   adapter's A/B;
@@ -58,9 +59,36 @@ def _bias(layer: nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:
     return bias if bias is None or bias.dtype == dtype else bias.to(dtype)
 
 
-def base_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+def base_operand(layer: nn.Module, a: torch.Tensor, transpose: bool = True, nf4: str = "auto"):
+    """What `base_mm` multiplies `a` with: the packed weight of an NF4 base when the fused NF4
+    matmul runs it (engine.fastpath.quant.nf4_operand: `nf4` "auto" on CUDA, "triton" on any
+    device, "off" never), else the dense weight (`base_weight`)."""
+    if quant.is_4bit(layer):
+        w = quant.nf4_operand(layer, a, transpose, nf4)
+        if w is not None:
+            return w
+    return base_weight(layer, a.dtype)
+
+
+def base_mm(a: torch.Tensor, w, transpose: bool = True, out=None, accumulate: bool = False) -> torch.Tensor:
+    """a @ W^T (transpose) or a @ W for a `base_operand`; into `out`, added onto it when `accumulate`."""
+    if quant.is_nf4_operand(w):
+        return quant.nf4_mm(a, w, transpose, out, accumulate)
+    b = w.t() if transpose else w
+    if out is None:
+        return torch.mm(a, b)
+    return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+
+
+def base_linear(x: torch.Tensor, layer: nn.Module, nf4: str = "auto") -> torch.Tensor:
     """x @ W^T + b with the frozen base layer (no autograd: called inside Functions)."""
-    return F.linear(x, base_weight(layer, x.dtype), _bias(layer, x.dtype))
+    w = base_operand(layer, x, True, nf4)
+    bias = _bias(layer, x.dtype)
+    if not quant.is_nf4_operand(w):
+        return F.linear(x, w, bias)
+    if bias is None:
+        return base_mm(x, w)
+    return base_mm(x, w, out=bias.expand(x.shape[0], -1).contiguous(), accumulate=True)
 
 
 # Order of the two matmuls of a LoRA projection, y = x W^T + (x A^T)(s B)^T, and of its input
@@ -70,11 +98,13 @@ def base_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 # this way the only extra traffic is the GEMM epilogue's read of C, which overlaps its math.
 
 
-def lora_linear_out(x: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+def lora_linear_out(
+    x: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, layer: nn.Module, nf4: str = "auto"
+) -> torch.Tensor:
     """x @ W^T + b + xa @ B^T (B already scaled)."""
     bias = _bias(layer, x.dtype)
     y = torch.mm(xa, B.t()) if bias is None else torch.addmm(bias, xa, B.t())
-    return y.addmm_(x, base_weight(layer, x.dtype).t())
+    return base_mm(x, base_operand(layer, x, True, nf4), out=y, accumulate=True)
 
 
 # -- what a projection is made of --------------------------------------------------------------
@@ -241,13 +271,14 @@ class LoRAGroup:
     with its forward.
     """
 
-    __slots__ = ("parts", "bases", "scales", "ranks", "_lora", "_key", "_value")
+    __slots__ = ("parts", "bases", "scales", "ranks", "nf4", "_lora", "_key", "_value")
 
-    def __init__(self, parts: Sequence[LoRAParts]):
+    def __init__(self, parts: Sequence[LoRAParts], nf4: str = "auto"):
         self.parts = tuple(parts)
         self.bases = tuple(p.base for p in self.parts)
         self.scales = tuple(p.scale for p in self.parts)
         # (lora_A module, lora_B module) per projection, None where it has no LoRA; `.weight`
+        self.nf4 = nf4  # how NF4 bases are multiplied: see base_operand
         # is read per call, so a replaced Parameter is picked up.
         self._lora = tuple(
             None if p.adapter is None else (p.layer.lora_A[p.adapter], p.layer.lora_B[p.adapter]) for p in self.parts

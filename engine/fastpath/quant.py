@@ -1,11 +1,17 @@
-"""4-bit bitsandbytes base layers (QLoRA) for the fused LoRA path: recognise, check, dequantize.
+"""4-bit bitsandbytes base layers (QLoRA) for the fused LoRA path: recognise, check, multiply.
 
-The fused LoRA Functions (engine.fastpath.lora) read every frozen base weight through
-`base_weight` (engine.fastpath.lora_group); for a bitsandbytes `Linear4bit` (NF4 or FP4) that
-calls `dequantize` here, which returns a fresh dense [out, in] copy in the compute dtype. The
-caller uses it for one matmul and drops it, in forward and again in backward (dx = dy W), as
-bitsandbytes' own matmul does: nothing dequantized is saved for backward or outlives the call,
-so the 4-bit memory saving holds and only one layer's dense weight exists at a time.
+The fused LoRA Functions (engine.fastpath.lora) multiply by every frozen base weight through
+`base_operand` / `base_mm` (engine.fastpath.lora_group). For an NF4 base on CUDA, `nf4_operand`
+here hands them the packed weight itself, and `nf4_mm` runs engine.kernels.nf4_matmul, which
+decodes W tile by tile inside the matmul (x W^T in forward, dy W in backward): no dense copy of
+the weight is written. Where that kernel does not apply (FP4, a shape it cannot tile, a
+machine without Triton) the product falls back to `dequantize`, counted with its reason
+(``fallback:nf4_matmul: <reason>``); on a CPU dequantize + matmul is simply the path.
+
+`dequantize` returns a fresh dense [out, in] copy in the compute dtype. The caller uses it for
+one matmul and drops it, in forward and again in backward (dx = dy W), as bitsandbytes' own
+matmul does: nothing dequantized is saved for backward or outlives the call, so the 4-bit
+memory saving holds and only one layer's dense weight exists at a time.
 
 bitsandbytes and PEFT's bnb LoRA layers are looked up in `sys.modules` instead of imported: a
 model can only hold their layers once they are imported, and dense models stay free of the
@@ -19,6 +25,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from engine.counters import count_fallback
 
 QUANT_TYPES = ("nf4", "fp4")  # what bitsandbytes' dequantize_4bit decodes
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -83,3 +91,44 @@ def dequantize(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     # transposed calling convention); the canonical one-column layout always gives [out, in].
     dense = dequantize_4bit(weight.data.reshape(-1, 1), weight.quant_state)
     return dense if dense.dtype == dtype else dense.to(dtype)
+
+
+# -- the fused NF4 matmul (engine.kernels.nf4_matmul) ---------------------------------------------
+
+NF4_MODES = ("auto", "triton", "off")  # auto: the kernel on CUDA; triton: on any device (tests)
+
+
+def nf4_operand(layer: nn.Module, a: torch.Tensor, transpose: bool, mode: str = "auto"):
+    """The packed weight of a 4-bit `layer` for the fused NF4 matmul of `a` (an NF4Weight), or
+    None when the product dequantizes instead: `mode` "off", "auto" off CUDA, or a reason the
+    kernel does not apply, which is counted as a fallback."""
+    if mode == "off" or (mode == "auto" and not a.is_cuda):
+        return None
+    from engine.kernels.nf4_dequant import NF4Weight
+    from engine.kernels.nf4_matmul import nf4_matmul_supported
+
+    weight = layer.weight
+    state = weight.quant_state
+    if state.quant_type != "nf4":
+        reason = f"4-bit quant type {state.quant_type!r}; the kernel decodes nf4"
+    elif len(state.shape) != 2:
+        reason = f"4-bit weight of shape {tuple(state.shape)}, not 2-D"
+    else:
+        w = NF4Weight.from_bnb(weight.data, state)
+        reason = nf4_matmul_supported(w, a, transpose)
+        if reason is None:
+            return w
+    count_fallback("nf4_matmul", reason)
+    return None
+
+
+def is_nf4_operand(w) -> bool:
+    """Whether `w` (from nf4_operand or a dense weight) is a packed NF4 weight."""
+    return not isinstance(w, torch.Tensor)
+
+
+def nf4_mm(a: torch.Tensor, w, transpose: bool = True, out=None, accumulate: bool = False) -> torch.Tensor:
+    """a @ W^T (transpose) or a @ W with W decoded inside the kernel (an nf4_operand's W)."""
+    from engine.kernels.nf4_matmul import nf4_matmul_triton
+
+    return nf4_matmul_triton(a, w, transpose, out, accumulate)

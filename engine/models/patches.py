@@ -442,6 +442,8 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
 
     kernels_off = _switch(getattr(fast, "kernels", "auto"), "kernels", device)
     lora_off = _switch(getattr(fast, "lora_autograd", "auto"), "lora_autograd", device)
+    # NF4 bases: decoded inside the matmul (engine.kernels.nf4_matmul) unless switched off.
+    nf4 = "off" if getattr(fast, "nf4_matmul", "auto") is False else "auto"
     k = _Kernels.load(kernel_impl) if kernels_off is None else _Kernels(kernel_impl)
     kernel_off = {
         "rmsnorm": kernels_off or (k.missing.get("rmsnorm") if k.rms_norm is None else None),
@@ -474,8 +476,8 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
             if fused or act_reason is None:
                 groups = (
                     (
-                        LoRAGroup([lora_parts(module.gate_proj), lora_parts(module.up_proj)]),
-                        LoRAGroup([lora_parts(module.down_proj)]),
+                        LoRAGroup([lora_parts(module.gate_proj), lora_parts(module.up_proj)], nf4),
+                        LoRAGroup([lora_parts(module.down_proj)], nf4),
                     )
                     if fused
                     else None
@@ -503,10 +505,10 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     eager=eager,
                     attn_kwargs=arch.attn_kwargs,
                     qk_norm=arch.qk_norm,
-                    qkv=LoRAGroup([lora_parts(m) for m in (module.q_proj, module.k_proj, module.v_proj)])
+                    qkv=LoRAGroup([lora_parts(m) for m in (module.q_proj, module.k_proj, module.v_proj)], nf4)
                     if qkv_reason is None
                     else None,
-                    o=LoRAGroup([lora_parts(module.o_proj)]) if o_reason is None else None,
+                    o=LoRAGroup([lora_parts(module.o_proj)], nf4) if o_reason is None else None,
                     rope=k.apply_rope if rope_reason is None else None,
                     rope_always_inplace=kernel_impl == "triton",
                 )
