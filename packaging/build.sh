@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
-# Build a desktop bundle with PyInstaller (one folder, with the demo resources inside) and
-# install the .desktop entry for the current user. Run from a checkout with Tunesmith installed.
+# Build the one-folder desktop bundle (PyInstaller, packaging/tunesmith.spec) into build/bundle/tunesmith/ from
+# the project's own environment (.venv, made or reused by scripts/install.sh), with the torch that environment
+# holds (the CPU build on a machine without an NVIDIA GPU). Then check it away from the checkout with:
+#   bash packaging/check-bundle.sh build/bundle/tunesmith docs/bundle-check-log.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q pyinstaller
-python3 -m PyInstaller --noconfirm --name tunesmith --windowed \
-  --add-data "resources:resources" --add-data "studio/style.qss:studio" \
-  --collect-submodules engine --collect-submodules studio \
-  studio/cli.py
-install -Dm644 packaging/tunesmith.desktop "$HOME/.local/share/applications/tunesmith.desktop"
-echo "bundle in dist/tunesmith/; desktop entry installed"
+TUNESMITH_GGUF=${TUNESMITH_GGUF:-0} bash scripts/install.sh
+if [ -x .venv/Scripts/python.exe ]; then VPY=.venv/Scripts/python.exe; else VPY=.venv/bin/python; fi
+# Pinned: a bundle that builds today builds the same way next month.
+"$VPY" -m pip install --disable-pip-version-check -q "pyinstaller==6.22.3"
+"$VPY" -m PyInstaller --noconfirm --log-level WARN --distpath build/bundle --workpath build/bundle-work \
+  packaging/tunesmith.spec
+OUT=build/bundle/tunesmith
+{
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- engine studio \
+    resources packaging 2>/dev/null || echo ' (with uncommitted changes)')"
+  echo "built: $(date -u '+%Y-%m-%d %H:%M UTC') on $(uname -sm)"
+  echo "torch: $("$VPY" -c 'import torch; print(torch.__version__)'), Python $("$VPY" -c 'import platform; print(platform.python_version())'), PyInstaller 6.22.3"
+  echo "size: $(du -sh "$OUT" | cut -f1) in $(find "$OUT" -type f | wc -l) files"
+} >"$OUT/BUILD_INFO.txt"
+cat "$OUT/BUILD_INFO.txt"
+echo "bundle in $OUT/ (its program: $OUT/tunesmith)"
