@@ -289,7 +289,7 @@ def test_runtime_fallbacks_and_removal():
         apply_fast_paths(model, FastPathConfig(), CPU)
         apply_fast_paths(model, FastPathConfig(), CPU)  # again: replaces, never stacks
         torch.testing.assert_close(model(input_ids=ids, position_ids=pos).logits, ref, rtol=1e-5, atol=1e-5)
-        with model.disable_adapter():  # per-call check sends this to the stock path
+        with model.disable_adapter():  # the fused path with the LoRA term left out
             got = model(input_ids=ids, position_ids=pos).logits
         torch.testing.assert_close(got, ref_base, rtol=1e-5, atol=1e-5)
         cache = model(input_ids=ids[:, :9], use_cache=True)

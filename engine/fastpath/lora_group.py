@@ -207,21 +207,24 @@ def lora_parts(layer: nn.Module) -> LoRAParts:
 def runtime_ok(parts: Sequence[LoRAParts], x: torch.Tensor) -> bool:
     """Per-call check that the state seen when patching still holds (cheap attribute reads).
 
-    Adapters can be disabled (PEFT's `disable_adapter()`), merged or switched after patching,
-    and autocast changes compute dtypes; in those cases the caller takes the stock path. The
-    activations must be in the dtype the stock base computes in (a 4-bit base's compute dtype),
-    so both paths round alike.
+    Adapters can be merged or switched after patching, and autocast changes compute dtypes; in
+    those cases the caller takes the stock path. Adapters disabled (PEFT's `disable_adapter()`:
+    the reference pass of DPO, KTO and GRPO) stay on the fused path with the LoRA term left out
+    (`LoRAGroup.weights`), as long as the whole group is disabled. The activations must be in
+    the dtype the stock base computes in (a 4-bit base's compute dtype), so both paths round alike.
     """
     if torch.is_autocast_enabled(x.device.type):
         return False
+    disabled = set()
     for p in parts:
         if base_dtype(p.base) != x.dtype:
             return False
         if p.adapter is not None:
             layer = p.layer
-            if layer.disable_adapters or layer.merged or layer.active_adapters != [p.adapter]:
+            if layer.merged or layer.active_adapters != [p.adapter]:
                 return False
-    return True
+            disabled.add(bool(layer.disable_adapters))
+    return len(disabled) <= 1  # a group half on, half off is left to the stock path
 
 
 # -- adapter generation: what invalidates the cached adapter weights ----------------------------
@@ -304,7 +307,11 @@ class LoRAGroup:
         """(A_all [R, in], (s_1 B_1, s_2 B_2, ...)) in `dtype`, built once per weight update.
 
         A_all is None when no projection has LoRA; B entries are None where one has none.
+        With the adapters disabled (the reference pass) every entry is None: the base alone,
+        and the cached adapter weights stay for the next pass with them on.
         """
+        if any(m is not None and p.layer.disable_adapters for m, p in zip(self._lora, self.parts)):
+            return None, (None,) * len(self.parts), ()
         key = [dtype, _GENERATION[0]]
         for t in ab:
             if t is not None:
