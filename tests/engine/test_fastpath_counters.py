@@ -208,7 +208,8 @@ def test_autocast_falls_back_with_its_reason():
         assert missing[path] == f"did not run: autocast ({LAYERS}x)", missing
 
 
-def test_disabled_adapter_falls_back_per_projection():
+def test_disabled_adapter_stays_on_the_fused_path():
+    # The reference pass of DPO/KTO/GRPO: the fused Functions run the base alone, nothing falls back.
     model = tiny()
     report = prepare_model(model, ON, CPU, gradient_checkpointing=False).report
     model.eval()
@@ -217,11 +218,9 @@ def test_disabled_adapter_falls_back_per_projection():
     with torch.no_grad(), model.disable_adapter():
         forward_loss(model, b, b.num_trained_tokens)
     calls, fallbacks = split_counts(reset_counters())
-    assert fallbacks == {f"{k}: adapters disabled": LAYERS for k in ("lora_qkv", "lora_o", "lora_mlp")}
-    # The kernels still ran around the stock projections.
-    assert calls["activations:torch"] == LAYERS and calls["rope:torch"] == LAYERS
-    missing = requested_but_not_run(report, calls, fallbacks, "cpu")
-    assert set(missing) == {"lora_qkv", "lora_o", "lora_mlp"}
+    assert fallbacks == {}
+    assert calls["lora_linears"] == 2 * LAYERS and calls["lora_mlp"] == LAYERS
+    assert requested_but_not_run(report, calls, fallbacks, "cpu") == {}
 
 
 def test_kv_cache_generation_counts_the_stock_attention():
