@@ -40,6 +40,7 @@ from engine.data.preview import (
     packing_layout,
     render_example,
 )
+from engine.data.scan import PACKING_SAMPLE, Cancelled, packing_scan, xray_scan
 from engine.data.sources import DataError
 from engine.data.xray import KINDS as DATA_FINDINGS
 from engine.data.xray import XRay, xray
@@ -94,6 +95,7 @@ from engine.hardware.policy import apply_defaults, explain_defaults, format_prof
 
 # -- hardware profile and defaults -------------------------------------------------------------
 from engine.hardware.profile import HardwareProfile, detect
+from engine.hardware.threads import ThreadChoice, apply_cpu_threads
 from engine.hardware.vram import DeviceMemory, device_memory
 
 # -- estimates (from a model's config.json alone) ----------------------------------------------
@@ -241,6 +243,8 @@ __all__ = [
     # hardware
     "HardwareProfile",
     "detect",
+    "apply_cpu_threads",
+    "ThreadChoice",
     "apply_defaults",
     "resolve_defaults",
     "explain_defaults",
@@ -273,6 +277,10 @@ __all__ = [
     "packing_layout",
     "XRay",
     "xray",
+    "xray_scan",
+    "packing_scan",
+    "PACKING_SAMPLE",
+    "Cancelled",
     "DATA_FINDINGS",
     # export
     "EXPORTERS",

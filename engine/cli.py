@@ -66,8 +66,12 @@ def _print_json_event(event) -> None:
 
 def _train(config, output, resume, events_json: bool = False) -> int:
     from engine.api import TrainingSession
+    from engine.hardware.threads import apply_cpu_threads
 
     report = _print_json_event if events_json else _print_event
+    threads = apply_cpu_threads(config.training.device)
+    if threads is not None and os.environ.get("RANK", "0") == "0":  # rank 0 speaks for all
+        report(LogLine(message=f"torch uses {threads.reason}"))
     session = TrainingSession(config, report, run_dir=output, resume_from=resume)
 
     def on_sigint(signum, frame):

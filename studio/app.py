@@ -99,10 +99,20 @@ def main(argv=None) -> int:
     window.show()
     code = app.exec()
     reporter.uninstall()
-    from studio.tasks import pool
+    return finish(int(code))
 
-    pool().waitForDone(30000)
-    return int(code)
+
+def finish(code: int, grace_ms: int = 3000) -> int:
+    """Quit means the process ends within a few seconds, always: every background task is told to
+    stop; one that cannot be (a Hub lookup retrying offline, a model load) is left behind by ending
+    the process here, since the thread pools' destructors would otherwise wait for it."""
+    from studio import tasks
+
+    if tasks.shutdown(grace_ms):
+        return code
+    print("tunesmith: background work still running at quit was abandoned", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

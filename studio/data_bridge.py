@@ -3,12 +3,14 @@
 The page loads the model's tokenizer through `load_tokenizer` and hands it to `render_example`
 and `packing_layout`: the engine's data code receives a tokenizer and never loads one.
 
-One lock serialises tokenizer use: a fast tokenizer shared by two threads can fail with
-"Already borrowed" when one of them changes its truncation settings.
+One lock serialises use of the shared tokenizer: a fast tokenizer shared by two threads can fail
+with "Already borrowed" when one of them changes its truncation settings. The whole-file passes
+(packing, X-ray) work on a copy of their own, so the Example tab is never stuck behind them.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
@@ -40,11 +42,24 @@ def render_example(tokenizer, data: dict[str, Any], index: int):
         return api.render_example(tokenizer, data_config(data), index)
 
 
-def packing_layout(tokenizer, data: dict[str, Any]):
+def _own_copy(tokenizer):
+    """A tokenizer of the scan's own: a whole-file pass holding the shared one's lock for minutes
+    would keep the Example tab from rendering the row a person asks for."""
     with _tokenizer_lock:
-        return api.packing_layout(tokenizer, data_config(data))
+        return copy.deepcopy(tokenizer)
 
 
-def xray(tokenizer, data: dict[str, Any]):
-    with _tokenizer_lock:
-        return api.xray(data_config(data), tokenizer)
+def packing_layout(tokenizer, data: dict[str, Any], progress=None, cancelled=None):
+    """(layout of the first rows, the data set's row count): engine.api.packing_scan."""
+    return api.packing_scan(_own_copy(tokenizer), data_config(data), progress=_fraction(progress), cancelled=cancelled)
+
+
+def xray(tokenizer, data: dict[str, Any], progress=None, cancelled=None):
+    return api.xray_scan(data_config(data), _own_copy(tokenizer), progress=_fraction(progress), cancelled=cancelled)
+
+
+def _fraction(progress):
+    """The task's progress signal gets (rows done, rows in all)."""
+    if progress is None:
+        return None
+    return lambda done, total: progress((done, total))

@@ -65,9 +65,9 @@ def _warm_engine() -> float:
     milliseconds; done here, it never happens on the worker thread during a run, where it
     would freeze the window (the event loop stays under 50 ms during a run because of this).
     """
-    from engine.api import warm_up
+    from studio.warmup import ensure_warm
 
-    return warm_up()
+    return ensure_warm()
 
 
 class MainWindow(QMainWindow):
@@ -267,6 +267,7 @@ class MainWindow(QMainWindow):
         run_task(
             _detect_hardware,
             owner=self,
+            lane="hardware",
             on_done=self._hardware_ready,
             on_error=lambda m, _d: self.device_label.setText(f"Hardware detection failed: {m}"),
         )

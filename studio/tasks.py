@@ -2,26 +2,48 @@
 
 The shape borrowed from Orange3: heavy work (loading a data set, a tokenizer, a model,
 exporting) is an ordinary function; the window hands it to a thread pool and receives
-`done(result)` or `failed(message, detail)` on the GUI thread. Nothing here knows the engine.
+`done(result)` or `failed(message, detail)` on the GUI thread.
+
+Work runs in lanes, one thread each, so one slow job never holds up another kind: an X-ray of
+a 354k-row file must not keep the Model page at "(reading config…)" or Chat at "Loading…". A task
+started with a `key` supersedes the previous task of that key: a queued one is dropped, a running
+one is told to stop (a function that accepts `cancelled=` gets a callable to poll) and its answer,
+if it still comes, is thrown away. `shutdown()` does that for every task when the window quits.
+
+Until the engine's heavy imports are done (studio.warmup), tasks run one at a time whatever their
+lane: those libraries cannot be imported from two threads at once.
 """
 
 from __future__ import annotations
 
+import inspect
+import threading
 import traceback
 from typing import Any, Callable, Optional
 
 import shiboken6
 from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
 
+from studio import warmup
+
+# The lanes the window uses (any other name gets a lane of its own on first use).
+LANES = ("general", "hardware", "model", "data", "example", "xray", "chat", "runs", "export")
+
+
+class Cancelled(Exception):
+    """Raised by a task's own `cancelled()` check to end it early; reported as cancelled."""
+
 
 class _Signals(QObject):
     done = Signal(object)
     failed = Signal(str, str)
     progress = Signal(object)
+    cancelled = Signal()
 
 
 class Task(QRunnable):
-    """One call of `fn(*args, **kwargs)` on a pool thread; `fn` may accept `progress=`."""
+    """One call of `fn(*args, **kwargs)` on a pool thread; `fn` may accept `progress=` (a
+    callable it reports to) and `cancelled=` (a callable answering whether to stop)."""
 
     def __init__(self, fn: Callable, *args, with_progress: bool = False, **kwargs):
         super().__init__()
@@ -29,19 +51,47 @@ class Task(QRunnable):
         self.setAutoDelete(False)
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.with_progress = with_progress
+        self.stop_requested = threading.Event()
+        self.lane = "general"
+        self.key: Optional[str] = None
         # Created on the GUI thread, so slots connected to it run there (queued).
         self.signals = _Signals()
 
+    def cancel(self) -> None:
+        """Ask the task to stop; whatever it returns afterwards is dropped."""
+        self.stop_requested.set()
+
+    def is_cancelled(self) -> bool:
+        return self.stop_requested.is_set()
+
     def run(self) -> None:  # pool thread
+        if self.is_cancelled():
+            self._emit("cancelled")
+            return
+        if warmup.done.is_set():
+            self._call()
+        else:
+            with warmup.gate:
+                self._call()
+
+    def _call(self) -> None:
         try:
             kwargs = dict(self.kwargs)
             if self.with_progress:
-                kwargs["progress"] = lambda value: self._emit("progress", value)
+                kwargs["progress"] = lambda value: None if self.is_cancelled() else self._emit("progress", value)
+            if _accepts(self.fn, "cancelled"):
+                kwargs["cancelled"] = self.is_cancelled
             result = self.fn(*self.args, **kwargs)
         except BaseException as exc:  # report everything: the GUI thread decides what to show
-            self._emit("failed", readable_error(exc), traceback.format_exc())
+            if self.is_cancelled() or isinstance(exc, Cancelled) or type(exc).__name__ == "Cancelled":
+                self._emit("cancelled")
+            else:
+                self._emit("failed", readable_error(exc), traceback.format_exc())
         else:
-            self._emit("done", result)
+            if self.is_cancelled():
+                self._emit("cancelled")
+            else:
+                self._emit("done", result)
 
     def _emit(self, name: str, *args) -> None:
         """Emit unless the signals object is gone: a task still running when the application
@@ -53,24 +103,30 @@ class Task(QRunnable):
                 raise
 
 
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins and some callables have no signature
+        return False
+
+
 _running: set[Task] = set()
-_pool: Optional[QThreadPool] = None
+_by_key: dict[str, Task] = {}
+_pools: dict[str, QThreadPool] = {}
+_lock = threading.Lock()
 
 
-def pool() -> QThreadPool:
-    """One background thread, so tasks run one after another.
-
-    Serial on purpose: the first tasks import torch, transformers and datasets, and those
-    libraries are not safe to import from two threads at once (datasets probing a half-imported
-    transformers fails with "module 'transformers' has no attribute ..."). The training run
-    has its own thread (studio.worker) and never waits in this queue.
-    """
-    global _pool
-    if _pool is None:
-        _pool = QThreadPool()
-        _pool.setMaxThreadCount(1)
-        _pool.setObjectName("tunesmith-tasks")
-    return _pool
+def pool(lane: str = "general") -> QThreadPool:
+    """The lane's pool: one thread, so a lane's tasks run one after another (a data set's rows
+    before its example), while lanes run beside each other."""
+    with _lock:
+        p = _pools.get(lane)
+        if p is None:
+            p = QThreadPool()
+            p.setMaxThreadCount(1)
+            p.setObjectName(f"tunesmith-{lane}")
+            _pools[lane] = p
+        return p
 
 
 def _guarded(owner: Optional[QObject], fn: Optional[Callable]) -> Optional[Callable]:
@@ -86,6 +142,19 @@ def _guarded(owner: Optional[QObject], fn: Optional[Callable]) -> Optional[Calla
     return call
 
 
+def _unless_cancelled(task: Task, fn: Optional[Callable]) -> Optional[Callable]:
+    """A cancelled task's late answer is dropped on the GUI thread too (it may have been emitted
+    just before cancel() was called)."""
+    if fn is None:
+        return None
+
+    def call(*args):
+        if not task.is_cancelled():
+            fn(*args)
+
+    return call
+
+
 def run_task(
     fn: Callable,
     *args,
@@ -93,31 +162,86 @@ def run_task(
     on_done: Optional[Callable[[Any], None]] = None,
     on_error: Optional[Callable[[str, str], None]] = None,
     on_progress: Optional[Callable[[Any], None]] = None,
+    on_cancelled: Optional[Callable[[], None]] = None,
+    lane: str = "general",
+    key: Optional[str] = None,
     **kwargs,
 ) -> Task:
-    on_done, on_error, on_progress = (_guarded(owner, f) for f in (on_done, on_error, on_progress))
+    """Start `fn(*args, **kwargs)` in `lane`; with `key`, first cancel the previous task of that key."""
+    on_done, on_error, on_progress, on_cancelled = (
+        _guarded(owner, f) for f in (on_done, on_error, on_progress, on_cancelled)
+    )
     task = Task(fn, *args, with_progress=on_progress is not None, **kwargs)
+    task.lane, task.key = lane, key
+    if key is not None:
+        cancel(key)
+        _by_key[key] = task
     # Keep a strong reference until the result is delivered; otherwise Python may collect
     # the signals object while the pool thread still emits on it.
     _running.add(task)
 
-    def finish(_=None, *__):
+    def finish(*_):
         _running.discard(task)
+        if key is not None and _by_key.get(key) is task:
+            del _by_key[key]
 
-    if on_done:
-        task.signals.done.connect(on_done)
-    if on_error:
-        task.signals.failed.connect(on_error)
-    if on_progress:
-        task.signals.progress.connect(on_progress)
-    task.signals.done.connect(finish)
-    task.signals.failed.connect(finish)
-    pool().start(task)
+    for signal, slot in (
+        (task.signals.done, _unless_cancelled(task, on_done)),
+        (task.signals.failed, _unless_cancelled(task, on_error)),
+        (task.signals.progress, _unless_cancelled(task, on_progress)),
+        (task.signals.cancelled, on_cancelled),
+    ):
+        if slot is not None:
+            signal.connect(slot)
+    for signal in (task.signals.done, task.signals.failed, task.signals.cancelled):
+        signal.connect(finish)
+    pool(lane).start(task)
     return task
+
+
+def _drop(task: Task) -> None:
+    """Cancel `task`; one still queued leaves its pool at once and says so."""
+    task.cancel()
+    if pool(task.lane).tryTake(task):
+        task._emit("cancelled")
+
+
+def cancel(key: str) -> bool:
+    """Cancel the task started with `key`, if one is queued or running; True when there was one."""
+    task = _by_key.pop(key, None)
+    if task is None:
+        return False
+    _drop(task)
+    return True
+
+
+def pending(key: str) -> bool:
+    return key in _by_key
 
 
 def busy() -> bool:
     return bool(_running)
+
+
+def shutdown(timeout_ms: int = 3000) -> bool:
+    """The window is quitting: cancel every task and wait up to `timeout_ms` for the lanes to
+    empty. False when some task did not stop in time (the caller ends the process anyway)."""
+    for task in list(_running):
+        _drop(task)
+    _by_key.clear()
+    return wait_all(timeout_ms)
+
+
+def wait_all(timeout_ms: int = 60_000) -> bool:
+    """Wait for every lane to finish what it holds (tests, and shutdown)."""
+    import time
+
+    deadline = time.monotonic() + timeout_ms / 1000
+    for p in list(_pools.values()):
+        left = max(0, int((deadline - time.monotonic()) * 1000))
+        if not p.waitForDone(left):
+            return False
+    return True
 
 
 def readable_error(exc: BaseException) -> str:

@@ -43,7 +43,17 @@ class TrainingWorker(QObject):
     @Slot()
     def run(self) -> None:  # worker thread
         try:
-            from engine.api import TrainingSession
+            from studio.warmup import ensure_warm
+
+            # Train pressed a second after the window appeared must not import transformers
+            # beside the warm-up task ("cannot import name 'AutoTokenizer'"): wait for it, or do it.
+            ensure_warm()
+            from engine.api import LogLine, TrainingSession, apply_cpu_threads
+
+            # Sized per run, here where the run starts: on a CPU, one core stays with the window.
+            threads = apply_cpu_threads(self._config.training.device)
+            if threads is not None:
+                self.event.emit(LogLine(message=f"torch uses {threads.reason}"))
 
             # Emitting from this thread queues delivery to the GUI thread's receivers.
             session = TrainingSession(

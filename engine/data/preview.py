@@ -106,10 +106,11 @@ def render_example(tokenizer, cfg: DataConfig, index: int) -> RenderedExample:
     return RenderedExample(index, pieces, len(ids), sum(trained), truncated, fallback)
 
 
-def packing_layout(tokenizer, cfg: DataConfig) -> PackingLayout:
+def packing_layout(tokenizer, cfg: DataConfig, raw=None) -> PackingLayout:
+    """`raw`: the rows to pack (engine.data.scan passes a bounded, cancellable view of them)."""
     from engine.data.dataset import prepare_dataset
 
-    data = prepare_dataset(cfg, tokenizer, raw=_raw(cfg))
+    data = prepare_dataset(cfg, tokenizer, raw=_raw(cfg) if raw is None else raw)
     s = data.summary()
     rows = [[len(data.docs[d]) for d in row] for row in data.packing.rows]
     return PackingLayout(

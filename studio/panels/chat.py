@@ -156,7 +156,7 @@ class ChatPanel(QWidget):
             if then_generate:
                 self.generate()
 
-        run_task(chat_backend.load_chat_model, source, owner=self, on_done=done, on_error=self._failed)
+        run_task(chat_backend.load_chat_model, source, owner=self, lane="chat", on_done=done, on_error=self._failed)
 
     def generate(self) -> None:
         prompt = self.prompt.toPlainText().strip()
@@ -179,6 +179,7 @@ class ChatPanel(QWidget):
             self.max_tokens.value(),
             self.with_base.isChecked(),
             owner=self,
+            lane="chat",
             on_done=self._replied,
             on_error=self._failed,
         )
@@ -191,7 +192,15 @@ class ChatPanel(QWidget):
         self._set_busy(True, f"Step {self.probe_step} is answering…")
         self.tuned.setPlainText("…")
         self.base.setPlainText("(the base model is not loaded while talking to a paused run)")
-        run_task(self._probe, prompt, self.max_tokens.value(), owner=self, on_done=self._probed, on_error=self._failed)
+        run_task(
+            self._probe,
+            prompt,
+            self.max_tokens.value(),
+            owner=self,
+            lane="chat",
+            on_done=self._probed,
+            on_error=self._failed,
+        )
 
     def _probed(self, result) -> None:
         step, reply = result

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QHeaderView,
     QLabel,
     QLineEdit,
+    QProgressBar,
     QPushButton,
     QRadioButton,
     QSpinBox,
@@ -33,10 +34,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.api import DATA_FINDINGS
+from engine.api import DATA_FINDINGS, PACKING_SAMPLE
 from studio import data_bridge
 from studio.panels.common import Banner, caption, card, title
-from studio.tasks import run_task
+from studio.tasks import cancel, run_task
 from studio.widgets.column_mapping import ColumnMappingEditor
 from studio.widgets.data_xray import DataXRay
 from studio.widgets.packing_view import PackingView
@@ -192,7 +193,21 @@ class DataPanel(QWidget):
         self.xray_view = DataXRay()
         self.xray_view.row_chosen.connect(self._show_row)
         self.xray = None
-        self.tabs.addTab(self.xray_view, "X-ray")
+        # A whole-file check takes minutes on a big file: it says how far it is and can be stopped.
+        self.xray_progress = QProgressBar()
+        self.xray_progress.setFormat("%v / %m rows checked")
+        self.xray_cancel = QPushButton("Cancel X-ray")
+        self.xray_cancel.clicked.connect(self.cancel_xray)
+        xr = QWidget()
+        xr_lay = QVBoxLayout(xr)
+        xr_lay.setContentsMargins(0, 0, 0, 0)
+        row = QHBoxLayout()
+        row.addWidget(self.xray_progress, 1)
+        row.addWidget(self.xray_cancel)
+        xr_lay.addLayout(row)
+        xr_lay.addWidget(self.xray_view, 1)
+        self._xray_running(False)
+        self.tabs.addTab(xr, "X-ray")
 
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(self.tabs)
@@ -285,10 +300,16 @@ class DataPanel(QWidget):
         self.banner.clear()
         self.summary.setText(f"Loading {source}…")
         self.load_button.setEnabled(False)
+        # Whatever was still working on the previous data set stops: its answers are stale.
+        for key in ("data.packing", "data.xray", "data.example", "data.tokenizer"):
+            cancel(key)
+        self._xray_running(False)
         run_task(
             data_bridge.load_preview,
             dict(self.state.get("data")),
             owner=self,
+            lane="data",
+            key="data.preview",
             on_done=lambda p: self._preview_done(gen, p),
             on_error=lambda m, d: self._failed(gen, f"Cannot load the data set: {m}", d),
         )
@@ -408,6 +429,8 @@ class DataPanel(QWidget):
             data_bridge.load_tokenizer,
             model,
             owner=self,
+            lane="example",
+            key="data.tokenizer",
             on_done=done,
             on_error=lambda m, d: self._tokenizer_failed(gen, m),
         )
@@ -443,23 +466,58 @@ class DataPanel(QWidget):
             tok,
             dict(self.state.get("data")),
             owner=self,
-            on_done=lambda lay: self._packing_done(gen, lay),
+            lane="data",
+            key="data.packing",
+            on_done=lambda result: self._packing_done(gen, *result),
             on_error=lambda m, d: self._packing_failed(gen, m),
+            on_progress=lambda p: self._packing_progress(gen, *p),
         )
         self.xray_view.set_message("Checking every row…")
         self.tabs.setTabText(XRAY_TAB, "X-ray")
+        self._xray_running(True)
         run_task(
             data_bridge.xray,
             tok,
             dict(self.state.get("data")),
             owner=self,
+            lane="xray",
+            key="data.xray",
             on_done=lambda x: self._xray_done(gen, x),
             on_error=lambda m, d: self._xray_failed(gen, m),
+            on_progress=lambda p: self._xray_progress(gen, *p),
+            on_cancelled=lambda: self._xray_cancelled(gen),
         )
+
+    # -- the X-ray's progress and Cancel ------------------------------------------------------
+    def _xray_running(self, on: bool) -> None:
+        self.xray_progress.setVisible(on)
+        self.xray_cancel.setVisible(on)
+        if on:
+            self.xray_progress.setRange(0, 0)  # busy until the first batch reports
+
+    def _xray_progress(self, gen: int, done: int, total: int) -> None:
+        if gen == self._gen:
+            self.xray_progress.setRange(0, total)
+            self.xray_progress.setValue(done)
+            self.tabs.setTabText(XRAY_TAB, f"X-ray {100 * done // max(1, total)}%")
+
+    def cancel_xray(self) -> None:
+        cancel("data.xray")
+
+    def _xray_cancelled(self, gen: int) -> None:
+        if gen == self._gen:
+            self._xray_running(False)
+            self.tabs.setTabText(XRAY_TAB, "X-ray (cancelled)")
+            self.xray_view.set_message("The X-ray was cancelled. Load the data again to check every row.")
+
+    def _packing_progress(self, gen: int, done: int, total: int) -> None:
+        if gen == self._gen:
+            self.packing_stats.setText(f"Packing… {done:,} of {total:,} rows")
 
     def _xray_done(self, gen: int, x) -> None:
         if gen != self._gen:
             return
+        self._xray_running(False)
         self.xray = x
         n = self.xray_view.set_xray(x, DATA_FINDINGS)
         self.tabs.setTabText(XRAY_TAB, f"X-ray ({n:,})" if n else "X-ray ✓")
@@ -467,6 +525,7 @@ class DataPanel(QWidget):
 
     def _xray_failed(self, gen: int, message: str) -> None:
         if gen == self._gen:
+            self._xray_running(False)
             self.xray_view.set_message(f"Cannot check the rows: {message}")
 
     def _show_row(self, index: int) -> None:
@@ -488,6 +547,8 @@ class DataPanel(QWidget):
             dict(self.state.get("data")),
             int(index),
             owner=self,
+            lane="example",
+            key="data.example",
             on_done=lambda ex: self._example_done(gen, index, ex),
             on_error=lambda m, d: self._example_failed(gen, index, m),
         )
@@ -517,7 +578,7 @@ class DataPanel(QWidget):
             return
         self.mask_view.set_message(f"Row {index} cannot be rendered: {message}")
 
-    def _packing_done(self, gen: int, lay) -> None:
+    def _packing_done(self, gen: int, lay, total_rows: int = 0) -> None:
         if gen != self._gen:
             return
         self.layout_info = lay
@@ -537,6 +598,9 @@ class DataPanel(QWidget):
             v = _get(lay, key, f"num_{key}", default=None)
             if v:
                 parts.append(f"{int(v)} {label}")
+        if total_rows > PACKING_SAMPLE:
+            # A big file: the view packs a leading sample; the run packs every row.
+            parts.append(f"from the first {PACKING_SAMPLE:,} of {total_rows:,} rows")
         self.packing_stats.setText(" · ".join(parts))
         # Rows that cannot be trained on show up only once tokenized (empty replies, ...).
         skipped = list(_get(lay, "skipped", default=[]) or [])

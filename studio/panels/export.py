@@ -295,6 +295,7 @@ class ExportPanel(QWidget):
             kinds,
             options,
             owner=self,
+            lane="export",
             on_done=self._done,
             on_error=self._failed,
             on_progress=lambda msg: self.stage.setText(str(msg)),
@@ -400,6 +401,7 @@ class ExportPanel(QWidget):
         run_task(
             install_gguf_extra,
             owner=self,
+            lane="export",
             on_done=self._installed,
             on_error=self._install_failed,
             on_progress=lambda line: self.result.appendPlainText(str(line)),

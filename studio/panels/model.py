@@ -25,7 +25,7 @@ from studio import presets
 from studio.model_report import OFFLINE_HINT, POPULAR_MODELS, for_this_machine, model_report
 from studio.panels.common import Banner, caption, card, fmt_bytes, fmt_count, title, value_label
 from studio.state import model_problems
-from studio.tasks import run_task
+from studio.tasks import cancel, run_task
 
 VERDICT_STYLE = {"fits": "good", "tight": "warn", "will not fit": "bad", "needs CUDA": "bad", "—": "muted"}
 
@@ -276,6 +276,9 @@ class ModelPanel(QWidget):
             max(1, r),
             self.state.profile,
             owner=self,
+            # A Hub lookup can retry for most of a minute offline: it must not hold up a local folder.
+            lane="model" if _is_local_name(name) else "hub",
+            key="model.report",
             on_done=lambda rep: self._show(gen, rep),
             on_error=lambda msg, _d: self._fail(gen, name, msg),
         )
@@ -287,6 +290,7 @@ class ModelPanel(QWidget):
     def _cancel_read(self) -> None:
         """Stop waiting for the Hub: the answer, when it comes, is ignored."""
         self._generation += 1
+        cancel("model.report")
         self._set_reading(False)
         name = self.state.get("model.name_or_path")
         self.report = None

@@ -221,6 +221,8 @@ class RunsPanel(QWidget):
             summarize_runs,
             folder,
             owner=self,
+            lane="runs",
+            key="runs.list",
             on_done=self._listed,
             on_error=lambda m, _d: self.banner.show_message(f"Cannot read the runs folder {folder}: {m}", "error"),
         )
@@ -440,6 +442,8 @@ class RunsPanel(QWidget):
             _histories,
             paths,
             owner=self,
+            lane="runs",
+            key="runs.charts",
             on_done=done,
             on_error=lambda m, _d: self.banner.show_message(f"Cannot read the runs' metrics: {m}", "error"),
         )

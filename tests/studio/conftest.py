@@ -52,9 +52,9 @@ def window(qtbot, qapp, settings, runs_dir):
     if win.is_training():
         win.stop()
         qtbot.waitUntil(lambda: not win.is_training(), timeout=60_000)
-    from studio.tasks import pool
+    from studio.tasks import wait_all
 
-    pool().waitForDone(60_000)
+    wait_all(60_000)
 
 
 @pytest.fixture

@@ -1,0 +1,70 @@
+"""Quit ends the process within a few seconds, always (issue 28: Ctrl+Q hid the window while an
+X-ray or an offline Hub lookup kept the process alive for minutes at 40% CPU).
+
+Run in a child process: what is measured is the process itself ending."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from child_process import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A child that opens the window, starts a task that will not listen (a stand-in for a Hub lookup
+# retrying offline: it ignores `cancelled`) and one that does, waits until both run, then quits
+# the way studio.app.main does after the event loop.
+CHILD = """
+import sys, threading
+from PySide6.QtWidgets import QApplication
+app = QApplication([])
+from studio.main_window import MainWindow
+from studio.settings import Settings
+from studio import app as studio_app, tasks, warmup
+w = MainWindow(Settings(sys.argv[1]), sys.argv[2])
+w.show(); app.processEvents()
+warmup.ensure_warm()
+deaf, listening = threading.Event(), threading.Event()
+def hub_lookup():
+    deaf.set()
+    threading.Event().wait(600)
+def scan(cancelled):
+    listening.set()
+    while not cancelled():
+        threading.Event().wait(0.01)
+tasks.run_task(hub_lookup, lane="hub")
+tasks.run_task(scan, lane="xray")
+assert deaf.wait(60) and listening.wait(60)
+w.close(); app.processEvents()
+print("QUITTING", flush=True)
+raise SystemExit(studio_app.finish(0, grace_ms=2000))
+"""
+
+
+def test_quit_ends_the_process_within_5_s_with_a_task_that_does_not_listen(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path / "s.ini"), str(tmp_path / "runs")],
+        cwd=tmp_path,
+        env=child_env(QT_QPA_PLATFORM="offscreen"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = ""
+        while "QUITTING" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, f"the child ended before quitting: {proc.stderr.read()}"
+        t0 = time.monotonic()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert code == 0, err
+    assert took < 5, f"the process lived {took:.1f} s after Quit"
+    assert "abandoned" in err  # it said what it left behind
