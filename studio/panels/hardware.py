@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from studio.panels.common import Banner, card, fmt_bytes, title, value_label
+from studio.panels.hardware_doctor import DoctorCard
 
 
 class HardwarePanel(QWidget):
@@ -81,6 +82,9 @@ class HardwarePanel(QWidget):
         lay.addWidget(self.banner)
         lay.addWidget(prof)
         lay.addWidget(dfl, 1)
+        # The checks of `tunesmith doctor`, run when asked.
+        self.doctor = DoctorCard(lambda: self.state.data["output"]["dir"])
+        lay.addWidget(self.doctor)
         for f in self.fields.values():
             f.setText("Detecting…")
         state.profile_changed.connect(lambda _p: self.refresh())
