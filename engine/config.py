@@ -210,13 +210,20 @@ class RunConfig:
     def load(cls, path: str | Path) -> "RunConfig":
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
         except OSError as exc:
             raise ConfigError("", f"cannot read config file {path}: {exc.strerror or exc}") from exc
         try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            raise ConfigError(
+                "", f"{path} line {line} is not UTF-8 text (byte 0x{raw[exc.start]:02x}): save the file as UTF-8"
+            ) from None
+        try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError("", f"{path} is not valid YAML: {exc}") from exc
+            raise ConfigError("", f"{path} is not valid YAML: {_yaml_problem(exc)}") from None
         if data is None:
             raise ConfigError(
                 "",
@@ -363,3 +370,11 @@ def _coerce(tp, value, path):
             raise ConfigError(path, f"expected a string, got {type(value).__name__} {value!r}")
         return value
     raise ConfigError(path, f"unsupported type {tp}")  # pragma: no cover - programming error
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """One sentence with the line and column, not PyYAML's multi-line dump of the text around it."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
