@@ -185,6 +185,51 @@ class OutputConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """DPO, ORPO, SimPO and KTO settings (engine.train.objectives; TRL's names and defaults)."""
+
+    # The preference strength: DPO's and KTO's beta (how far from the reference), ORPO's lambda
+    # on the odds-ratio term, SimPO's reward scale. "auto": 2.0 for simpo, 0.1 for the others.
+    beta: Union[float, Literal["auto"]] = AUTO
+    simpo_gamma: float = 0.5  # SimPO's target margin
+    cpo_alpha: float = 0.0  # SimPO: weight of an NLL term on the chosen answer (CPO's; 0 = SimPO proper)
+    desirable_weight: float = 1.0  # KTO: weight of desirable answers' losses
+    undesirable_weight: float = 1.0  # KTO: weight of undesirable answers' losses
+
+
+@dataclass
+class RewardConfig:
+    """One GRPO reward function; each is logged separately and their weighted sum is the reward."""
+
+    # "regex": 1 when the completion matches `pattern` (re.fullmatch on the stripped text);
+    # "exact": 1 when the completion (or the regex's first group, if `pattern` is set) equals
+    # the row's `column`; "length": -(characters over `max_chars`) / max_chars; "python": the
+    # user's `reward(prompt, completion, **row) -> float` from `file` (runs the user's code).
+    kind: Literal["regex", "exact", "length", "python"] = "regex"
+    pattern: str = ""
+    column: str = ""
+    max_chars: int = 200
+    file: str = ""
+    weight: float = 1.0
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO: groups sampled from the current policy, rewards, the clipped objective."""
+
+    group_size: int = 8  # completions sampled per prompt
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    beta: float = 0.0  # weight of the KL to the adapter-free base (0: no reference pass)
+    epsilon: float = 0.2  # ratio clip below
+    epsilon_high: float = 0.2  # ratio clip above (DAPO raises it)
+    loss_type: Literal["grpo", "bnpo", "dapo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    rewards: list[RewardConfig] = field(default_factory=list)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -192,6 +237,8 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     fast_paths: FastPathConfig = field(default_factory=FastPathConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     # Dotted paths of fields the hardware policy filled in (reported, not user input), and why.
     auto_fields: list[str] = field(default_factory=list)
     auto_reasons: dict[str, str] = field(default_factory=dict)
@@ -298,6 +345,27 @@ class RunConfig:
             raise ConfigError("model.name_or_path", "must not be empty")
         if not self.data.source.strip():
             raise ConfigError("data.source", "must not be empty")
+        self._validate_methods()
+
+    def _validate_methods(self) -> None:
+        g = self.grpo
+        if g.group_size < 2:
+            raise ConfigError("grpo.group_size", f"must be at least 2 (advantages compare a group), got {g.group_size}")
+        if g.max_new_tokens < 1:
+            raise ConfigError("grpo.max_new_tokens", f"must be > 0, got {g.max_new_tokens}")
+        if g.temperature <= 0 or not 0 < g.top_p <= 1:
+            raise ConfigError("grpo.temperature", "temperature must be > 0 and top_p in (0, 1]")
+        if g.beta < 0 or g.epsilon < 0 or g.epsilon_high < 0:
+            raise ConfigError("grpo.beta", "beta, epsilon and epsilon_high must be >= 0")
+        for i, r in enumerate(g.rewards):
+            need = {"regex": "pattern", "exact": "column", "python": "file"}.get(r.kind)
+            if need and not getattr(r, need).strip():
+                raise ConfigError(f"grpo.rewards[{i}].{need}", f"a {r.kind} reward needs its {need}")
+            if r.kind == "length" and r.max_chars < 1:
+                raise ConfigError(f"grpo.rewards[{i}].max_chars", f"must be > 0, got {r.max_chars}")
+        b = self.preference.beta
+        if b != AUTO and b <= 0:
+            raise ConfigError("preference.beta", f"must be > 0, got {b}")
 
 
 # -- generic dataclass builder with type checks ------------------------------------------------

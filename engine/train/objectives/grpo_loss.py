@@ -8,7 +8,8 @@ spread, "none" does not divide). Then, per completion token t,
     ratio = exp(logp_t - old_logp_t)            old: the sampling policy (= logp detached when
                                                  each group is used for one step)
     loss_t = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * kl_t
-    kl_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (k3 estimator; ref: adapters off)
+    kl_t   = ratio * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)   (k3 estimator, ratio-corrected;
+                                                                    ref: the base, adapters off)
 
 aggregated as TRL does: "grpo" averages each completion's tokens then the completions, "bnpo"
 and "dapo" divide the sum over every completion token by their count. beta = 0 skips the
@@ -56,7 +57,9 @@ def grpo_token_loss(
     kl = None
     if beta != 0.0:
         delta = ref_logps - logps
-        kl = torch.exp(delta) - delta - 1
+        # The k3 estimate under the sampling policy, weighted by the ratio to the current one
+        # (TRL's use_bias_correction_kl, on by default): unbiased once the policy has moved.
+        kl = (torch.exp(delta) - delta - 1) * ratio
         loss = loss + beta * kl
     was_clipped = (ratio * advantages_per_token) != (clipped * advantages_per_token)
     return loss, kl, was_clipped
@@ -75,3 +78,35 @@ def aggregate(per_token: torch.Tensor, batch, loss_type: str, total_completion_t
         n = batch.num_trained_tokens if total_completion_tokens is None else total_completion_tokens
         return completion_sums(per_token, batch).sum() / max(n, 1)
     raise ValueError(f"unknown GRPO loss type {loss_type!r}; expected grpo, bnpo or dapo")
+
+
+def batch_loss(
+    logps: torch.Tensor,
+    batch,
+    advantages: torch.Tensor,
+    old_logps=None,
+    ref_logps=None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    loss_type: str = "dapo",
+    total_completion_tokens=None,
+    completions=None,
+):
+    """One SequenceBatch's share of the step's GRPO loss, and metric sums (completions,
+    completion tokens, KL and clipped tokens summed over completion tokens).
+
+    `logps`, `old_logps`, `ref_logps`: per-token [T] over the packed batch; `advantages`: one
+    per document (completion)."""
+    adv_t = advantages.to(logps.device)[batch.doc_index]
+    per_token, kl, clipped = grpo_token_loss(logps, adv_t, old_logps, ref_logps, beta, epsilon_low, epsilon_high)
+    loss = aggregate(per_token, batch, loss_type, total_completion_tokens, completions)
+    mask = batch.completion
+    metrics = {
+        "completions": torch.tensor(float(batch.num_docs), device=logps.device),
+        "completion_tokens": mask.sum(),
+        "clipped_tokens": (clipped.float() * mask).sum(),
+    }
+    if kl is not None:
+        metrics["kl_sum"] = (kl.detach() * mask).sum()
+    return loss, metrics
