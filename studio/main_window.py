@@ -418,6 +418,8 @@ class MainWindow(QMainWindow):
             self.training_panel.clear_preflight()
             m.run_started(event)
             self.state.run_dir_changed.emit(event.run_dir)
+            # "Resuming …" was true until now: the run is training from here on.
+            self.statusBar().showMessage("Training…")
         elif isinstance(event, api.CheckpointSaved):
             m.append_log(f"Checkpoint saved at step {event.step}: {event.path}")
         elif isinstance(event, api.Paused):

@@ -39,6 +39,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine import api
 from studio.panels.common import Banner, caption, fmt_bytes, fmt_seconds, title
 from studio.widgets.gallery import GalleryView
 from studio.widgets.live_chart import LiveChart
@@ -69,8 +70,10 @@ class MonitorPanel(QWidget):
         # the page, and every chart then re-renders at once (a visible hitch).
         self.status.setFixedHeight(40)
         self.progress = QProgressBar()
-        self.progress.setFormat("%v / %m steps")
+        # Before any run there is no step count to show (a bare bar read "0 / 100 steps").
+        self.progress.setRange(0, 1)
         self.progress.setValue(0)
+        self.progress.setFormat("no run yet")
         self.eta = caption("")
         self.eta.setWordWrap(False)
         self.eta.setFixedWidth(450)
@@ -168,7 +171,9 @@ class MonitorPanel(QWidget):
         self.fast_paths: dict[str, str] = {}  # the run's report: name -> "on" | why off
         self.fast_path_warning = ""  # what the banner says about fast paths that did not run
         self._missing_seen: set = set()
-        self._started = None
+        self._started = None  # when this session's first step landed (the ETA's clock)
+        self._first_step = 0
+        self._paused_at = None
         self._next_chart = 0
         self._redraw = QTimer(self, interval=40)
         self._redraw.timeout.connect(self._refresh_one)
@@ -208,7 +213,7 @@ class MonitorPanel(QWidget):
         self.fast_paths = {}
         self.fast_path_warning = ""
         self._missing_seen = set()
-        self._started = time.monotonic()
+        self._started = None
         self.set_controls("running")
         self.resume.setToolTip("")
         self.gallery.clear()
@@ -219,6 +224,10 @@ class MonitorPanel(QWidget):
         self._redraw.start()
 
     def run_started(self, ev) -> None:
+        resumed_from = int(getattr(ev, "resumed_from_step", 0) or 0)
+        if resumed_from and not self.last_step:
+            # Resumed from the Runs page: the charts continue the run's history, not start over.
+            self.show_history(ev.run_dir, resumed_from)
         self.total_steps = int(ev.total_steps)
         for chart in self.charts:
             chart.set_x_span(self.total_steps)
@@ -231,8 +240,9 @@ class MonitorPanel(QWidget):
             how = (ev.distributed or "ddp").upper()
             device = f"{world} × {device} ({how})" if hw.get("gpu_name") else f"{world} CPU processes ({how})"
         self.status.setText(f"Training in {ev.run_dir}" + (f" on {device}" if device else ""))
-        self._started = time.monotonic()
-        self._first_step = int(getattr(ev, "resumed_from_step", 0) or 0)
+        # The ETA's clock starts at this session's first step: loading the model is not a step.
+        self._started = None
+        self._paused_at = None
         summary = ev.data_summary or {}
         if summary:
             self.append_log("data: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
@@ -242,6 +252,8 @@ class MonitorPanel(QWidget):
             self.append_log("fast paths: " + ", ".join(f"{k}: {v}" for k, v in ev.fast_paths.items()))
 
     def step(self, m) -> None:
+        if self._started is None:
+            self._started, self._first_step = time.monotonic(), int(m.step)
         self.last_step = int(m.step)
         self.total_steps = int(m.total_steps) or self.total_steps
         x = float(m.step)
@@ -263,6 +275,36 @@ class MonitorPanel(QWidget):
         self.last_metrics = m
         self._update_eta(m)
         self._check_fast_paths(m)
+
+    def show_history(self, run_dir: str, upto: int) -> None:
+        """Draw a run's logged steps up to `upto` (its checkpoint) from metrics.jsonl."""
+        try:
+            hist = api.RunFolder(run_dir).history()
+        except Exception:  # unreadable history: the charts start at the resumed step, as before
+            return
+        columns = {
+            (self.loss, "loss"): "loss",
+            (self.lr, "lr"): "lr",
+            (self.grad, "grad norm"): "grad_norm",
+            (self.tps, "tokens/s"): "tokens_per_second",
+            (self.step_time, "seconds"): "step_seconds",
+            (self.memory, "peak"): "mem_peak",
+        }
+        for i, step in enumerate(hist.steps):
+            if step > upto:
+                break
+            for (chart, name), key in columns.items():
+                values = hist.curves.get(key) or []
+                if i < len(values) and values[i] == values[i]:  # NaN: not logged at this step
+                    chart.append(name, float(step), values[i] / GiB if key == "mem_peak" else values[i])
+            loss = hist.curves.get("loss") or []
+            if i < len(loss) and loss[i] == loss[i]:
+                self.loss.append("smoothed", float(step), self.ema.update(loss[i]))
+            evals = hist.curves.get("eval_loss") or []
+            if i < len(evals) and evals[i] == evals[i]:
+                self.evals.append((int(step), float(evals[i])))
+                self.loss.append("eval", float(step), float(evals[i]))
+        self.last_step = min(upto, hist.steps[-1]) if hist.steps else 0
 
     # -- evaluation and the gallery -----------------------------------------------------------
     def eval_metrics(self, ev) -> None:
@@ -373,6 +415,9 @@ class MonitorPanel(QWidget):
     def paused(self, step: int, reason: str = "") -> None:
         """`reason`: why the run paused itself (a full disk); "" when the person paused it."""
         self.set_controls("paused")
+        # No ETA while nothing runs; the pause is not counted in the next one.
+        self._clear_eta()
+        self._paused_at = time.monotonic()
         if reason:
             first = reason.split(". ")[0].rstrip(".")
             self.status.setText(f"Paused at step {step}: {first}. Resume tries again; Stop keeps the last checkpoint.")
@@ -441,6 +486,9 @@ class MonitorPanel(QWidget):
             self.eta.setText(f"ETA {fmt_seconds(ev.eta_seconds)} (pre-flight estimate)")
 
     def resumed(self, step: int) -> None:
+        if self._paused_at is not None and self._started is not None:
+            self._started += time.monotonic() - self._paused_at
+        self._paused_at = None
         self.set_controls("running")
         self.status.setText(f"Training (resumed at step {step})")
 
