@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 
 # The objective modules, imported on first use (each registers its classes).
-_MODULES = ("sft",)
+_MODULES = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")
 
 OBJECTIVES: dict[str, type] = {}
 

@@ -19,28 +19,12 @@ rewards/margins, rewards/accuracies (chosen reward above rejected), logps/chosen
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
-
-def preference_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict:
-    """Sums over the batch's pairs (the session adds forwards up; `per_pair` divides)."""
-    cr, rr = chosen_rewards.detach(), rejected_rewards.detach()
-    return {
-        "pairs": torch.tensor(float(cr.numel()), device=cr.device),
-        "rewards/chosen": cr.sum(),
-        "rewards/rejected": rr.sum(),
-        "rewards/margins": (cr - rr).sum(),
-        "rewards/accuracies": (cr > rr).float().sum(),
-        "logps/chosen": chosen_logps.detach().sum(),
-        "logps/rejected": rejected_logps.detach().sum(),
-    }
-
-
-def per_pair(sums: dict) -> dict:
-    """Step metrics from summed preference metrics: every sum divided by the pairs counted."""
-    n = max(sums.get("pairs", 0.0), 1.0)
-    return {k: v / n for k, v in sums.items() if k != "pairs"}
+from engine.train.objectives import register
+from engine.train.objectives.base import LossOutput
+from engine.train.objectives.logps import completion_sums, token_logps
+from engine.train.objectives.pairs import PairObjective, chosen_rejected, preference_metrics
 
 
 def dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta: float = 0.1, normalizer=None):
@@ -51,3 +35,14 @@ def dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta: float = 0.1, norm
     n = losses.numel() if normalizer is None else normalizer
     metrics = preference_metrics(beta * chosen_logratios, beta * rejected_logratios, chosen, rejected)
     return losses.sum() / n, metrics
+
+
+@register
+class DPO(PairObjective):
+    name = "dpo"
+    needs_reference = True
+
+    def loss(self, forward, model, batch, normalizer):
+        c, r = chosen_rejected(completion_sums(token_logps(forward, model, batch), batch))
+        rc, rr = chosen_rejected(batch.extra["ref"])
+        return LossOutput(*dpo_loss(c, r, rc, rr, self.beta, normalizer))

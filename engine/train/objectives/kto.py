@@ -16,6 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from engine.train.objectives import register
+from engine.train.objectives.base import LossOutput
+from engine.train.objectives.logps import SequenceBatch, completion_sums, token_logps
+from engine.train.objectives.pairs import PairObjective
+
 
 def kto_loss(
     logps,
@@ -66,3 +71,60 @@ def kto_step_metrics(sums: dict) -> dict:
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
     out["kl"] = sums.get("kl", 0.0) / max(sums.get("answers", 0.0), 1.0)
     return out
+
+
+@register
+class KTO(PairObjective):
+    """Unpaired answers; each example is (prompt, completion, KL twin) with its label."""
+
+    name = "kto"
+
+    def prepare_data(self, tokenizer):
+        from engine.data.preference import prepare_preference_data
+
+        return prepare_preference_data(self.config.data, tokenizer, "unpaired")
+
+    def collate(self, data, example_ids: list[int]):
+        batch = SequenceBatch.from_sequences([data.examples[i][:2] for i in example_ids])
+        batch.extra["labels"] = torch.tensor([data.labels[i] for i in example_ids])
+        # Scored with no gradient in prepare_step: the KL estimate's mismatched pairs.
+        batch.extra["kl_batch"] = SequenceBatch.from_sequences(
+            [(data.examples[i][0], data.examples[i][2]) for i in example_ids]
+        )
+        return batch
+
+    def normalizer(self, batches: list) -> int:
+        return max(1, sum(b.num_docs for b in batches))
+
+    def prepare_step(self, ctx, micro):
+        for _, batch in micro:
+            kl_host = batch.extra.pop("kl_batch")
+            dev, kl_dev = batch.to(ctx.device), kl_host.to(ctx.device)
+            with torch.no_grad():
+                batch.extra["kl"] = completion_sums(token_logps(ctx.forward, ctx.model, kl_dev), kl_dev)
+            with ctx.adapters_off():
+                batch.extra["ref"] = completion_sums(token_logps(ctx.forward, ctx.model, dev), dev)
+                batch.extra["ref_kl"] = completion_sums(token_logps(ctx.forward, ctx.model, kl_dev), kl_dev)
+            kl_dev.info.free()
+        return micro
+
+    def loss(self, forward, model, batch, normalizer):
+        p = self.config.preference
+        logps = completion_sums(token_logps(forward, model, batch), batch)
+        x = batch.extra
+        return LossOutput(
+            *kto_loss(
+                logps,
+                x["ref"],
+                x["labels"],
+                x["kl"],
+                x["ref_kl"],
+                self.beta,
+                p.desirable_weight,
+                p.undesirable_weight,
+                normalizer,
+            )
+        )
+
+    def step_metrics(self, sums):
+        return kto_step_metrics(sums)

@@ -14,7 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.train.objectives.dpo import preference_metrics
+from engine.kernels.token_logp import sum_per_document
+from engine.train.objectives import register
+from engine.train.objectives.base import LossOutput
+from engine.train.objectives.logps import completion_means, token_logps
+from engine.train.objectives.pairs import PairObjective, chosen_rejected, preference_metrics
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -34,3 +38,22 @@ def orpo_loss(chosen_mean, rejected_mean, chosen_nll, beta: float = 0.1, normali
     metrics["log_odds_ratio"] = ratio.detach().sum()
     metrics["nll_loss"] = chosen_nll.detach() * ratio.numel()
     return loss, metrics
+
+
+@register
+class ORPO(PairObjective):
+    name = "orpo"
+
+    def prepare_step(self, ctx, micro):
+        # The NLL term is a mean over the step's chosen targets (prompt included, as TRL's).
+        total = sum(sum(n - 1 for n in b.info.lengths[0::2]) for _, b in micro)
+        for _, b in micro:
+            b.extra["chosen_targets"] = max(1, total)
+        return micro
+
+    def loss(self, forward, model, batch, normalizer):
+        logps = token_logps(forward, model, batch)
+        c, r = chosen_rejected(completion_means(logps, batch))
+        whole = sum_per_document(logps, batch.info.lengths, batch.doc_index)
+        nll = -whole[0::2].sum() / batch.extra["chosen_targets"]
+        return LossOutput(*orpo_loss(c, r, nll, self.beta, normalizer))
