@@ -85,7 +85,8 @@ def carry_tokenizer_files(source, out: Path, tokenizer) -> list[str]:
     """Copy SIDE_FILES from the run's tokenizer folders into `out` when save_pretrained did not
     write them, and state in tokenizer_config.json whether the tokenizer adds BOS / EOS itself
     (the converter reads add_bos_token there; without it llama.cpp guesses, and a SentencePiece
-    vocabulary then gets a second BOS before the template's literal <s>). Returns the files copied."""
+    vocabulary then gets a second BOS before the template's literal <s>) and its added tokens.
+    Returns the files copied."""
     copied = []
     for name in SIDE_FILES:
         if (out / name).is_file():
@@ -98,6 +99,20 @@ def carry_tokenizer_files(source, out: Path, tokenizer) -> list[str]:
     path = out / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     config.update(special_token_flags(tokenizer))
+    if not config.get("added_tokens_decoder"):
+        # A SentencePiece vocabulary is converted from tokenizer.model plus the tokens listed here
+        # (<start_of_turn>, [INST], ...); transformers 5 keeps them in tokenizer.json only.
+        config["added_tokens_decoder"] = {
+            str(i): {
+                "content": t.content,
+                "lstrip": t.lstrip,
+                "normalized": t.normalized,
+                "rstrip": t.rstrip,
+                "single_word": t.single_word,
+                "special": t.special,
+            }
+            for i, t in sorted(tokenizer.added_tokens_decoder.items())
+        }
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return copied
 

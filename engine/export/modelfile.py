@@ -114,7 +114,9 @@ class Shape:
     user: tuple[str, str]
     assistant: tuple[str, str]
     gen: str  # the generation prompt
-    system: str = "turn"  # "turn" | "first_user" | "last_user" | "none"
+    # "turn" | "first_user" | "last_user" | "none" | "joined" (the template refuses system messages:
+    # the system prompt joins the first user message's content, JOIN between, as training folds it)
+    system: str = "turn"
     system_parts: tuple[str, str] = ("", "")  # around the system text (a turn, or inside the user turn)
     rules: dict = field(default_factory=lambda: {"user": "keep", "assistant": "keep", "system": "keep"})
 
@@ -128,14 +130,17 @@ class Shape:
             out.append(self.system_parts[0] + rule["system"](system) + self.system_parts[1])
         else:
             out.append(self.no_system)
-        folded = system if self.system in ("first_user", "last_user") else ""
+        folded = system if self.system in ("first_user", "last_user", "joined") else ""
         for i, m in enumerate(msgs):
             if m["role"] == "user":
                 out.append(self.user[0])
-                if folded and (self.system == "first_user" or i == len(msgs) - 1):
+                content = m["content"]
+                if folded and self.system == "joined":
+                    content, folded = folded + JOIN + content, ""
+                elif folded and (self.system == "first_user" or i == len(msgs) - 1):
                     out.append(self.system_parts[0] + rule["system"](folded) + self.system_parts[1])
                     folded = ""
-                out.append(rule["user"](m["content"]) + self.user[1])
+                out.append(rule["user"](content) + self.user[1])
             elif m["role"] == "assistant":
                 out.append(self.assistant[0] + rule["assistant"](m["content"]) + self.assistant[1])
         out.append(self.gen)
@@ -157,7 +162,10 @@ class Shape:
             head += "{{ else }}" + _lit(self.no_system) + "{{ end }}"
         else:
             head = _lit(self.no_system)
-            if self.system != "none":
+            if self.system == "joined":
+                joined = content("user", f"(print $folded {json.dumps(JOIN)} .Content)")
+                fold = "{{ if $folded }}" + joined + '{{ $folded = "" }}{{ else }}'
+            elif self.system != "none":
                 when = "$folded" if self.system == "first_user" else "and $folded $last"
                 fold = "{{ if " + when + " }}" + _lit(self.system_parts[0]) + system
                 fold += _lit(self.system_parts[1]) + '{{ $folded = "" }}{{ end }}'
@@ -168,6 +176,7 @@ class Shape:
             + _lit(self.user[0])
             + fold
             + content("user", ".Content")
+            + ("{{ end }}" if self.system == "joined" else "")
             + _lit(self.user[1])
             + '{{ else if eq .Role "assistant" }}'
             + _lit(self.assistant[0])
@@ -273,7 +282,7 @@ def _read_system(tokenizer, s: Shape) -> None:
         text = _render(tokenizer, _msgs("system", "user"))
         text4 = _render(tokenizer, _msgs("system", "user", "assistant", "user"))
     except Exception:  # templates that refuse a system message (Gemma-2) raise on purpose
-        s.system = "none"
+        s.system = "joined"
         return
     if _MARK.format(0) not in text:
         s.system = "none"  # the template drops it
@@ -315,7 +324,7 @@ _PROBES = {
 
 def _read_rules(tokenizer, s: Shape) -> None:
     for slot, probes in _PROBES.items():
-        if slot == "system" and s.system == "none":
+        if slot == "system" and s.system in ("none", "joined"):
             continue
         seen = [(probe, _render(tokenizer, _probe_messages(slot, probe))) for probe in probes]
         for name in CONTENT_RULES:
@@ -340,6 +349,21 @@ def _probe_messages(slot: str, probe: str) -> list[dict]:
 
 
 # -- checking a translation --------------------------------------------------------------------
+JOIN = "\n\n"  # between the system prompt and the first user message when a template has no system turn
+
+
+def fold_system(messages: list[dict]) -> list[dict]:
+    """`messages` with the system prompt joined to the first user message (JOIN between): what a
+    template without a system turn (Gemma-2) is given, in training and in the Modelfile."""
+    system = JOIN.join(m["content"] for m in messages if m["role"] == "system")
+    out = [dict(m) for m in messages if m["role"] != "system"]
+    for m in out:
+        if system and m["role"] == "user":
+            m["content"] = system + JOIN + m["content"]
+            break
+    return out
+
+
 def checks(system: bool = True) -> list[list[dict]]:
     """The conversations a translation must render exactly as the tokenizer's template does:
     one and several turns, with and without a system prompt, padded contents, and answers with
@@ -393,7 +417,7 @@ def translate(tokenizer, runtime_adds_bos: bool = False) -> Translation:
         return Translation(None, f"the template cannot render a plain user/assistant conversation ({exc})")
     for msgs in checks(system=shape.system != "none"):
         try:
-            want = _render(tokenizer, msgs)
+            want = _render(tokenizer, fold_system(msgs) if shape.system == "joined" else msgs)
         except Exception:  # a conversation this template refuses is not one Ollama must render
             continue
         if shape.render(msgs) != want:
@@ -404,7 +428,9 @@ def translate(tokenizer, runtime_adds_bos: bool = False) -> Translation:
             )
     notes = []
     if shape.system == "none":
-        notes.append("The chat template has no system turn: system messages are not rendered.")
+        notes.append("The chat template drops system messages: they are not rendered.")
+    elif shape.system == "joined":
+        notes.append("The chat template has no system turn: the system prompt opens the first user message.")
     elif shape.system != "turn":
         notes.append(
             f"The system prompt is folded into the {shape.system.replace('_', ' ')} turn, as the template does."

@@ -19,9 +19,19 @@ from pathlib import Path
 import pytest
 
 from engine.export import modelfile
-from tests.conformance.families import FAMILIES, build_family_folder, conversations_for
+from tests.conformance.conversations import CONVERSATIONS, REASONING
+from tests.conformance.families import FAMILIES, build_family_folder
 
 RENDERER = Path(__file__).with_name("render_modelfile.go")
+# Where each family's template puts the system prompt, when not in a turn of its own ("joined": the
+# template refuses system messages, so it opens the first user message, as training folds it).
+SYSTEM_PLACE = {
+    "mistral-v0.2": "joined",
+    "mistral-v1": "first_user",
+    "mistral-v3": "last_user",
+    "mistral-tekken": "last_user",
+    "gemma-2": "joined",
+}
 
 
 def _go() -> str:
@@ -54,17 +64,20 @@ def rendered() -> dict:
     cases, where = [], []
     for name, fam in FAMILIES.items():
         tok = _tokenizer(name)
-        convs = [c for c in conversations_for(name).values()] + modelfile.checks(system=fam.system)
+        # Every corpus conversation the template understands, system prompts included: a template
+        # without a system turn (Gemma-2) gets the system prompt joined to the first user message.
+        convs = [c for k, c in CONVERSATIONS.items() if fam.reasoning or k not in REASONING] + modelfile.checks()
         for adds_bos in (False, True):
             tr = modelfile.translate(tok, runtime_adds_bos=adds_bos)
             if tr.template is None:
                 out[name] = {"reason": tr.reason}
                 break
-            out.setdefault(name, {"cases": [], "bos_dropped": tr.bos_dropped, "system": tr.system})
+            out.setdefault(name, {"cases": [], "system": tr.shape.system})
             for conv in convs:
                 for prompt in prompts(conv):
+                    given = modelfile.fold_system(prompt) if tr.shape.system == "joined" else prompt
                     try:
-                        want = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                        want = tok.apply_chat_template(given, tokenize=False, add_generation_prompt=True)
                     except Exception:  # the template refuses it (Gemma-2 and a system prompt): not a prompt
                         continue
                     assert want.startswith(tr.bos_dropped)
@@ -88,11 +101,10 @@ def test_the_modelfile_renders_every_prompt_as_the_hf_template(rendered, name):
     cases = result["cases"]
     wrong = [case for case in cases if case[2] != case[3]]
     assert not wrong, f"{name}: {len(wrong)} of {len(cases)} prompts differ; first: {wrong[0]}"
-    # The prompts cover what they must: a system prompt (kept, where the template has one), several
-    # turns, and for reasoning families answers with <think> blocks in the history.
-    assert result["system"] == fam.system
-    if fam.system:
-        assert any("You are a terse geography tutor." in want for *_, want in cases)
+    # The prompts cover what they must: a system prompt (kept by every family: Gemma-2's joins the
+    # first user message), several turns, and for reasoning families <think> blocks in the history.
+    assert result["system"] == SYSTEM_PLACE.get(name, "turn")
+    assert any("You are a terse geography tutor." in got for _, _, got, _ in cases)
     assert any(sum(m["role"] == "assistant" for m in msgs) >= 2 for _, msgs, _, _ in cases)
     if fam.reasoning:
         assert any(any("</think>" in m["content"] for m in msgs[:-1]) for _, msgs, _, _ in cases)
