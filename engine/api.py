@@ -96,7 +96,7 @@ from engine.hardware.policy import apply_defaults, explain_defaults, format_prof
 # -- hardware profile and defaults -------------------------------------------------------------
 from engine.hardware.profile import HardwareProfile, detect
 from engine.hardware.threads import ThreadChoice, apply_cpu_threads
-from engine.hardware.vram import DeviceMemory, device_memory
+from engine.hardware.vram import DeviceMemory, GpuHealth, device_memory, gpu_health
 
 # -- estimates (from a model's config.json alone) ----------------------------------------------
 from engine.models.estimate import ModelInfo, estimate_vram, fit_verdict, model_info
@@ -255,6 +255,8 @@ __all__ = [
     "doctor_install_fix",
     "DeviceMemory",
     "device_memory",
+    "gpu_health",
+    "GpuHealth",
     # estimates
     "ModelInfo",
     "model_info",

@@ -71,6 +71,11 @@ class StepMetrics(Event):
     # that took their stock forward; empty when none did.
     fast_path_calls: dict[str, int] = field(default_factory=dict)
     fallbacks: dict[str, int] = field(default_factory=dict)
+    # The card's health when the step was logged (NVML: engine.hardware.vram.gpu_health); None on
+    # a CPU or where NVML does not say.
+    gpu_util: Optional[int] = None  # percent busy
+    gpu_temp: Optional[int] = None  # degrees Celsius
+    gpu_power: Optional[float] = None  # watts
     # The objective's own metrics of this step (engine.train.objectives: reward margins and
     # accuracy, chosen/rejected log-probs, rewards ...); empty for SFT.
     metrics: dict[str, float] = field(default_factory=dict)

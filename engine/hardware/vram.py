@@ -85,6 +85,67 @@ def _nvml_memory(index: int) -> DeviceMemory | None:
             return None
 
 
+@dataclass(frozen=True)
+class GpuHealth:
+    """What the card is doing besides holding memory (NVML): each None where the card or the
+    driver does not say (a laptop GPU often reports no power limit)."""
+
+    utilization: int | None  # percent of the last sample period the GPU was busy
+    temperature: int | None  # degrees Celsius, the GPU core
+    power_watts: float | None  # the board's draw now
+    power_limit_watts: float | None  # the limit the driver enforces
+
+    def fields(self) -> dict:
+        """The optional StepMetrics fields (engine.events) this reading fills."""
+        return {"gpu_util": self.utilization, "gpu_temp": self.temperature, "gpu_power": self.power_watts}
+
+
+def gpu_health(index: int = 0) -> GpuHealth | None:
+    """Utilisation, temperature and power of GPU `index` through NVML; None without NVML or a GPU
+    (nothing is shown then, and nothing is said: a CPU machine has no card to watch)."""
+    with _nvml_lock:
+        if _nvml_state.get("ok") is False:
+            return None
+        try:
+            import pynvml
+
+            if "ok" not in _nvml_state:
+                pynvml.nvmlInit()
+                _nvml_state["ok"] = True
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except ImportError:
+            _nvml_state["ok"] = False
+            return None
+        except Exception:  # no driver, or no such device
+            return None
+
+        def ask(fn, *args):
+            try:
+                return fn(handle, *args)
+            except Exception:  # this reading is not supported on this card
+                return None
+
+        util = ask(pynvml.nvmlDeviceGetUtilizationRates)
+        temp = ask(pynvml.nvmlDeviceGetTemperature, getattr(pynvml, "NVML_TEMPERATURE_GPU", 0))
+        power = ask(pynvml.nvmlDeviceGetPowerUsage)  # milliwatts
+        limit = ask(pynvml.nvmlDeviceGetEnforcedPowerLimit)
+    health = GpuHealth(
+        int(util.gpu) if util is not None else None,
+        int(temp) if temp is not None else None,
+        power / 1000 if power is not None else None,
+        limit / 1000 if limit else None,
+    )
+    if health.utilization is None and health.temperature is None and health.power_watts is None:
+        return None
+    return health
+
+
+def gpu_health_fields(index: int = 0) -> dict:
+    """StepMetrics' gpu_* fields for GPU `index`; {} where NVML has nothing to say."""
+    health = gpu_health(index)
+    return health.fields() if health is not None else {}
+
+
 def _cuda_memory(index: int) -> DeviceMemory | None:
     torch = sys.modules.get("torch")
     if torch is None:

@@ -83,6 +83,7 @@ from engine.events import (
     RunStarted,
     StepMetrics,
 )
+from engine.hardware.vram import gpu_health_fields as _gpu_health_fields
 from engine.runs import RunFolder, RunFolderError, publish, resume_checkpoint, step_of
 from engine.train.distributed import CONTROL_FILE, DistContext, read_control, share_from_main
 from engine.train.guard import RunGuard
@@ -1413,6 +1414,8 @@ class TrainingSession:
                 fast_path_calls=calls,
                 fallbacks=fallbacks,
                 metrics=self._objective.step_metrics({k: float(v) for k, v in sums.items()}),
+                # The card's utilisation, temperature and power beside its memory (NVML; none on a CPU).
+                **(_gpu_health_fields(device.index or 0) if self._is_cuda else {}),
             )
             self._emit(metrics)
             if self._loggers is not None:

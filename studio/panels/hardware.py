@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import (
     QFormLayout,
     QHBoxLayout,
@@ -45,6 +45,16 @@ class HardwarePanel(QWidget):
             ("note", "Note"),
         ):
             form.addRow(label, self.fields[key])
+        # Live: the GPU's utilisation, temperature and power (NVML), read every 2 s while this page
+        # shows; the row stays hidden where NVML has nothing to say (a CPU machine).
+        self.health = value_label()
+        self.health.setObjectName("gpuHealth")
+        form.addRow("GPU now", self.health)
+        self._health_row = form.rowCount() - 1
+        self._form = form
+        form.setRowVisible(self._health_row, False)
+        self._health_timer = QTimer(self, interval=2000)
+        self._health_timer.timeout.connect(self.poll_health)
         prof_lay.addLayout(form)
         # Several GPUs: how many a run uses (1 = in this process, as always).
         self.gpus = QSpinBox()
@@ -89,6 +99,38 @@ class HardwarePanel(QWidget):
             f.setText("Detecting…")
         state.profile_changed.connect(lambda _p: self.refresh())
         state.changed.connect(lambda _p: self.refresh() if self.isVisible() else None)
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self.poll_health()
+
+    def hideEvent(self, event) -> None:
+        super().hideEvent(event)
+        self._health_timer.stop()
+
+    def poll_health(self) -> None:
+        p = self.state.profile
+        health = None
+        if p is not None and p.gpu_name:
+            try:
+                from engine.api import gpu_health
+
+                health = gpu_health(0)
+            except Exception:  # an answer from NVML is a bonus, never a reason to fail the page
+                health = None
+        self._form.setRowVisible(self._health_row, health is not None)
+        if health is None:
+            self._health_timer.stop()
+            return
+        parts = [
+            f"{health.utilization}% busy" if health.utilization is not None else "",
+            f"{health.temperature} °C" if health.temperature is not None else "",
+            (f"{health.power_watts:.0f} W" if health.power_watts is not None else "")
+            + (f" of {health.power_limit_watts:.0f} W" if health.power_watts and health.power_limit_watts else ""),
+        ]
+        self.health.setText(" · ".join(x for x in parts if x))
+        if not self._health_timer.isActive():
+            self._health_timer.start()
 
     def processes(self) -> int:
         """How many processes the next run uses (1: in this process)."""

@@ -74,6 +74,10 @@ class MonitorPanel(QWidget):
         self.progress.setRange(0, 1)
         self.progress.setValue(0)
         self.progress.setFormat("no run yet")
+        # The GPU's utilisation, temperature and power beside its memory; hidden on a CPU.
+        self.health = caption("")
+        self.health.setObjectName("gpuHealth")
+        self.health.hide()
         self.eta = caption("")
         self.eta.setWordWrap(False)
         self.eta.setFixedWidth(450)
@@ -161,6 +165,7 @@ class MonitorPanel(QWidget):
         status_row.addWidget(self.details, 0, Qt.AlignmentFlag.AlignTop)
         lay.addLayout(status_row)
         lay.addWidget(self.preflight)
+        lay.addWidget(self.health)
         lay.addLayout(controls)
         lay.addWidget(split, 1)
 
@@ -221,6 +226,7 @@ class MonitorPanel(QWidget):
         self._card = None
         self.card_memory = None
         self.memory.set_limit(None)
+        self.show_health()  # the last run's card readings are not this one's
         self._redraw.start()
 
     def run_started(self, ev) -> None:
@@ -273,6 +279,7 @@ class MonitorPanel(QWidget):
         self.progress.setMaximum(max(1, self.total_steps))
         self.progress.setValue(min(self.last_step, self.total_steps))
         self.last_metrics = m
+        self.show_health(m.gpu_util, m.gpu_temp, m.gpu_power)
         self._update_eta(m)
         self._check_fast_paths(m)
 
@@ -334,6 +341,18 @@ class MonitorPanel(QWidget):
         self.poll_card()
         self._card_timer.start()
 
+    def show_health(self, util=None, temp=None, power=None, limit=None) -> None:
+        """'GPU 87% busy · 64 °C · 412 W of 700 W'; hidden when nothing is known (a CPU run)."""
+        parts = []
+        if util is not None:
+            parts.append(f"GPU {util}% busy")
+        if temp is not None:
+            parts.append(f"{temp} °C")
+        if power is not None:
+            parts.append(f"{power:.0f} W" + (f" of {limit:.0f} W" if limit else ""))
+        self.health.setText(" · ".join(parts))
+        self.health.setVisible(bool(parts))
+
     def poll_card(self) -> None:
         """One read of the card's used / total (NVML, or the OS on unified memory); a point on
         the Memory chart at the run's current step and the card's total as its limit line."""
@@ -346,6 +365,12 @@ class MonitorPanel(QWidget):
             mem = device_memory(self._card[0], unified=self._card[1])
         except Exception:  # a driver hiccup must not disturb the run's page
             mem = None
+        try:
+            health = api.gpu_health(self._card[0])
+        except Exception:  # as above
+            health = None
+        if health is not None:
+            self.show_health(health.utilization, health.temperature, health.power_watts, health.power_limit_watts)
         if mem is None:
             return
         self.card_memory = mem
