@@ -165,7 +165,8 @@ class FastPathConfig:
     # one tile at a time, for one more MLP forward. auto: when memory runs short at one row.
     tiled_mlp: Union[bool, Literal["auto"]] = "auto"
     # QLoRA: NF4 base weights decoded tile by tile inside the matmul (engine.kernels.nf4_matmul)
-    # instead of dequantized whole before each one. auto: on CUDA where the kernel applies.
+    # instead of dequantized whole before each one. true: on CUDA where the kernel applies (no
+    # dense copy of a weight, but 3.5-18x slower per product on the H200); auto/false: dequantize.
     nf4_matmul: Union[bool, Literal["auto"]] = "auto"
     ce_chunk_tokens: Union[int, Literal["auto"]] = "auto"
 

@@ -95,7 +95,7 @@ HELP = {
     ),
     "fast_paths.nf4_matmul": (
         "QLoRA: read the 4-bit base inside each matmul instead of unpacking a full 16-bit copy of "
-        "every weight first. auto: on NVIDIA GPUs."
+        "every weight first: a little less memory, much slower. auto: off (unpack, then multiply)."
     ),
     "fast_paths.ce_chunk_tokens": "Tokens per chunk in the fused cross-entropy. auto: by vocabulary size.",
     "output.dir": "Folder where run folders are created.",

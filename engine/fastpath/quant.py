@@ -1,12 +1,14 @@
 """4-bit bitsandbytes base layers (QLoRA) for the fused LoRA path: recognise, check, multiply.
 
 The fused LoRA Functions (engine.fastpath.lora) multiply by every frozen base weight through
-`base_operand` / `base_mm` (engine.fastpath.lora_group). For an NF4 base on CUDA, `nf4_operand`
-here hands them the packed weight itself, and `nf4_mm` runs engine.kernels.nf4_matmul, which
-decodes W tile by tile inside the matmul (x W^T in forward, dy W in backward): no dense copy of
-the weight is written. Where that kernel does not apply (FP4, a shape it cannot tile, a
-machine without Triton) the product falls back to `dequantize`, counted with its reason
-(``fallback:nf4_matmul: <reason>``); on a CPU dequantize + matmul is simply the path.
+`base_operand` / `base_mm` (engine.fastpath.lora_group). With fast_paths.nf4_matmul true, for
+an NF4 base on CUDA, `nf4_operand` here hands them the packed weight itself, and `nf4_mm` runs
+engine.kernels.nf4_matmul, which decodes W tile by tile inside the matmul (x W^T in forward,
+dy W in backward): no dense copy of the weight is written. Where that kernel does not apply
+(FP4, a shape it cannot tile, a machine without Triton) the product falls back to
+`dequantize`, counted with its reason (``fallback:nf4_matmul: <reason>``); on a CPU dequantize
++ matmul is simply the path. It is off by default: on the H200 it was 3.5-18x slower per
+product than dequantize + cuBLAS at W4's and W8's shapes (docs/gpu-test-log.md, 2026-12-01).
 
 `dequantize` returns a fresh dense [out, in] copy in the compute dtype. The caller uses it for
 one matmul and drops it, in forward and again in backward (dx = dy W), as bitsandbytes' own
@@ -83,10 +85,22 @@ def unsupported_reason(layer: nn.Module) -> Optional[str]:
 
 
 def dequantize(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh dense [out, in] copy of a 4-bit layer's weight in `dtype`; use it and drop it."""
+    """A fresh dense [out, in] copy of a 4-bit layer's weight in `dtype`; use it and drop it.
+
+    NF4 on CUDA goes through engine.kernels.nf4_dequant, bit-identical to bitsandbytes and
+    faster (0.56-0.99x its time per weight at W4's and W8's shapes on the H200); the rest
+    through bitsandbytes' dequantize_4bit.
+    """
     from bitsandbytes.functional import dequantize_4bit
 
     weight = layer.weight
+    state = weight.quant_state
+    if weight.is_cuda and state.quant_type == "nf4" and len(state.shape) == 2:
+        from engine.kernels.nf4_dequant import NF4Weight, dequantize_nf4_triton
+
+        # Decoded in bitsandbytes' dtype first, so a cast to another dtype rounds as before.
+        dense = dequantize_nf4_triton(NF4Weight.from_bnb(weight.data, state))
+        return dense if dense.dtype == dtype else dense.to(dtype)
     # bitsandbytes returns [in, out] for a packed tensor laid out as one row (its old
     # transposed calling convention); the canonical one-column layout always gives [out, in].
     dense = dequantize_4bit(weight.data.reshape(-1, 1), weight.quant_state)

@@ -13,8 +13,11 @@ bitsandbytes' dequantize_4bit), then feeds it to `tl.dot` with fp32 accumulation
 weight is a quarter of the bf16 bytes, and nothing the size of W is ever allocated.
 
 The price: every row-tile of A decodes W again (M / BLOCK_M times), where dequantize + cuBLAS
-decodes it once and writes/reads a dense copy. Which wins depends on M (tested on the H200,
-see docs/gpu-test-log.md); `nf4_matmul_supported` says when the kernel applies at all.
+decodes it once and writes/reads a dense copy. On the H200 (2026-12-01, bench.nf4_micro,
+docs/gpu-test-log.md) this kernel ran at ~45-50 TFLOP/s, 3.5-18x slower than dequantize +
+cuBLAS at every W4/W8 shape (M 2,048-16,384; the gap widest at large M), for 20-80% less peak memory per product; so the
+engine uses it only when fast_paths.nf4_matmul is true. `nf4_matmul_supported` says when the
+kernel applies at all.
 
 Public: `nf4_matmul` (dispatcher: Triton on CUDA, the reference elsewhere), `nf4_matmul_triton`
 (any device; on a CPU through TRITON_INTERPRET=1), `nf4_matmul_reference` (dequantize, then

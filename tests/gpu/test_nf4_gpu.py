@@ -5,8 +5,8 @@
   fresh and added onto an existing output, its error against an fp64 product of the same
   dequantized weight no worse than cuBLAS's own bf16 error (plus rounding slack).
 - It allocates nothing the size of W: its peak above its inputs is its output.
-- A QLoRA training step through the fused LoRA Functions runs the kernel (counted, no fallback),
-  matches the same step with the kernel off, and peaks no higher.
+- A QLoRA training step through the fused LoRA Functions with fast_paths.nf4_matmul true runs the
+  kernel (counted, no fallback), matches the same step with it off, and peaks no higher.
 
 Run: pytest -m gpu tests/gpu/test_nf4_gpu.py
 """
@@ -129,7 +129,7 @@ def test_qlora_step_runs_the_kernel_and_matches_it_off():
     apply_fast_paths(model, FastPathConfig(nf4_matmul=False), CUDA)
     step(model, ids, pos)  # warm-up
     off = step(model, ids, pos)
-    apply_fast_paths(model, FastPathConfig(), CUDA)
+    apply_fast_paths(model, FastPathConfig(nf4_matmul=True), CUDA)
     step(model, ids, pos)  # warm-up: Triton compilation
     reset_counters()
     on = step(model, ids, pos)
