@@ -89,7 +89,9 @@ pip_install() {
 }
 
 # -- torch: the build this machine's driver runs, or the CPU one; a torch that works is kept ----------------
-eval "$("$PY" engine/hardware/torch_choice.py --shell --venv-python "$VPY")"
+choice=$("$PY" engine/hardware/torch_choice.py --shell --venv-python "$VPY") || {
+  say "could not decide which torch to install (engine/hardware/torch_choice.py failed)"; exit 1; }
+eval "$choice"
 say "$TORCH_LINE"
 if [ "$TORCH_ACTION" = install ]; then
   # The configured sources first (a local wheel, a mirror); the pin's local tag (+cpu, +cu128) matches only
