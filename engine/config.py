@@ -72,6 +72,14 @@ class DataConfig:
     columns: dict[str, str] = field(default_factory=dict)
     # Mask prompt tokens so only responses are trained.
     train_on_responses_only: bool = True
+    # A chat template that rejects a system message (Gemma-2's): fold it into the first user turn
+    # instead of dropping the row.
+    fold_system_message: bool = False
+    # A template that drops the <think> reasoning of earlier answers from the history (Qwen3,
+    # DeepSeek-R1): "drop" trains those answers as the template renders them (without it),
+    # "final_turn_only" trains only each conversation's last answer, "keep" makes one example per
+    # answer so every answer is trained with its reasoning.
+    earlier_reasoning: Literal["drop", "final_turn_only", "keep"] = "drop"
     # Tokens per packed row; examples longer than this are truncated or dropped.
     max_seq_len: int = 512
     overlong: Literal["truncate", "drop"] = "truncate"

@@ -2,7 +2,9 @@
 
 `prepare_dataset` reads the rows, detects the format, renders and tokenizes every example
 with its trained-token mask, truncates or drops examples longer than a row (and counts
-them), skips unusable rows with the reason, and packs the rest best-fit-decreasing.
+them), skips unusable rows with the reason (a row the chat template rejects is one of them:
+one row, one error, never the run), and packs the rest best-fit-decreasing. `notes` says once
+what applies to many rows (a template that drops earlier answers' reasoning).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from engine.config import DataConfig
 from engine.data import plural
 from engine.data.formats import FormatSpec, detect_format, row_to_messages
 from engine.data.packing import PackingResult, pack_best_fit_decreasing
-from engine.data.render import ensure_chat_template, tokenize_example
+from engine.data.render import ensure_chat_template, tokenize_row
 from engine.data.sources import DataError, load_raw
 
 
@@ -28,6 +30,7 @@ class PreparedData:
     truncated: int = 0
     dropped_overlong: int = 0
     used_fallback_template: bool = False
+    notes: list[str] = field(default_factory=list)  # one sentence each, said once for the whole set
 
     def summary(self) -> dict:
         lengths = [len(d) for d in self.docs]
@@ -48,35 +51,65 @@ class PreparedData:
         }
 
 
+def reasoning_note(rows: int, choice: str) -> str:
+    """The one sentence about rows whose template drops earlier answers' reasoning."""
+    what = {
+        "drop": "those answers are trained as rendered, without their reasoning",
+        "final_turn_only": "only the last answer of each conversation is trained",
+        "keep": "each answer is trained as the last turn of its own example, with its reasoning",
+    }[choice]
+    return (
+        f"The chat template drops the <think> reasoning of earlier answers in {plural(rows, 'row')}; "
+        f"{what} (data.earlier_reasoning: drop | final_turn_only | keep)"
+    )
+
+
+def no_usable_rows(cfg: DataConfig, rows: int, skipped: list[tuple[int, str]]) -> DataError:
+    """Why a run cannot start: every row was unusable; the first reason, and how many share it."""
+    if not skipped:
+        return DataError(f"{cfg.source}: no usable examples out of {plural(rows, 'row')}")
+    first = skipped[0][1]
+    same = sum(reason == first for _, reason in skipped)
+    share = "every row" if same == len(skipped) == rows else f"{plural(same, 'row')}"
+    return DataError(
+        f"{cfg.source}: no usable examples out of {plural(rows, 'row')}, so the run cannot start; "
+        f"{share} failed with: {first} (first: row {skipped[0][0]})"
+    )
+
+
 def prepare_dataset(cfg: DataConfig, tokenizer, raw=None) -> PreparedData:
     raw = load_raw(cfg) if raw is None else raw
     spec = detect_format(list(raw.column_names), cfg.format, cfg.columns, cfg.source)
     fallback = ensure_chat_template(tokenizer) if spec.kind != "text" else False
     docs, masks, skipped = [], [], []
-    truncated = dropped = 0
+    truncated = dropped = dropped_reasoning = 0
     limit = cfg.max_seq_len
     for i, row in enumerate(raw):
         try:
             example = row_to_messages(row, spec)
-            tok = tokenize_example(tokenizer, example, cfg.train_on_responses_only)
-        except ValueError as exc:
+            toks = tokenize_row(
+                tokenizer, example, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
+            )
+        except ValueError as exc:  # render.RowError (the template rejects the row) is one
             skipped.append((i, str(exc)))
             continue
-        ids, trained = tok.ids, tok.trained
-        if len(ids) > limit:
-            if cfg.overlong == "drop":
-                dropped += 1
-                skipped.append((i, f"{len(ids)} tokens, longer than a row ({limit}); dropped"))
+        dropped_reasoning += any(a.reasoning_dropped for t in toks for a in t.answers)
+        for tok in toks:
+            ids, trained = tok.ids, tok.trained
+            if len(ids) > limit:
+                if cfg.overlong == "drop":
+                    dropped += 1
+                    skipped.append((i, f"{len(ids)} tokens, longer than a row ({limit}); dropped"))
+                    continue
+                ids, trained = ids[:limit], trained[:limit]
+                truncated += 1
+            if sum(trained[1:]) == 0:
+                skipped.append((i, "no trained tokens (nothing to learn from this row)"))
                 continue
-            ids, trained = ids[:limit], trained[:limit]
-            truncated += 1
-        if sum(trained[1:]) == 0:
-            skipped.append((i, "no trained tokens (nothing to learn from this row)"))
-            continue
-        docs.append(ids)
-        masks.append(trained)
+            docs.append(ids)
+            masks.append(trained)
     if not docs:
-        first = f"; first problem: row {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
-        raise DataError(f"{cfg.source}: no usable examples out of {plural(len(raw), 'row')}{first}")
+        raise no_usable_rows(cfg, len(raw), skipped)
+    notes = [reasoning_note(dropped_reasoning, cfg.earlier_reasoning)] if dropped_reasoning else []
     packing = pack_best_fit_decreasing([len(d) for d in docs], limit)
-    return PreparedData(docs, masks, packing, spec, len(raw), skipped, truncated, dropped, fallback)
+    return PreparedData(docs, masks, packing, spec, len(raw), skipped, truncated, dropped, fallback, notes)

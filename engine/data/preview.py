@@ -99,11 +99,48 @@ def render_example(tokenizer, cfg: DataConfig, index: int) -> RenderedExample:
         example = row_to_messages(ds[index], spec)
     except ValueError as exc:
         raise DataError(f"row {index}: {exc}") from exc
-    tok = tokenize_example(tokenizer, example, cfg.train_on_responses_only)
+    try:
+        tok = tokenize_example(
+            tokenizer, example, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
+        )
+    except ValueError as exc:  # render.RowError: the template rejects the row (training drops it)
+        raise DataError(f"row {index}: {exc}") from exc
     truncated = len(tok.ids) > cfg.max_seq_len
     ids, trained = tok.ids[: cfg.max_seq_len], tok.trained[: cfg.max_seq_len]
-    pieces = [(tokenizer.decode([i]), bool(t)) for i, t in zip(ids, trained)]
+    pieces = list(zip(token_pieces(tokenizer, tok.text, tok.ids)[: len(ids)], map(bool, trained)))
     return RenderedExample(index, pieces, len(ids), sum(trained), truncated, fallback)
+
+
+def _piece_of(tokenizer, token_id: int) -> str:
+    """One token's text on its own: its vocabulary entry with sentencepiece's '▁' and byte-level
+    'Ġ' / 'Ċ' turned back into the blank and newline they stand for."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return tokenizer.decode([token_id])
+    if "▁" in piece:
+        return piece.replace("▁", " ")
+    decoded = tokenizer.decode([token_id])
+    return decoded if decoded.strip() or not piece.strip() else piece.replace("Ġ", " ").replace("Ċ", "\n")
+
+
+def token_pieces(tokenizer, text: str, ids: list[int]) -> list[str]:
+    """The characters of `text` each token stands for, blanks and newlines included (decoding one
+    token alone loses a sentencepiece word's leading blank: "<|user|>Questionaboutvolcanoes").
+    From the tokenizer's offsets where it gives them for this very text; else token by token."""
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, TypeError, ValueError):  # a slow tokenizer has no offsets
+        enc = None
+    if enc is None or list(enc["input_ids"]) != list(ids[: len(enc["input_ids"])]):
+        return [_piece_of(tokenizer, i) for i in ids]
+    pieces, seen = [], 0
+    for token_id, (s, e) in zip(ids, enc["offset_mapping"]):
+        # Two tokens of one multi-byte character share its offsets: the first shows it.
+        piece = text[max(s, seen) : e] if e > max(s, seen) else ""
+        pieces.append(piece if piece or e > s else _piece_of(tokenizer, token_id))
+        seen = max(seen, e)
+    pieces += [_piece_of(tokenizer, i) for i in ids[len(pieces) :]]  # a text row's appended EOS
+    return pieces
 
 
 def packing_layout(tokenizer, cfg: DataConfig, raw=None) -> PackingLayout:

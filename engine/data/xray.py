@@ -14,7 +14,13 @@
 - fully masked prompts: nothing in the row is trained (no answer, or the cut removed it);
 - special tokens typed into the text: strings such as ``<|im_end|>`` or ``</s>`` inside a message,
   which the tokenizer turns into control tokens;
-- exact duplicates: rows whose rendered text is identical to an earlier row's.
+- exact duplicates: rows whose rendered text is identical to an earlier row's;
+- rejected by the template: the chat template raises on the row (a system message it does not
+  support, roles that do not alternate); training drops the row with this reason;
+- answer not ended: an earlier answer's rendered span does not end at an end-of-turn token (the
+  template writes nothing, or something else, right after it; the last answer is missing_eos');
+- reasoning dropped: the template renders earlier answers without their <think> reasoning
+  (data.earlier_reasoning decides what is trained).
 
 It also gives the token length of every row (before truncation) for a histogram against
 ``max_seq_len``. It never raises for a bad row: a row that cannot be read is a finding.
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 
 from engine.config import DataConfig
 from engine.data.formats import ROLE_NAMES, detect_format, row_to_messages
-from engine.data.render import ensure_chat_template, tokenize_example
+from engine.data.render import RowError, ensure_chat_template, tokenize_example
 from engine.data.sources import load_raw
 
 # Finding kinds, in the order the Data page lists them, with the sentence that explains each.
@@ -39,6 +45,9 @@ KINDS = {
     "special_tokens": "special tokens typed into the text",
     "duplicate": "exact duplicate of an earlier row",
     "unreadable": "row cannot be read",
+    "rejected": "the chat template rejects the row (training drops it)",
+    "answer_end": "an answer's rendered span does not end at an end-of-turn token",
+    "reasoning_dropped": "the template drops earlier answers' reasoning (see data.earlier_reasoning)",
 }
 
 
@@ -135,7 +144,12 @@ def xray(cfg: DataConfig, tokenizer, raw=None) -> XRay:
                 out.findings.append(Finding("roles", i, why))
         try:
             example = row_to_messages(row, spec)
-            tok = tokenize_example(tokenizer, example, cfg.train_on_responses_only)
+            tok = tokenize_example(
+                tokenizer, example, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
+            )
+        except RowError as exc:
+            out.findings.append(Finding("rejected", i, str(exc)))
+            continue
         except ValueError as exc:
             if not (spec.kind == "conversations" and "unknown role" in str(exc)):  # already named above
                 out.findings.append(Finding("unreadable", i, str(exc)))
@@ -154,6 +168,15 @@ def xray(cfg: DataConfig, tokenizer, raw=None) -> XRay:
             if hit:
                 out.findings.append(Finding("special_tokens", i, f"contains {hit!r}"))
                 break
+
+        # The last answer's end is missing_eos' business (below); this names an earlier one.
+        for n, answer in enumerate(tok.answers[:-1], 1):
+            if not answer.ends_at_marker:
+                tail = tok.text[max(answer.start, answer.end - 12) : answer.end]
+                out.findings.append(Finding("answer_end", i, f"answer {n} ends with {tail!r}, no end-of-turn token"))
+                break
+        if any(a.reasoning_dropped for a in tok.answers):
+            out.findings.append(Finding("reasoning_dropped", i, f"earlier_reasoning: {cfg.earlier_reasoning}"))
 
         kept = trained[:limit]
         if len(ids) > limit and any(trained[limit:]) and any(kept):
