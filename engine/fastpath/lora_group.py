@@ -278,10 +278,10 @@ class LoRAGroup:
 
     def __init__(self, parts: Sequence[LoRAParts], nf4: str = "auto"):
         self.parts = tuple(parts)
+        self.nf4 = nf4  # how NF4 bases are multiplied: see base_operand
         self.bases = tuple(p.base for p in self.parts)
         self.scales = tuple(p.scale for p in self.parts)
         # (lora_A module, lora_B module) per projection, None where it has no LoRA; `.weight`
-        self.nf4 = nf4  # how NF4 bases are multiplied: see base_operand
         # is read per call, so a replaced Parameter is picked up.
         self._lora = tuple(
             None if p.adapter is None else (p.layer.lora_A[p.adapter], p.layer.lora_B[p.adapter]) for p in self.parts
