@@ -60,3 +60,20 @@ def test_trained_tokens_are_each_answer_and_its_end_token(name, family_tokenizer
         assert len(runs) == len(expected) and all(check_run(text, r, e) for r, e in zip(runs, expected)), (
             f"{name}/{conv}: trained {shown}, expected {expected}\n{text!r}"
         )
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_xray_finds_every_answer_ended_on_real_templates(tmp_path, name, family_tokenizer):
+    """The corpus is clean for every family: no answer without its end-of-turn token, no row the
+    template rejects (the family's conversations_for are the ones its template accepts)."""
+    import json
+
+    from engine.config import DataConfig
+    from engine.data.xray import xray
+
+    tok = family_tokenizer(name)
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations_for(name).values()))
+    x = xray(DataConfig(source=str(path), max_seq_len=1024), tok)
+    bad = [f for f in x.findings if f.kind in ("missing_eos", "answer_end", "rejected", "unreadable", "fully_masked")]
+    assert bad == [], bad
