@@ -21,7 +21,8 @@ API
 Names: ``CONFIG``, ``METRICS``, ``LOG``, ``CHECKPOINTS``, ``ADAPTER``, ``EXPORTS``,
 ``STATE_FILE`` (trainer_state.json), ``ADAPTER_FILES`` (what makes a folder a PEFT adapter),
 ``TMP_SUFFIX`` (".tmp"), ``BEST`` (best.json), ``GALLERY`` (gallery.jsonl), ``LOCK``
-(running.lock), ``TENSORBOARD``.
+(running.lock), ``TENSORBOARD``, ``CONTROL`` (the window's request to a run under torchrun),
+``OPTIMIZER_FILE`` ``SCHEDULER_FILE`` ``RNG_FILE`` (inside a checkpoint).
 
 ``RunFolder(path)`` -- paths and questions about one run folder:
   ``.path .config .metrics .log .checkpoints_dir .adapter .adapter_tmp .exports_dir``
@@ -33,13 +34,17 @@ Names: ``CONFIG``, ``METRICS``, ``LOG``, ``CHECKPOINTS``, ``ADAPTER``, ``EXPORTS
   ``.latest_checkpoint()``      the newest complete checkpoint, or None
   ``.final_adapter()``          adapter/ when it holds a complete adapter, else None
   ``.last_event()``             the last line of metrics.jsonl as a dict, or None
-  ``.status()``                 "finished", "stopped", "failed" or "incomplete" (from the last event)
+  ``.status()``                 "finished", "stopped", "failed" or "incomplete" (from the last event,
+                                by ``status_of``: the one rule, which the summary uses too)
+  ``.why_not_resumable()``      why the run cannot be resumed, one sentence ("" when it can): the
+                                one decision (``resume_refusal``), which RunSummary.resumable uses too
   ``.best()``                   best.json as a dict ({step, eval_loss, checkpoint}), or None
   ``.write_best(d)``            replaces best.json (written whole, then renamed)
   ``.gallery()``                [{step, prompt, answer, ...}] from gallery.jsonl (unreadable lines skipped)
   ``.append_gallery(records)``  appends records to gallery.jsonl
   ``.lock(pid)`` / ``.unlock()``  write / remove running.lock
   ``.is_running()``             running.lock is there and names a live process on this machine
+  ``.control_file``             the window's request to a run under torchrun
   ``.info()``                   a RunInfo
   ``.check_free(overwrite)``    raises RunFolderError when a new run may not start here
   ``.create(fresh)``            makes the folder and checkpoints/; ``fresh`` clears an old run first
@@ -95,12 +100,19 @@ CHECKPOINTS = "checkpoints"
 ADAPTER = "adapter"
 EXPORTS = "exports"
 STATE_FILE = "trainer_state.json"
+# Inside a checkpoint folder, beside adapter/ and STATE_FILE (engine.train.checkpoint writes them).
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng.pt"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 TMP_SUFFIX = ".tmp"
 BEST = "best.json"
 GALLERY = "gallery.jsonl"
 LOCK = "running.lock"
 TENSORBOARD = "tensorboard"
+# The window's request to a run under torchrun ("pause", "resume" or "stop"), read by rank 0
+# between steps: torchrun forwards SIGINT/SIGTERM but has no pause.
+CONTROL = "control"
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -233,6 +245,35 @@ class RunInfo:
         return out
 
 
+def status_of(outcome: Optional[dict], running: bool = False, problem: str = "") -> str:
+    """A run's status from its last outcome event (the last Finished / Failed line of
+    metrics.jsonl, None without one): "finished", "stopped", "failed"; without an outcome
+    "running" while a process trains it, else "incomplete"; "corrupt" when `problem` names a
+    file that cannot be read. The one rule: RunFolder.status() and the summary both use it."""
+    outcome = outcome or {}
+    if problem:
+        return "corrupt"
+    if outcome.get("event") == "Finished":
+        return "stopped" if outcome.get("stopped") else "finished"
+    if outcome.get("event") == "Failed":
+        return "failed"
+    return "running" if running else "incomplete"
+
+
+def resume_refusal(name: str, status: str, has_checkpoint: bool) -> str:
+    """Why a run with `status` cannot be resumed, one sentence ("" when it can): a stopped,
+    failed or interrupted run with a checkpoint to continue from can. The one decision."""
+    if status == "running":
+        return f"{name} is running."
+    if status == "finished":
+        return f"{name} finished: there is nothing left to train."
+    if status == "corrupt":
+        return f"{name} has files that cannot be read."
+    if not has_checkpoint:
+        return f"{name} has no checkpoint to resume from."
+    return ""
+
+
 def best_label(eval_loss: float, step: int) -> str:
     """How Chat and Export name the best checkpoint."""
     return f"best (eval loss {eval_loss:.4f} at step {step})"
@@ -295,7 +336,7 @@ class RunSummary:
     @property
     def resumable(self) -> bool:
         """A stopped, failed or interrupted run with a checkpoint to continue from."""
-        return self.status in ("stopped", "failed", "incomplete") and bool(self.checkpoints)
+        return not resume_refusal(self.name, self.status, bool(self.checkpoints))
 
     def sources(self) -> list[tuple[str, Path]]:
         return RunInfo(self.path, self.adapter, self.checkpoints, self.status, self.best).sources()
@@ -380,10 +421,17 @@ class RunFolder:
             return None
 
     def status(self) -> str:
-        last = self.last_event() or {}
-        kind = last.get("event", "")
-        outcome = {"Finished": "stopped" if last.get("stopped") else "finished", "Failed": "failed"}
-        return outcome.get(kind, "incomplete")
+        """From the last line of metrics.jsonl alone (cheap): "running" is the summary's, which
+        also looks at the lock."""
+        return status_of(self.last_event())
+
+    def why_not_resumable(self) -> str:
+        """Why this run cannot be resumed, one sentence ("" when it can). Cheap: the last line of
+        metrics.jsonl, the lock and the checkpoints folder, never the whole history."""
+        if not self.is_run():
+            return f"{self.path} is not a run folder (it has no config.yaml)."
+        status = "running" if self.is_running() else self.status()
+        return resume_refusal(self.path.name, status, self.latest_checkpoint() is not None)
 
     def info(self) -> RunInfo:
         return RunInfo(
@@ -410,6 +458,10 @@ class RunFolder:
     @property
     def tensorboard_dir(self) -> Path:
         return self.path / TENSORBOARD
+
+    @property
+    def control_file(self) -> Path:
+        return self.path / CONTROL
 
     def best(self) -> Optional[dict]:
         try:
@@ -573,14 +625,7 @@ class RunFolder:
         if len(hist.problems) > 1:
             problem += f" (and {len(hist.problems) - 1} more unreadable lines)"
         outcome = hist.outcome or {}
-        if problem:
-            status = "corrupt"
-        elif outcome.get("event") == "Finished":
-            status = "stopped" if outcome.get("stopped") else "finished"
-        elif outcome.get("event") == "Failed":
-            status = "failed"
-        else:
-            status = "running" if self.is_running() else "incomplete"
+        status = status_of(hist.outcome, not problem and not outcome and self.is_running(), problem)
         losses = [(v, s) for s, v in zip(hist.steps, hist.curves["loss"]) if math.isfinite(v)]
         best = min(losses) if losses else None
         speeds = [v for v in hist.curves["tokens_per_second"] if math.isfinite(v) and v > 0]

@@ -5,7 +5,8 @@
 `profile_from_properties(...)` and `classify(...)` are pure: they take device properties as
 arguments, so every class can be built and tested on any machine. A GB10 is unified memory by
 name even when the driver leaves the integrated flag unset. `TUNESMITH_EMULATE_GPU="<card>:<GiB>"`
-makes `detect()` cap the process and report that card (emulating a laptop on a big GPU, W8).
+makes `detect()` report that card (emulating a laptop on a big GPU, W8); the entry point that
+trains caps its own allocator with `cap_to_emulated_card()` (detect() changes nothing).
 
 torch is imported only inside `detect()`, so the studio window can import this module and
 open before torch loads. What the profile means for a run is engine.hardware.policy's.
@@ -244,6 +245,25 @@ def emulated_card(value: str | None) -> tuple[str, int] | None:
     return name.strip(), int(gib * GiB)
 
 
+def cap_to_emulated_card(device_index: int = 0) -> int | None:
+    """Cap this process's CUDA allocator at the emulated card's size (`TUNESMITH_EMULATE_GPU`),
+    so an out-of-memory error comes where the smaller card would give it (the CUDA context
+    stays outside, as on the real card); the cap in bytes, or None when nothing is emulated.
+    The caller that trains decides this (the TrainingSession at its start), not `detect()`:
+    reading the machine must not change it."""
+    emulated = emulated_card(os.environ.get(EMULATE_ENV))
+    if emulated is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    total = int(torch.cuda.get_device_properties(device_index).total_memory)
+    cap = min(emulated[1], total)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device_index)
+    return cap
+
+
 def _nvml_driver_version() -> str | None:
     """NVIDIA driver version via NVML, if pynvml is installed (optional dependency)."""
     try:
@@ -307,9 +327,6 @@ def detect() -> HardwareProfile:
         if emulated:
             name, cap = emulated
             cap = min(cap, gpu.total_memory)
-            # The allocator refuses to grow past the cap, so an out-of-memory error comes where the
-            # smaller card would give it (the CUDA context stays outside, as on the real card).
-            torch.cuda.set_per_process_memory_fraction(cap / gpu.total_memory, 0)
             free = max(0, cap - int(torch.cuda.memory_reserved(0)))
             note = f"{props.name} emulating {name} with {cap / GiB:.1f} GiB ({EMULATE_ENV})"
             gpu = GpuProperties(name, cap, gpu.capability, integrated=gpu.integrated, free_memory=free)

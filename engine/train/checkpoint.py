@@ -20,7 +20,17 @@ from pathlib import Path
 import torch
 
 from engine.fastpath.lora_group import adapters_changed
-from engine.runs import ADAPTER, STATE_FILE, TMP_SUFFIX, RunFolder, publish, tmp_for
+from engine.runs import (
+    ADAPTER,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    SCHEDULER_FILE,
+    STATE_FILE,
+    TMP_SUFFIX,
+    RunFolder,
+    publish,
+    tmp_for,
+)
 
 
 def save_checkpoint(
@@ -53,12 +63,12 @@ def _write(tmp: Path, model, optimizer, scheduler, step: int, extra: dict, token
     save_adapter(model, tmp / ADAPTER, adapter_state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / ADAPTER)
-    torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / "rng.pt")
+    torch.save(rng, tmp / RNG_FILE)
     state = {"step": step, "python_random": _py_state(), **extra}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
 
@@ -198,7 +208,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> dict:
     ckpt = Path(ckpt)
     state = read_state(ckpt)
     weights = load_file(str(ckpt / ADAPTER / "adapter_model.safetensors"))
-    optim_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    optim_state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
     if _sharded(model):
         # FSDP: each rank takes its shard of the full tensors (the checkpoint may come from any
         # number of processes, sharded or not).
@@ -213,8 +223,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> dict:
     adapters_changed()  # the fused LoRA path's cached adapter copies are stale now
     if unexpected:
         raise RuntimeError(f"{ckpt}: adapter does not match the model ({len(unexpected)} unexpected weights)")
-    scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
-    rng = torch.load(ckpt / "rng.pt", weights_only=True)
+    scheduler.load_state_dict(torch.load(ckpt / SCHEDULER_FILE, weights_only=True))
+    rng = torch.load(ckpt / RNG_FILE, weights_only=True)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])

@@ -32,9 +32,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
-# The control file the window writes into the run folder ("pause", "resume" or "stop"), read
-# by rank 0 between steps: torchrun forwards SIGINT/SIGTERM but has no pause.
-CONTROL_FILE = "control"
+from engine.runs import CONTROL
+
+# The control file the window writes into the run folder (its name is engine.runs').
+CONTROL_FILE = CONTROL
 
 
 @dataclass(frozen=True)

@@ -318,15 +318,13 @@ def test_session_logs_a_fallback_once(tmp_path, monkeypatch):
 
 
 def test_fallback_on_a_gpu_is_a_warning():
-    from engine.config import RunConfig
-    from engine.train.session import TrainingSession
+    from engine.train.reporting import Reporter
 
     logs = []
-    session = TrainingSession(RunConfig(), logs.append)
-    said: set = set()
+    reporter = Reporter(logs.append)
     fast = {"lora_mlp": "on", "lora_qkv": "on", "lora_o": "on"}
     for step in (1, 2):
-        session._say_what_did_not_run(fast, {"lora_linears": 8}, {"lora_mlp: autocast": 4}, "cuda:0", step, said)
+        reporter.say_what_did_not_run(fast, {"lora_linears": 8}, {"lora_mlp: autocast": 4}, "cuda:0", step)
     assert [e.level for e in logs] == ["warning", "warning"]
     assert "lora_mlp: autocast" in logs[0].message and "lora_mlp" in logs[1].message
 

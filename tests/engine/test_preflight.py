@@ -11,7 +11,9 @@ import pytest
 from engine.config import ConfigError, RunConfig
 from engine.events import CheckpointSaved, Finished, MemoryAdjusted, PreflightResult, StepMetrics
 from engine.resources import DEMO_PRESET
+from engine.train.preflight import Preflight
 from engine.train.session import Faults, TrainingSession
+from engine.train.step_runner import StepRunner
 
 
 def config(tmp_path, steps=4, rows=4, accum=1, preflight="on", **training) -> RunConfig:
@@ -107,7 +109,7 @@ def test_nothing_left_to_lower_ends_before_the_first_step_with_the_measurement(t
 
 
 def test_over_the_card():
-    from engine.train.session import over_the_card
+    from engine.train.preflight import over_the_card
 
     gib = 2**30
     assert over_the_card(0, gib, gib) == "" and over_the_card(gib, gib, 0) == ""  # nothing measured
@@ -142,7 +144,7 @@ def test_preflight_and_spike_factor_are_validated():
 
 
 def test_grown_rows_fill_the_measured_room():
-    from engine.train.session import grown_rows
+    from engine.train.preflight import grown_rows
 
     gib = 2**30
     # 2 GiB resident, 0.5 GiB a row, 2-row micro-batches, 8 per step, 6 GiB to fill: 8 rows fit.
@@ -161,13 +163,13 @@ def test_merged_micro_batches_train_like_the_planned_ones(tmp_path, monkeypatch)
     forwards = []
 
     def grow(self, measured):
-        self._exec_rows = 3  # what _grow_to_fill sets when 3 rows fit (the step has 4)
+        self.memory.rows = 3  # what grow_to_fill sets when 3 rows fit (the step has 4)
         return measured, 0
 
-    monkeypatch.setattr(TrainingSession, "_grow_to_fill", grow)
-    real = TrainingSession._micro_batches
+    monkeypatch.setattr(Preflight, "grow_to_fill", grow)
+    real = StepRunner.micro_batches
     monkeypatch.setattr(
-        TrainingSession, "_micro_batches", lambda self, step: forwards.append(real(self, step)) or forwards[-1]
+        StepRunner, "micro_batches", lambda self, step: forwards.append(real(self, step)) or forwards[-1]
     )
     result, events = train(config(tmp_path, rows=1, accum=4), tmp_path / "run")
     assert [[rows for rows, _ in step] for step in forwards] == [[3, 1]] * 4  # 4 rows a step in 2 forwards

@@ -1,6 +1,7 @@
 """engine.runs: the run folder layout, on plain files."""
 
 import json
+import shutil
 
 import pytest
 
@@ -92,3 +93,35 @@ def test_publish(tmp_path):
     (tmp / "new").write_text("2")
     runs.publish(tmp, final)
     assert not tmp.exists() and (final / "new").exists() and not (final / "old").exists()
+
+
+@pytest.mark.parametrize(
+    "last,status,why",
+    [
+        ({"event": "Finished", "stopped": False}, "finished", "nothing left to train"),
+        ({"event": "Finished", "stopped": True}, "stopped", ""),
+        ({"event": "Failed"}, "failed", ""),
+        (None, "incomplete", ""),
+    ],
+)
+def test_one_status_rule_and_one_resume_decision(tmp_path, last, status, why):
+    """RunFolder.status(), the Runs page's summary and `resumable` read the same rule."""
+    run = _run(tmp_path, final=False)
+    lines = [{"event": "StepMetrics", "step": 1, "loss": 2.0}] + ([last] if last else [])
+    run.metrics.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert run.status() == status == run.summary().status == runs.status_of(last)
+    assert (why in run.why_not_resumable()) if why else run.why_not_resumable() == ""
+    assert run.summary().resumable == (not why)
+    for _, folder in run.checkpoints():
+        shutil.rmtree(folder)
+    assert run.why_not_resumable().endswith("has no checkpoint to resume from.") or why
+    assert not run.summary().resumable
+
+
+def test_status_rule_edges():
+    assert runs.status_of(None, running=True) == "running"
+    assert runs.status_of({"event": "Failed"}, running=True) == "failed"  # an outcome wins
+    assert runs.status_of({"event": "Finished"}, problem="metrics.jsonl line 3 is not JSON") == "corrupt"
+    assert runs.resume_refusal("r", "running", True) == "r is running."
+    assert runs.resume_refusal("r", "corrupt", True) and runs.resume_refusal("r", "stopped", False)
+    assert runs.CONTROL == "control" and RunFolder("x").control_file.name == runs.CONTROL

@@ -5,7 +5,6 @@ Run on the GPU host: pytest -m gpu tests/gpu/test_attention_gpu.py -s
 """
 
 import math
-import time
 
 import pytest
 import torch
@@ -189,73 +188,3 @@ def test_flash_attn_backend_if_installed():
     a = varlen_attention(q, k, k, info.cu_seqlens, info.max_seqlen, backend="flash_attn")
     b = varlen_attention(q, k, k, info.cu_seqlens, info.max_seqlen)
     assert _rel(a, b) < 1e-2
-
-
-def _bench(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
-
-
-@pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (32, 8, 64), (32, 8, 128)], ids=["W1", "W2", "W3"])
-def test_timing_print(hq, hkv, d):
-    """Forward+backward of one layer's attention over a W1-style packed row (not asserted)."""
-    lengths = doc_lengths(seed=21)
-    info = PackedSeqInfo.from_lengths(lengths).to("cuda")
-    t = info.total_tokens
-    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    do = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
-    flops_fwd = 4 * sum(n * (n + 1) / 2 for n in lengths) * hq * d
-    flops = flops_fwd * 3.5  # forward + backward (2 + 5 matmuls)
-    results = {}
-
-    def ours():
-        varlen_attention(q, k, v, info.cu_seqlens, info.max_seqlen).backward(do)
-
-    results["tunesmith triton"] = _bench(ours)
-
-    qb, kb, vb = (x.detach().transpose(0, 1)[None].requires_grad_() for x in (q, k, v))
-    dob = do.transpose(0, 1)[None]
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda"))
-    pos = torch.arange(t, device="cuda")
-    dense = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
-
-    def sdpa():
-        torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=dense, enable_gqa=True).backward(dob)
-
-    try:
-        results["sdpa dense mask"] = _bench(sdpa, iters=5)
-    except Exception as exc:  # noqa: BLE001 - printed, not asserted
-        results["sdpa dense mask"] = f"failed: {type(exc).__name__}"
-
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        def mask_mod(b, h, qi, ki):
-            return (doc[qi] == doc[ki]) & (ki <= qi)
-
-        block_mask = create_block_mask(mask_mod, None, None, t, t, device="cuda")
-        flex = torch.compile(flex_attention)
-
-        def run_flex():
-            flex(qb, kb, vb, block_mask=block_mask, enable_gqa=True).backward(dob)
-
-        results["flex_attention"] = _bench(run_flex)
-    except Exception as exc:  # noqa: BLE001
-        results["flex_attention"] = f"failed: {type(exc).__name__}: {exc}"[:200]
-
-    print(f"\nattention fwd+bwd, T={t}, {len(lengths)} docs, Hq/Hkv/D={hq}/{hkv}/{d}")
-    for name, ms in results.items():
-        if isinstance(ms, float):
-            print(f"  {name:18s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s")
-        else:
-            print(f"  {name:18s} {ms}")
