@@ -76,16 +76,15 @@ def test_roles_not_alternating_is_one_rows_error(tmp_path, family_tokenizer):
         render_example(tok, DataConfig(source=str(path)), 1)
 
 
-@pytest.mark.slow
-def test_gemma2_with_system_rows_trains_from_the_command_line(tmp_path, family_folder):
-    rows = write_rows(tmp_path / "mixed.jsonl", MIXED * 3)
+def train_cli(tmp_path, folder, rows, **data):
+    """`tunesmith train` (python -m engine train) for 2 CPU steps; its stdout + stderr."""
     cfg = {
-        "model": {"name_or_path": str(family_folder("gemma-2")), "dtype": "float32", "load_in_4bit": False},
+        "model": {"name_or_path": str(folder), "dtype": "float32", "load_in_4bit": False},
         "lora": {"r": 4, "alpha": 8},
-        "data": {"source": rows, "max_seq_len": 128, "eval_fraction": 0},
+        "data": {"source": rows, "max_seq_len": 128, "eval_fraction": 0, **data},
         "training": {"max_steps": 2, "rows_per_micro_batch": 2, "lr": 0.001, "device": "cpu"},
     }
-    path = tmp_path / "gemma2.yaml"
+    path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = subprocess.run(
         [sys.executable, "-m", "engine", "train", str(path), "--output", str(tmp_path / "run")],
@@ -95,7 +94,21 @@ def test_gemma2_with_system_rows_trains_from_the_command_line(tmp_path, family_f
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 2/2" in out.stdout and "finished" in out.stdout
-    assert "Row 1 skipped: the chat template rejects this row: System role not supported" in out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_gemma2_with_system_rows_trains_from_the_command_line(tmp_path, family_folder):
+    log = train_cli(tmp_path, family_folder("gemma-2"), write_rows(tmp_path / "mixed.jsonl", MIXED * 3))
+    assert "Row 1 skipped: the chat template rejects this row: System role not supported" in log
+
+
+@pytest.mark.slow
+def test_qwen3_run_says_once_that_earlier_reasoning_is_dropped(tmp_path, family_folder):
+    rows = write_rows(tmp_path / "reasoning.jsonl", ["reasoning_multi_turn", "reasoning_then_plain", "single"] * 2)
+    log = train_cli(tmp_path, family_folder("qwen3"), rows, earlier_reasoning="keep")
+    assert log.count("drops the <think> reasoning of earlier answers in 4 rows") == 1
+    assert "each answer is trained as the last turn of its own example" in log
 
 
 def _rows_of(tmp_path, name):
