@@ -386,8 +386,8 @@ def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT,
         # llama.cpp's tokenizer against the trained one, on the rendered held-out conversations.
         bad = 0
         for p in ref.probes:
-            text = tok.decode(p.ids, skip_special_tokens=False)
-            if llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) != p.ids:
+            want = tok(p.text, add_special_tokens=False)["input_ids"]
+            if llm.tokenize(p.text.encode("utf-8"), add_bos=False, special=True) != want:
                 bad += 1
         lints.append(
             Lint(

@@ -185,7 +185,7 @@ class Shape:
             + "{{ end }}{{ end }}"
             + _lit(self.gen)
         )
-        if "$last" not in body:
+        if self.system != "last_user":  # only the fold into the last user turn asks which message is last
             body = body.replace("{{ $last := eq (len (slice $.Messages $i)) 1 }}", "")
         defines = "".join(f'{{{{ define "{name}" }}}}{_DEFINES[name]}{{{{ end }}}}' for name in needed)
         return defines + (_lit(self.bos) if with_bos else "") + head + body

@@ -121,6 +121,7 @@ class Probe:
     positions: list[int]  # t such that ids[t + 1] is an answer token: the logits scored
     prompt_ids: list[int]  # the conversation up to the assistant's turn (generation prompt added)
     prompt: str  # the user's message, for the report
+    text: str = ""  # the rendered conversation `ids` tokenize (decoding ids does not give it back: SentencePiece)
 
 
 def heldout_rows(cfg, limit: int) -> tuple[list, str]:
@@ -178,7 +179,11 @@ def make_probes(tokenizer, examples: list) -> list[Probe]:
             text = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
             prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
             prompt = head[-1]["content"]
-        probes.append(Probe(ex if not isinstance(ex, str) else [], tok.ids, positions, prompt_ids, prompt))
+        if isinstance(ex, str):
+            text = ex + (tokenizer.eos_token or "")
+        else:
+            text = tokenizer.apply_chat_template(ex, tokenize=False)
+        probes.append(Probe(ex if not isinstance(ex, str) else [], tok.ids, positions, prompt_ids, prompt, text))
     return probes
 
 
