@@ -149,6 +149,7 @@ class PreferenceData:
     skipped: list[tuple[int, str]] = field(default_factory=list)
     truncated: int = 0
     used_fallback_template: bool = False
+    notes: list[str] = field(default_factory=list)  # sentences the run log says once
 
     def summary(self) -> dict:
         return {
