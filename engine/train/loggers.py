@@ -42,7 +42,9 @@ class Loggers:
         """`say(message, level)`: the session's log. Returns Loggers (possibly with none open)."""
         self = cls(say)
         if output.tensorboard:
-            self._open_tensorboard(Path(run_dir) / "tensorboard")
+            from engine.runs import RunFolder
+
+            self._open_tensorboard(RunFolder(run_dir).tensorboard_dir)
         if output.wandb:
             self._open_wandb(Path(run_dir), config)
         return self
