@@ -44,6 +44,7 @@ from engine.hardware.vram import gpu_health_fields as _gpu_health_fields
 from engine.runs import RunFolder, RunFolderError, resume_checkpoint, step_of
 from engine.train.control import RunControl
 from engine.train.distributed import DistContext, share_from_main
+from engine.train.failure import failure_message
 from engine.train.faults import Faults
 from engine.train.guard import RunGuard
 from engine.train.objectives import objective_for
@@ -52,7 +53,6 @@ from engine.train.preflight import OverTheCard, grown_rows, over_the_card
 from engine.train.probe import ProbeUnavailable
 from engine.train.reporting import Reporter
 from engine.train.rollback import SNAPSHOT_EVERY, TrainingDiverged
-from engine.train.units import size
 
 __all__ = ["TrainingSession", "RunFolderError", "Faults", "TrainingDiverged", "ProbeUnavailable"]
 # Re-exported for callers and tests that knew them here.
@@ -136,7 +136,7 @@ class TrainingSession:
             return self._run()
         except Exception as exc:  # every failure becomes an event the person can act on
             event = Failed(
-                _human_message(exc, self._oom_advice),
+                failure_message(exc, self._oom_advice),
                 traceback.format_exc(),
                 str(self.last_checkpoint) if self.last_checkpoint else None,
             )
@@ -666,37 +666,3 @@ def _host_total() -> int:
     import psutil
 
     return psutil.virtual_memory().total
-
-
-def _human_message(exc: Exception, oom_advice: Callable[[], str] | None = None) -> str:
-    from engine.config import ConfigError
-    from engine.data.sources import DataError
-    from engine.models.loading import ModelLoadError
-
-    if isinstance(exc, (ConfigError, DataError, ModelLoadError, RunFolderError, FileNotFoundError, TrainingDiverged)):
-        return str(exc)
-    from engine.train.checkpoint import disk_free, is_disk_full, mount_of
-
-    if is_disk_full(exc):
-        where = getattr(exc, "filename", None)
-        if where:
-            return (
-                f"The disk at {mount_of(Path(where))} is full ({size(disk_free(Path(where)))} free) while writing "
-                f"{where}: free some space, then resume the run."
-            )
-        return "The disk is full: free some space, then resume the run."
-    name = type(exc).__name__
-    if isinstance(exc, OverTheCard) or "OutOfMemory" in name or "out of memory" in str(exc).lower():
-        try:
-            advice = oom_advice() if oom_advice is not None else ""
-        except Exception:  # a failure early in the setup: the settings are not all known yet
-            advice = ""
-        advice = advice or (
-            "lower training.rows_per_micro_batch or data.max_seq_len, turn on gradient checkpointing, "
-            "or load the model in 4 bits (model.load_in_4bit: true)"
-        )
-        if isinstance(exc, OverTheCard):
-            return f"Out of GPU memory from the second step on: the pre-flight measured {exc}. To fit: {advice}."
-        return f"Out of GPU memory. To fit: {advice}."
-
-    return f"Training failed: {name}: {exc}"

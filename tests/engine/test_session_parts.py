@@ -320,3 +320,21 @@ def test_saved_checkpoint_event_names_the_folder(tmp_path):
     state = json.loads((folder.checkpoint(3) / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["eval"] == {"best": None}
     assert saver.adapter(3) and (folder.adapter / "adapter_model.safetensors").is_file()
+
+
+# -- what a failed run says ------------------------------------------------------------------------
+def test_failure_messages_say_what_to_do():
+    import errno
+
+    from engine.config import ConfigError
+    from engine.train.failure import failure_message
+    from engine.train.preflight import OverTheCard
+
+    assert failure_message(ConfigError("training.lr", "must be > 0, got 0")) == "training.lr: must be > 0, got 0"
+    oom = failure_message(torch.OutOfMemoryError("CUDA out of memory"), lambda: "turn on gradient checkpointing")
+    assert oom == "Out of GPU memory. To fit: turn on gradient checkpointing."
+    over = failure_message(OverTheCard("its peak is over the card"), lambda: "")  # nothing left: the generic advice
+    assert over.startswith("Out of GPU memory from the second step on") and "load the model in 4 bits" in over
+    full = failure_message(OSError(errno.ENOSPC, "No space left on device"))
+    assert full == "The disk is full: free some space, then resume the run."
+    assert failure_message(KeyError("x")) == "Training failed: KeyError: 'x'"
