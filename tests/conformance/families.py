@@ -35,13 +35,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.conformance import upstream
 from tests.conformance.conversations import CONVERSATIONS, REASONING, WITH_SYSTEM
 
-FOLDER_VERSION = 2  # bump when what a folder holds changes
+FOLDER_VERSION = 3  # bump when what a folder holds changes
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,9 @@ def chat_template(fam: Family) -> str:
 
 
 # -- folders -----------------------------------------------------------------------------------
+_NOT_SPECIAL = frozenset({"<think>", "</think>"})
+
+
 def build_tokenizer(fam: Family):
     """The family's tokenizer: its vocabulary (checked against llama.cpp), its special tokens and
     its chat template."""
@@ -338,7 +342,11 @@ def build_tokenizer(fam: Family):
     vocab = tok.get_vocab()
     missing = [s for s in fam.specials if s not in vocab]
     if missing:
-        tok.add_tokens([AddedToken(s, special=True, normalized=False) for s in missing], special_tokens=True)
+        # <think> / </think> are added tokens but not special in the real Qwen3, SmolLM3 and
+        # DeepSeek-R1 tokenizers (decoding keeps them); the turn markers are special.
+        tok.add_tokens(
+            [AddedToken(s, special=s not in _NOT_SPECIAL, normalized=False) for s in missing], special_tokens=False
+        )
     for attr in ("bos", "eos", "pad"):
         value = getattr(fam, attr)
         if value is not None:
@@ -388,14 +396,19 @@ def build_family_folder(name: str, root: Path | None = None) -> Path:
     folder = root / name
     if (folder / "done.json").is_file():
         return folder
-    staging = root / f"{name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    # A staging folder of its own, so two test processes building the same family do not mix.
+    staging = Path(tempfile.mkdtemp(prefix=f"{name}.partial-", dir=root))
     tok = build_tokenizer(fam)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_tiny_config(fam, len(tok), tok))
     model.save_pretrained(staging)
     tok.save_pretrained(staging)
     (staging / "done.json").write_text(json.dumps({"family": name, "vocab": fam.vocab, "template": fam.template}))
-    shutil.rmtree(folder, ignore_errors=True)
-    staging.rename(folder)
+    try:
+        staging.rename(folder)
+    except OSError:  # another process finished it first: theirs is the same
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (folder / "done.json").is_file():
+            raise
     return folder
