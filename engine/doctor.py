@@ -78,6 +78,8 @@ def install_fix(what: str = "") -> str:
         prefix = "" if what != "gguf" else "TUNESMITH_GGUF=1 "
         return f"{prefix}bash {root / 'scripts' / 'install.sh'}"
     if frozen():
+        if what == "gguf":  # the bundle leaves llama.cpp out (a C++ build per machine)
+            return "not in the bundle: GGUF export runs from a checkout (TUNESMITH_GGUF=1 bash scripts/install.sh)"
         return "download the bundle again (a file of it is missing)"
     spec = {"gguf": "'tunesmith[gguf]'", "": "tunesmith"}.get(what, what)
     return f"{sys.executable} -m pip install {spec}"
