@@ -15,10 +15,7 @@ from engine.config import FastPathConfig
 from engine.resources import DEMO_MODEL_DIR
 
 LR = 5e-3
-# Adam's first steps move every weight by about lr * sign(grad): with eps at 1e-8 a gradient of
-# pure rounding noise (1e-12) moves as far as a real one, and two exact implementations part
-# ways. 1e-6 leaves real gradients (1e-4 and up) sign-like and damps the noise on both sides.
-EPS = 1e-6
+EPS = 1e-8  # AdamW's eps, set on both sides (TRL's Trainer: adam_epsilon)
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
 
 ROWS = [
