@@ -99,6 +99,15 @@ def carry_tokenizer_files(source, out: Path, tokenizer) -> list[str]:
     path = out / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     config.update(special_token_flags(tokenizer))
+    if config.get("tokenizer_class") in (None, GENERIC_CLASS):
+        # The converter picks a vocabulary reader by the class the model's repository names
+        # (Phi-4: GPT2Tokenizer, read as BPE, else tokenizer.model is required); transformers 5
+        # writes its generic class instead.
+        for folder in tokenizer_folders(source):
+            named = _tokenizer_class(folder)
+            if named not in (None, GENERIC_CLASS):
+                config["tokenizer_class"] = named
+                break
     if not config.get("added_tokens_decoder"):
         # A SentencePiece vocabulary is converted from tokenizer.model plus the tokens listed here
         # (<start_of_turn>, [INST], ...); transformers 5 keeps them in tokenizer.json only.
@@ -115,6 +124,16 @@ def carry_tokenizer_files(source, out: Path, tokenizer) -> list[str]:
         }
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return copied
+
+
+GENERIC_CLASS = "TokenizersBackend"  # what transformers 5 saves for any tokenizer.json tokenizer
+
+
+def _tokenizer_class(folder: Path) -> Optional[str]:
+    try:
+        return json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
 
 
 def special_token_flags(tokenizer) -> dict:

@@ -28,10 +28,14 @@ def write_tokenizer_model(fam, folder: Path) -> Path:
     tokens = _field(reader, "tokenizer.ggml.tokens")
     scores = _field(reader, "tokenizer.ggml.scores")
     types = _field(reader, "tokenizer.ggml.token_type")
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id")
     proto = spm.ModelProto()
-    for text, score, kind in zip(tokens, scores, types, strict=True):
+    for i, (text, score, kind) in enumerate(zip(tokens, scores, types, strict=True)):
         piece = proto.pieces.add()
-        piece.piece, piece.score, piece.type = text, float(score), int(kind)  # llama.cpp keeps SentencePiece's types
+        # llama.cpp keeps SentencePiece's token types, except that its [PADn] fillers are typed
+        # unknown; a SentencePiece model has one unknown piece, so they become unused ones.
+        kind = 5 if int(kind) == 2 and i != unk else int(kind)
+        piece.piece, piece.score, piece.type = text, float(score), kind
     proto.trainer_spec.model_type = spm.TrainerSpec.BPE
     proto.trainer_spec.byte_fallback = any(int(k) == 6 for k in types)
     proto.trainer_spec.vocab_size = len(tokens)

@@ -11,7 +11,8 @@ B matrices are set to seeded random values, so merging changes the weights, save
 saves it (adapter files and the tokenizer beside them, whose transformers 5 save_pretrained writes
 no tokenizer.model), a config.yaml naming the base folder, and the family's corpus conversations
 as the held-out file. SentencePiece families get the tokenizer.model their Hub repositories ship,
-rebuilt from llama.cpp's vocabulary (`sentencepiece_model`): the merged folder must carry it."""
+rebuilt from llama.cpp's vocabulary (`sentencepiece_model`), and Phi-4 the tokenizer_class its
+repository names: the merged folder must carry both."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ pytestmark = [
 # Families whose tokenizer is SentencePiece in their Hub repository (tokenizer.model beside
 # tokenizer.json): llama.cpp converts their vocabulary from tokenizer.model.
 SENTENCEPIECE = {"phi-3.5", "mistral-v0.2", "mistral-v1", "mistral-v3", "gemma-2"}
+# tokenizer_class in the Hub repository's tokenizer_config.json, where llama.cpp's converter reads it.
+HUB_TOKENIZER_CLASS = {"phi-4": "GPT2Tokenizer"}
 # Families llama.cpp 0.3.36's converter does not handle, with the reason.
 NOT_CONVERTED: dict[str, str] = {}
 
@@ -50,6 +53,10 @@ def make_run(name: str, root: Path) -> Path:
     shutil.copytree(build_family_folder(name), base)
     if name in SENTENCEPIECE:
         write_tokenizer_model(FAMILIES[name], base)
+    if name in HUB_TOKENIZER_CLASS:  # the class the Hub repository names, which transformers 5 does not keep
+        config = json.loads((base / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config["tokenizer_class"] = HUB_TOKENIZER_CLASS[name]
+        (base / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     run = root / "run"
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
