@@ -2,11 +2,11 @@
 good one when a step's loss is NaN/inf or spikes.
 
 A loss above `training.spike_factor` x the median of recent good losses (after warm-up) is a
-spike. The run goes back to the last good snapshot (adapters, optimizer, schedule, RNG; taken
-every SNAPSHOT_EVERY steps into host memory, and trusted once the step after it had a good
-loss) with the learning rate halved (RolledBack); a second time the run stops (TrainingDiverged)
-with the last good state saved. The check reads the loss already fetched for the metrics: no
-new sync.
+spike, for objectives whose loss measures progress (`Objective.loss_is_progress`; not GRPO's).
+The run goes back to the last good snapshot (adapters, optimizer, schedule, RNG; taken every
+SNAPSHOT_EVERY steps into host memory, and trusted once the step after it had a good loss) with
+the learning rate halved (RolledBack); a second time the run stops (TrainingDiverged) with the
+last good state saved. The check reads the loss already fetched for the metrics: no new sync.
 """
 
 from __future__ import annotations
@@ -34,11 +34,25 @@ class LossGuard:
     """Snapshots and rollbacks over the trained `params`, `optimizer` and `scheduler`.
 
     `fsdp`: each rank keeps its own shards. `emit`, `log`: the session's reporter.
-    `rollbacks` is kept in checkpoints, so a resumed run remembers it already halved the LR."""
+    `rollbacks` is kept in checkpoints, so a resumed run remembers it already halved the LR.
+    `check_spikes`: the objective's `loss_is_progress`; False leaves only the NaN/inf check (a
+    loss whose value is not a measure of progress, like GRPO's, has no spikes to catch)."""
 
-    def __init__(self, params, optimizer, scheduler, training, device, fsdp: bool, emit: Callable, log: Callable):
+    def __init__(
+        self,
+        params,
+        optimizer,
+        scheduler,
+        training,
+        device,
+        fsdp: bool,
+        emit: Callable,
+        log: Callable,
+        check_spikes: bool = True,
+    ):
         self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
-        self.spike_factor, self.warmup_steps = training.spike_factor, training.warmup_steps
+        self.spike_factor = training.spike_factor if check_spikes else 0.0
+        self.warmup_steps = training.warmup_steps
         self.device, self.is_cuda, self.fsdp = device, device.type == "cuda", fsdp
         self._emit, self._log = emit, log
         self.rollbacks = 0

@@ -407,7 +407,15 @@ class TrainingSession:
             self.faults,
         )
         self._loss_guard = LossGuard(
-            self._params, self._optimizer, self._scheduler, t, device, self._fsdp, rep.emit, rep.log
+            self._params,
+            self._optimizer,
+            self._scheduler,
+            t,
+            device,
+            self._fsdp,
+            rep.emit,
+            rep.log,
+            check_spikes=self._objective.loss_is_progress,
         )
         self._saver = Saver(
             self._folder,

@@ -110,3 +110,33 @@ def test_grpo_trains_through_the_session(tmp_path):
         assert {"reward", "reward_std", "rewards/format/mean", "rewards/exact_answer/mean", "kl"} <= m.keys()
         assert 0 < m["completion_length"] <= 8
     assert (Path(result.run_dir) / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_grpo_is_not_stopped_by_the_spike_guard(tmp_path):
+    """An on-policy GRPO loss is 0 in value but for its KL term (the advantages sum to zero per
+    group): beta x a KL that grows from 0 as the adapters move away from the base. With the default
+    spike_factor the median check took that growth for spikes and ended the run after its second
+    rollback (step 6 here, seed 0). GRPO says its loss is no measure of progress: only NaN/inf are
+    guarded."""
+    from engine.events import RolledBack
+    from engine.train.objectives.base import Objective
+    from engine.train.objectives.grpo import GRPO
+
+    assert Objective.loss_is_progress and not GRPO.loss_is_progress
+    cfg = config(tmp_path, "grpo", write_prompts(tmp_path / "prompts.jsonl"), steps=14)
+    assert cfg.training.spike_factor == RunConfig().training.spike_factor > 0  # the default, on
+    cfg.training.warmup_steps = 0
+    cfg.training.seed = 0
+    cfg.grpo.group_size = 4
+    cfg.grpo.max_new_tokens = 6
+    cfg.grpo.beta = 0.04
+    cfg.grpo.rewards = [RewardConfig(kind="regex", pattern=r"The .*")]
+    events = []
+    result = TrainingSession(cfg, events.append).run()
+    assert not isinstance(result, Failed), result.message
+    assert not [e for e in events if isinstance(e, RolledBack)]
+    assert [e.step for e in events if isinstance(e, StepMetrics)] == list(range(1, 15))
+    steps = [e for e in events if isinstance(e, StepMetrics)]
+    # The loss is the KL term alone (the case the median check cannot judge), and it grew.
+    assert all(s.loss == pytest.approx(0.04 * s.metrics["kl"], rel=1e-3, abs=1e-7) for s in steps)
+    assert steps[-1].loss > 3 * steps[1].loss > 0

@@ -184,6 +184,19 @@ def test_bad_losses_are_nan_inf_and_spikes_after_history():
     assert guard.bad_loss(6, 5.9) is None and guard.bad_loss(6, 6.1)[0] == "spike"
 
 
+def test_a_loss_that_is_no_measure_of_progress_has_no_spikes_but_nan_is_guarded():
+    from engine.train.rollback import LossGuard
+
+    guard, rec = guard_for()
+    quiet = LossGuard(guard.params, guard.optimizer, guard.scheduler, SimpleNamespace(spike_factor=3.0, warmup_steps=0),
+                      torch.device("cpu"), False, rec.emit, rec.log, check_spikes=False)  # fmt: skip
+    for s in range(1, 6):
+        guard.good_loss(s, 1e-9)
+        quiet.good_loss(s, 1e-9)
+    assert guard.bad_loss(6, 1e-3)[0] == "spike" and quiet.bad_loss(6, 1e-3) is None
+    assert quiet.bad_loss(6, float("nan"))[0] == "nan" and quiet.bad_loss(6, float("inf"))[0] == "inf"
+
+
 def test_rollback_restores_the_good_state_and_halves_the_lr_then_gives_up():
     from engine.train.rollback import TrainingDiverged
 

@@ -129,6 +129,11 @@ class Objective:
     registered with `engine.train.objectives.register`."""
 
     name: ClassVar[str] = ""
+    # Whether a higher loss means a worse model, so a jump above the recent median is a spike the
+    # guard rolls back (engine.train.rollback). False where the loss's value says nothing about
+    # progress: an on-policy GRPO loss is ~0 (advantages sum to zero per group), so any ordinary
+    # step is "many times the median". NaN and inf are guarded either way.
+    loss_is_progress: ClassVar[bool] = True
 
     def __init__(self, config):
         self.config = config  # the resolved RunConfig

@@ -75,6 +75,7 @@ def sample_completions(model, prompts, group_size, max_new_tokens, temperature, 
 @register
 class GRPO(Objective):
     name = "grpo"
+    loss_is_progress = False  # ~0 in value each step: the spike check would stop ordinary runs
 
     def __init__(self, config):
         super().__init__(config)
