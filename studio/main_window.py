@@ -141,6 +141,10 @@ class MainWindow(QMainWindow):
         win_state = self.settings.window_state()
         if win_state is not None:
             self.restoreState(win_state)
+        # A size saved when something had widened the window must not reopen it past the screen.
+        screen = self.screen().availableGeometry() if self.screen() is not None else None
+        if screen is not None and (self.width() > screen.width() or self.height() > screen.height()):
+            self.resize(min(self.width(), screen.width()), min(self.height(), screen.height()))
 
     # -- construction -----------------------------------------------------------------------
     def _build_menu(self) -> None:

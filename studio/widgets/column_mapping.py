@@ -7,7 +7,7 @@ finds no shape, the prompt/answer fields open under Format auto, usable right aw
 
 from __future__ import annotations
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QComboBox, QFormLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 FIELDS = {
@@ -33,6 +33,7 @@ class ColumnMappingEditor(QWidget):
         self.format.currentTextChanged.connect(self._rebuild)
         self.detected = QLabel("—")
         self.detected.setObjectName("caption")
+        self.detected.setWordWrap(True)  # "detected: none; pick …" must not set the page's width
         self.form = QFormLayout()
         self.apply = QPushButton("Apply mapping")
         self.apply.clicked.connect(self._apply)
@@ -76,8 +77,14 @@ class ColumnMappingEditor(QWidget):
         self.boxes = {}
         for name in self.fields(kind):
             box = QComboBox()
+            # Sized to a short name, not the longest column: a 60-character column name made the
+            # page ask for 1,250 px and widened the window past the screen (the list still shows it).
+            box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            box.setMinimumContentsLength(12)
             box.addItem(NONE)
             box.addItems(self.columns)
+            for i, col in enumerate(self.columns, start=1):
+                box.setItemData(i, col, Qt.ItemDataRole.ToolTipRole)
             box.setCurrentText(mapping.get(name, NONE) if mapping.get(name) in self.columns else NONE)
             box.setObjectName(f"map:{name}")
             label = (f"{LABELS[name]} ({name})" if name in LABELS else name) + (" *" if name in REQUIRED else "")
