@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     return finish(int(code))
 
 
-def finish(code: int, grace_ms: int = 3000) -> int:
+def finish(code: int, grace_ms: int = 1500) -> int:
     """Quit means the process ends within a few seconds, always: every background task is told to
     stop; one that cannot be (a Hub lookup retrying offline, a model load) is left behind by ending
     the process here, since the thread pools' destructors would otherwise wait for it."""

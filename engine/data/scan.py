@@ -17,7 +17,7 @@ from engine.config import DataConfig
 from engine.data.preview import PackingLayout, _raw, packing_layout
 from engine.data.xray import XRay, xray
 
-BATCH = 1000  # rows per Arrow batch: progress and cancel are checked this often
+BATCH = 250  # rows per Arrow batch: progress and cancel are checked this often (a second or two loaded)
 PACKING_SAMPLE = 20_000  # rows the packing view packs (the training run packs all)
 
 Progress = Optional[Callable[[int, int], None]]

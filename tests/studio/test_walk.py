@@ -291,4 +291,5 @@ def _walk(walk, window, qtbot, runs_dir, tmp_path, tasks):
         finally:
             if proc.poll() is None:
                 proc.kill()
+            proc.communicate()
         assert took < 5, f"the process lived {took:.1f} s after Quit"
