@@ -54,6 +54,7 @@ from engine.doctor import run_checks as doctor_checks
 # -- events ------------------------------------------------------------------------------------
 from engine.events import (
     CheckpointSaved,
+    CompletionSamples,
     DiskFull,
     EvalMetrics,
     Event,
@@ -227,6 +228,8 @@ __all__ = [
     "EvalMetrics",
     "GalleryAnswers",
     "ProbeUnavailable",
+    # training methods: GRPO's sampled completions with their rewards (issue 30)
+    "CompletionSamples",
     "best_label",
     # run folders
     "RunFolder",

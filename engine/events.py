@@ -220,6 +220,15 @@ class GalleryAnswers(Event):
     checkpoint: Optional[str] = None
 
 
+@dataclass
+class CompletionSamples(Event):
+    """GRPO's sampled completions of the step `step` (a log step), each with its prompt, the
+    summed reward and each reward function's score: {"prompt", "completion", "reward", <name>...}."""
+
+    step: int
+    samples: list[dict] = field(default_factory=list)
+
+
 EVENT_TYPES = {
     cls.__name__: cls
     for cls in (
@@ -237,6 +246,7 @@ EVENT_TYPES = {
         PreflightResult,
         EvalMetrics,
         GalleryAnswers,
+        CompletionSamples,
     )
 }
 

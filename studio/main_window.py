@@ -437,6 +437,8 @@ class MainWindow(QMainWindow):
             m.eval_metrics(event)
         elif isinstance(event, api.GalleryAnswers):
             m.gallery_answers(event)
+        elif isinstance(event, api.CompletionSamples):
+            m.completions(event)
         elif isinstance(event, (api.MemoryAdjusted, api.RolledBack, api.DiskFull, api.PreflightResult)):
             m.notice(event)
             if isinstance(event, api.PreflightResult) or (

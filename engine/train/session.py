@@ -39,7 +39,7 @@ from typing import Callable, Optional
 from engine.config import ConfigError, RunConfig
 from engine.counters import reset_counters, split_counts
 from engine.data import plural
-from engine.events import Event, Failed, Finished, LogLine, RunStarted, StepMetrics
+from engine.events import CompletionSamples, Event, Failed, Finished, LogLine, RunStarted, StepMetrics
 from engine.hardware.vram import gpu_health_fields as _gpu_health_fields
 from engine.runs import RunFolder, RunFolderError, resume_checkpoint, step_of
 from engine.train.control import RunControl
@@ -580,6 +580,9 @@ class TrainingSession:
             **(_gpu_health_fields(device.index or 0) if self._is_cuda else {}),
         )
         self._emit(metrics)
+        samples = self._objective.step_samples()
+        if samples:  # GRPO's completions with their rewards (the Monitor's table)
+            self._emit(CompletionSamples(step, samples))
         if self._reporter.loggers is not None:
             self._reporter.loggers.step(metrics)
 

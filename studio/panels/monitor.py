@@ -9,7 +9,9 @@ after running out of memory (MemoryAdjusted), a rollback after a NaN or a loss s
 (PreflightResult) shows its peak, step time and ETA on a line under the status.
 
 The eval loss on held-out examples (EvalMetrics) is a second curve on the Loss chart; the
-gallery's answers at each checkpoint (GalleryAnswers) fill the Gallery tab beside the log. On a
+gallery's answers at each checkpoint (GalleryAnswers) fill the Gallery tab beside the log; the
+training method's own metrics (StepMetrics.metrics) and GRPO's sampled completions
+(CompletionSamples) fill the Method tab (studio.widgets.method_view). On a
 GPU the Memory chart also shows the whole card's used memory (every process: the desktop, a
 browser), polled once a second through engine.api.device_memory, against the card's total.
 After a Stop, Resume continues the stopped run from its checkpoint.
@@ -43,6 +45,7 @@ from engine import api
 from studio.panels.common import Banner, caption, fmt_bytes, fmt_seconds, title
 from studio.widgets.gallery import GalleryView
 from studio.widgets.live_chart import LiveChart
+from studio.widgets.method_view import MethodView
 from studio.widgets.series import Ema
 
 GiB = 1024**3
@@ -143,6 +146,9 @@ class MonitorPanel(QWidget):
         self.tabs = QTabWidget()
         self.tabs.addTab(self.log, "Log")
         self.tabs.addTab(self.gallery, "Gallery")
+        # The training method's own metrics and GRPO's completions (empty for SFT).
+        self.method = MethodView()
+        self.tabs.addTab(self.method, "Method")
 
         split = QSplitter(Qt.Orientation.Vertical)
         split.addWidget(charts)
@@ -222,6 +228,7 @@ class MonitorPanel(QWidget):
         self.set_controls("running")
         self.resume.setToolTip("")
         self.gallery.clear()
+        self.method.clear()
         self.evals = []
         self._card = None
         self.card_memory = None
@@ -237,6 +244,7 @@ class MonitorPanel(QWidget):
         self.total_steps = int(ev.total_steps)
         for chart in self.charts:
             chart.set_x_span(self.total_steps)
+        self.method.set_x_span(self.total_steps)
         self.progress.setRange(0, max(1, self.total_steps))
         self.progress.setValue(int(getattr(ev, "resumed_from_step", 0) or 0))
         hw = ev.hardware or {}
@@ -269,6 +277,7 @@ class MonitorPanel(QWidget):
         self.grad.append("grad norm", x, m.grad_norm)
         self.tps.append("tokens/s", x, m.tokens_per_second)
         self.step_time.append("seconds", x, m.step_seconds)
+        self.method.add(int(m.step), getattr(m, "metrics", None) or {})
         on_gpu = m.device != "cpu" and m.mem_total > 0
         u = GiB
         self.memory.append("allocated", x, m.mem_allocated / u)
@@ -328,6 +337,10 @@ class MonitorPanel(QWidget):
 
     def gallery_answers(self, ev) -> None:
         self.gallery.add(ev.step, list(ev.prompts), list(ev.answers))
+
+    def completions(self, ev) -> None:
+        """A CompletionSamples: GRPO's sampled completions with their rewards, in the Method tab."""
+        self.method.add_samples(ev.step, list(ev.samples))
 
     # -- the card's memory, every process ----------------------------------------------------
     def _watch_card(self, hardware: dict, device: str) -> None:

@@ -28,6 +28,7 @@ from studio import presets
 from studio.config_form import ConfigForm
 from studio.panels.common import Banner, caption, card, title
 from studio.state import deep_merge
+from studio.widgets.method_picker import MethodPicker
 
 
 class TrainingPanel(QWidget):
@@ -82,6 +83,9 @@ class TrainingPanel(QWidget):
 
         self.form = ConfigForm(state)
         self.form.edited.connect(lambda _p: self.validate())
+        # training.method and the method's own settings (preference beta, GRPO's rewards).
+        self.method = MethodPicker(state)
+        self.method.edited.connect(lambda _p: self.validate())
         scroll = QScrollArea()
         scroll.setWidget(self.form)
         scroll.setWidgetResizable(True)
@@ -131,6 +135,7 @@ class TrainingPanel(QWidget):
         )
         lay.addWidget(self.banner)
         lay.addLayout(top)
+        lay.addWidget(self.method)
         lay.addWidget(split, 1)
 
         state.changed.connect(self._state_changed)

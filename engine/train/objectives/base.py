@@ -20,6 +20,7 @@ every optimizer step (and the pre-flight's rehearsal, with `rehearsal=True`):
   `loss(ctx.forward, model, batch, normalizer)` -> LossOutput per forward (the session
                                          backpropagates `.loss`, sums `.metrics`)
   `step_metrics(sums)`                   floats for StepMetrics.metrics (after the step's sync)
+  `step_samples()`                       at log steps: the step's generated samples, if any
 between steps:
   `eval_batches(held_out, row_tokens, rows)` once, then `loss` over them with no grad, the
   mean of `.loss` being EvalMetrics.eval_loss and `eval_metrics(sums)` its metrics.
@@ -174,6 +175,11 @@ class Objective:
     def step_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """The step's own metrics from the summed LossOutput.metrics (StepMetrics.metrics)."""
         return dict(sums)
+
+    def step_samples(self) -> list[dict]:
+        """What the latest step generated, shown at log steps (CompletionSamples): GRPO's
+        completions with their rewards; none for methods that generate nothing."""
+        return []
 
     # -- evaluation ---------------------------------------------------------------------------
     def eval_batches(self, held_out, row_tokens: int, rows_per_batch: int) -> list:

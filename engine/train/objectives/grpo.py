@@ -214,5 +214,8 @@ class GRPO(Objective):
             out["kl"] = sums["kl_sum"] / tokens
         return out
 
+    def step_samples(self):
+        return list(self.last_samples)
+
     def eval_batches(self, held_out, row_tokens, rows_per_batch):
         return []
