@@ -99,6 +99,14 @@ def carry_tokenizer_files(source, out: Path, tokenizer) -> list[str]:
     path = out / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     config.update(special_token_flags(tokenizer))
+    listed = set(tokenizer.all_special_tokens)
+    unlisted = [t.content for _, t in sorted(tokenizer.added_tokens_decoder.items()) if t.special]
+    unlisted = [t for t in unlisted if t not in listed]
+    if unlisted and not config.get("extra_special_tokens"):
+        # The converter asks the tokenizer which tokens are special (all_special_tokens) to type
+        # them control tokens; special added tokens inside the base vocabulary (Gemma's
+        # <|turn>) are not among them unless listed here, and llama.cpp then splits them as text.
+        config["extra_special_tokens"] = unlisted
     if config.get("tokenizer_class") in (None, GENERIC_CLASS):
         # The converter picks a vocabulary reader by the class the model's repository names
         # (Phi-4: GPT2Tokenizer, read as BPE, else tokenizer.model is required); transformers 5

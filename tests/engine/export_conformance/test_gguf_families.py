@@ -33,11 +33,17 @@ pytestmark = [
 
 # Families whose tokenizer is SentencePiece in their Hub repository (tokenizer.model beside
 # tokenizer.json): llama.cpp converts their vocabulary from tokenizer.model.
-SENTENCEPIECE = {"phi-3.5", "mistral-v0.2", "mistral-v1", "mistral-v3", "gemma-2"}
+SENTENCEPIECE = {"phi-3.5", "mistral-v0.2", "mistral-v1", "mistral-v3"}
 # tokenizer_class in the Hub repository's tokenizer_config.json, where llama.cpp's converter reads it.
 HUB_TOKENIZER_CLASS = {"phi-4": "GPT2Tokenizer"}
-# Families llama.cpp 0.3.36's converter does not handle, with the reason.
-NOT_CONVERTED: dict[str, str] = {}
+# Families whose GGUF is not checked here, with the reason.
+NOT_CONVERTED: dict[str, str] = {
+    # llama.cpp converts Gemma-2 from tokenizer.model only, and the suite's Gemma-2 stands in
+    # gemma-4's vocabulary (Gemma-2's is not in the sdist), which is BPE with merges, not a
+    # SentencePiece model: a tokenizer.model rebuilt from its pieces and scores tokenizes 3 of 5
+    # conversations differently. A real Gemma-2 folder ships its tokenizer.model.
+    "gemma-2": "no SentencePiece vocabulary for Gemma-2 in the suite",
+}
 
 
 def make_run(name: str, root: Path) -> Path:
