@@ -164,11 +164,16 @@ def warm_up() -> float:
     while the person is still choosing, so no run pays for the imports. A piece that does not
     import is skipped: it shows up, readable, when it is used."""
     t0 = time.perf_counter()
-    for name in _HEAVY:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    from engine.models.loading import quiet_third_party
+
+    # bitsandbytes says "Failed to load CPU gemm_4bit_forward from kernels-community" when imported
+    # (through peft) on a machine without the optional kernels package: nothing a user can act on.
+    with quiet_third_party():
+        for name in _HEAVY:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
     try:
         import transformers
 

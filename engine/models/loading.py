@@ -161,6 +161,10 @@ def load_tokenizer(cfg: ModelConfig):
     tok = _from_pretrained(AutoTokenizer, cfg, "tokenizer")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    # The engine cuts every example at data.max_seq_len itself (and the X-ray names rows it cuts), so
+    # transformers' "Token indices sequence length is longer than …" about a full row is noise:
+    # mark it as said, the tokenizer's own switch for it.
+    tok.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tok
 
 
