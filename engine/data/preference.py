@@ -23,7 +23,7 @@ or dropped, per `data.overlong`; a prompt that alone fills the row is skipped wi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from engine.data import plural
 from engine.data.formats import ROLE_NAMES
@@ -281,10 +281,72 @@ def _kl_twins(examples, labels, row_ids, skipped, limit, overlong):
     return out, lab, ids, docs, truncated
 
 
-def preference_findings(data: PreferenceData, limit: Optional[int] = None) -> list[dict[str, Any]]:
-    """X-ray findings for pairs: an empty side, identical sides (skipped rows say so), a side cut
-    by max_seq_len. Each: {row, finding}."""
-    out = [{"row": r, "finding": why} for r, why in data.skipped]
-    if data.kind == "paired" and data.truncated:
-        out.append({"row": None, "finding": f"{plural(data.truncated, 'pair')} cut to fit a row"})
-    return out
+def pair_findings(cfg, tokenizer, raw, spec: PreferenceSpec):
+    """The X-ray of paired preference rows (engine.data.xray calls it when the columns are a
+    pair format): (each readable row's tokens as its packed document holds them, before any cut:
+    prompt + chosen + prompt + rejected; [(kind, row, detail)]). The kinds:
+
+    - empty_side: the chosen or the rejected answer is empty (training skips the row);
+    - identical_sides: both answers render to the same tokens (nothing to prefer; skipped);
+    - side_truncated: prompt and both answers exceed max_seq_len, so a side is cut (or, with
+      data.overlong: drop, the pair dropped) and its end is not what was preferred;
+    - prompt_differs: the conversations before the two answers differ (the pair compares answers
+      to different prompts; the implicit-prompt format trains the shared part only);
+    - unreadable: anything else that stops the row (the sentence training would give)."""
+    ensure_chat_template(tokenizer)
+    m, limit = spec.mapping, cfg.max_seq_len
+    lengths, findings = [], []
+    for i, row in enumerate(raw):
+        sides = {}
+        for side in ("chosen", "rejected"):
+            value = row.get(m[side])
+            if value is None or (
+                isinstance(value, (str, list)) and not (value.strip() if isinstance(value, str) else value)
+            ):
+                findings.append(("empty_side", i, f"the {side} answer (column '{m[side]}') is empty"))
+                continue
+            if isinstance(value, list) and value and isinstance(value[-1], dict):
+                last = value[-1].get("content", value[-1].get("value"))
+                if isinstance(last, str) and not last.strip():
+                    findings.append(("empty_side", i, f"the {side} answer (column '{m[side]}') is empty"))
+                    continue
+            sides[side] = value
+        if len(sides) < 2:
+            continue
+        differs = False
+        try:
+            chosen = _messages(sides["chosen"], f"column '{m['chosen']}'", "assistant")
+            rejected = _messages(sides["rejected"], f"column '{m['rejected']}'", "assistant")
+            differs = chosen[:-1] != rejected[:-1]
+            if differs:
+                k = next(
+                    (j for j, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected))
+                )
+                findings.append(("prompt_differs", i, f"chosen and rejected differ before their answers (message {k})"))
+            if "prompt" in m:
+                prompt = _messages(row.get(m["prompt"]), f"column '{m['prompt']}'", "user")
+            else:
+                prompt, chosen, rejected = _shared_prompt(chosen, rejected)
+            p = _ids(tokenizer, prompt, generation_prompt=True)
+            c = _answer_ids(tokenizer, prompt, p, chosen)
+            r = _answer_ids(tokenizer, prompt, p, rejected)
+        except ValueError as exc:
+            if not (differs and "share no prompt" in str(exc)):  # said above: the prompts differ
+                findings.append(("unreadable", i, str(exc)))
+            continue
+        lengths.append(2 * len(p) + len(c) + len(r))
+        if c == r:
+            findings.append(("identical_sides", i, "chosen and rejected are the same answer (nothing to prefer)"))
+        answers, cut = _fit(p, [c, r], limit, cfg.overlong)
+        if answers is None:
+            findings.append(
+                ("side_truncated", i, f"prompt and both answers take {lengths[-1]} tokens, more than {limit}; dropped")
+            )
+        elif cut:
+            what = [
+                f"{side} keeps {len(a)} of {len(full)} tokens"
+                for side, a, full in (("chosen", answers[0], c), ("rejected", answers[1], r))
+                if len(a) < len(full)
+            ]
+            findings.append(("side_truncated", i, f"{'; '.join(what)} (max_seq_len {limit})"))
+    return lengths, findings

@@ -22,6 +22,10 @@
 - reasoning dropped: the template renders earlier answers without their <think> reasoning
   (data.earlier_reasoning decides what is trained).
 
+Preference pairs (chosen and rejected columns, with or without a prompt column) get their own
+findings instead (engine.data.preference.pair_findings): identical chosen and rejected, an empty
+side, a side truncated by ``max_seq_len``, a prompt that differs between the two sides.
+
 It also gives the token length of every row (before truncation) for a histogram against
 ``max_seq_len``. It never raises for a bad row: a row that cannot be read is a finding.
 """
@@ -48,6 +52,11 @@ KINDS = {
     "rejected": "the chat template rejects the row (training drops it)",
     "answer_end": "an answer's rendered span does not end at an end-of-turn token",
     "reasoning_dropped": "the template drops earlier answers' reasoning (see data.earlier_reasoning)",
+    # Preference pairs (prompt / chosen / rejected; engine.data.preference.pair_findings).
+    "identical_sides": "chosen and rejected are the same answer (nothing to prefer)",
+    "empty_side": "the chosen or the rejected answer is empty",
+    "side_truncated": "a side cut by max_seq_len (the pair compares cut answers)",
+    "prompt_differs": "the prompt differs between the chosen and the rejected side",
 }
 
 
@@ -124,8 +133,25 @@ def _texts(example) -> list[str]:
     return [m["content"] for m in example]
 
 
+def _pair_spec(cfg: DataConfig, columns: list[str]):
+    """The preference-pair spec when the columns are a pair format (chosen and rejected), else None."""
+    from engine.data.preference import detect_preference_format
+    from engine.data.sources import DataError
+
+    try:
+        return detect_preference_format(columns, "paired", cfg.columns, cfg.source)
+    except DataError:
+        return None
+
+
 def xray(cfg: DataConfig, tokenizer, raw=None) -> XRay:
     raw = load_raw(cfg) if raw is None else raw
+    pairs = _pair_spec(cfg, list(raw.column_names))
+    if pairs is not None:  # DPO/ORPO/SimPO data: the pairs' own findings
+        from engine.data.preference import pair_findings
+
+        lengths, found = pair_findings(cfg, tokenizer, raw, pairs)
+        return XRay(len(raw), cfg.max_seq_len, lengths, [Finding(*f) for f in found])
     spec = detect_format(list(raw.column_names), cfg.format, cfg.columns, cfg.source)
     if spec.kind != "text":
         ensure_chat_template(tokenizer)

@@ -69,3 +69,39 @@ def test_answer_without_end_marker_is_flagged(tmp_path, tok):
     x = xray(RunConfig.from_dict({"data": {"source": str(path)}}).data, tok)
     assert [(f.kind, f.row) for f in x.findings] == [("missing_eos", 0)]
     assert "answer" in x.findings[0].detail
+
+
+# -- preference pairs (issue 30): their own findings, through the X-ray the Data page runs -----------
+def test_preference_pairs_get_their_findings_through_the_xray_scan(tmp_path, tok):
+    from engine.api import DATA_FINDINGS, xray_scan
+
+    user = lambda t: {"role": "user", "content": t}  # noqa: E731
+    bot = lambda t: {"role": "assistant", "content": t}  # noqa: E731
+    rows = [
+        {"prompt": "What is 7 plus 5?", "chosen": "Answer: 12", "rejected": "Answer: 13"},  # 0: clean
+        {"prompt": "What is 2 plus 2?", "chosen": "Answer: 4", "rejected": "Answer: 4"},  # 1: identical
+        {"prompt": "What is 3 plus 3?", "chosen": "Answer: 6", "rejected": ""},  # 2: empty side
+        {"prompt": "Tell a story.", "chosen": "Once upon a time " * 40, "rejected": "No."},  # 3: chosen cut
+    ]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # TRL's implicit-prompt conversations: row 1's user turn differs between the sides.
+    conv = tmp_path / "conv.jsonl"
+    peru, chile = user("Capital of Peru?"), user("Capital of Chile?")
+    conv.write_text(
+        json.dumps({"chosen": [peru, bot("Lima")], "rejected": [peru, bot("Quito")]})
+        + "\n"
+        + json.dumps({"chosen": [peru, bot("Lima")], "rejected": [chile, bot("Lima")]})
+        + "\n"
+    )
+    x = xray_scan(RunConfig.from_dict({"data": {"source": str(pairs), "max_seq_len": 96}}).data, tok)
+    found = {(f.kind, f.row) for f in x.findings}
+    assert found == {("identical_sides", 1), ("empty_side", 2), ("side_truncated", 3)}, x.findings
+    (cut,) = x.by_kind()["side_truncated"]
+    assert cut.detail.startswith("chosen keeps ") and "rejected" not in cut.detail
+    assert x.rows == 4 and len(x.lengths) == 3 and x.over_limit() == 1  # row 3 is over max_seq_len
+    assert {"identical_sides", "empty_side", "side_truncated", "prompt_differs"} <= DATA_FINDINGS.keys()
+
+    x = xray_scan(RunConfig.from_dict({"data": {"source": str(conv)}}).data, tok)
+    assert [(f.kind, f.row) for f in x.findings] == [("prompt_differs", 1)], x.findings
+    assert "message 0" in x.findings[0].detail
