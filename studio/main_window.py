@@ -134,6 +134,7 @@ class MainWindow(QMainWindow):
         # Ready to Train on the demo: its preset's hyperparameters suit the bundled tiny model.
         self.training_panel.apply_preset("demo", quiet=True)
         self.steps.select_step(MODEL)
+        self.sync_run_menu()
         self.resize(1200, 800)
         geometry = self.settings.geometry()
         if geometry is not None:
@@ -159,6 +160,8 @@ class MainWindow(QMainWindow):
             action.triggered.connect(slot)
             file_menu.addAction(action)
         run_menu = self.menuBar().addMenu("&Run")
+        run_menu.aboutToShow.connect(self.sync_run_menu)
+        self.run_actions: dict[str, QAction] = {}
         for text, slot in (
             ("Train", self.start_training),
             ("Pause", self.pause),
@@ -168,6 +171,7 @@ class MainWindow(QMainWindow):
             action = QAction(text, self)
             action.triggered.connect(slot)
             run_menu.addAction(action)
+            self.run_actions[text] = action
             if text == "Train":
                 self.train_action = action
             elif text == "Resume":
@@ -242,6 +246,14 @@ class MainWindow(QMainWindow):
             self.runs_panel.refresh()
         elif step == HARDWARE:
             self.hardware_panel.refresh()
+
+    def sync_run_menu(self) -> None:
+        """Grey the Run menu's items that would do nothing now, as the Monitor's buttons are."""
+        m = self.monitor_panel
+        training = self.is_training()
+        self.run_actions["Pause"].setEnabled(training and m.pause.isEnabled())
+        self.run_actions["Stop"].setEnabled(training and m.stop.isEnabled())
+        self.run_actions["Resume"].setEnabled(m.resume.isEnabled() if training else self.resume_target() is not None)
 
     def go_to(self, step: int) -> None:
         self.steps.select_step(step)
@@ -330,6 +342,7 @@ class MainWindow(QMainWindow):
         self.go_to(MONITOR)
         self.statusBar().showMessage(f"Resuming {Path(resume_from).name}…" if resume_from else "Training…")
         self.worker.start()
+        self.sync_run_menu()
         return True
 
     def pause(self) -> None:
@@ -407,6 +420,8 @@ class MainWindow(QMainWindow):
 
     def _on_event(self, event) -> None:
         m = self.monitor_panel
+        if not isinstance(event, (api.StepMetrics, api.LogLine)):
+            QTimer.singleShot(0, self.sync_run_menu)  # after this event has set the Monitor's buttons
         if isinstance(event, api.StepMetrics):
             m.step(event)
         elif isinstance(event, api.LogLine):
@@ -518,6 +533,7 @@ class MainWindow(QMainWindow):
         if self.pages.currentWidget() is self.runs_panel:
             self.runs_panel.refresh()
         self.run_finished.emit(self.finished_event)
+        self.sync_run_menu()
         if self._close_after_stop:
             self._close_after_stop = False
             QTimer.singleShot(0, self.close)

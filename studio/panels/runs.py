@@ -43,7 +43,8 @@ from studio.panels.common import Banner, caption, fmt_seconds, title
 from studio.tasks import run_task
 from studio.widgets.history_chart import HistoryChart, color_for
 
-COLUMNS = ("Name", "Date", "Model", "Data", "Status", "Steps", "Final loss", "Best loss", "Duration", "Tokens/s")
+# "Best train loss": the lowest training loss logged; the Monitor's "best" is the eval loss's.
+COLUMNS = ("Name", "Date", "Model", "Data", "Status", "Steps", "Final loss", "Best train loss", "Duration", "Tokens/s")
 NAME, DATE, MODEL, DATA, STATUS, STEPS, FINAL, BEST, DURATION, SPEED = range(len(COLUMNS))
 STATUS_COLORS = {
     "running": "#2e6fd1",
@@ -483,7 +484,10 @@ class RunsPanel(QWidget):
                 item.setForeground(QBrush(QColor(color_for(c - 1))))
                 self.diff.setItem(r, c, item)
         self.diff.resizeColumnsToContents()
-        note = "Same config in every setting." if not rows else f"{len(rows)} settings differ."
+        if not rows:
+            note = "Same config in every setting."
+        else:
+            note = "1 setting differs." if len(rows) == 1 else f"{len(rows)} settings differ."
         if unreadable:
             note += f" No readable config.yaml in {', '.join(unreadable)}."
         self.diff_note.setText(note)

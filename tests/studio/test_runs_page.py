@@ -101,7 +101,7 @@ def test_a_run_is_listed_with_its_numbers_charts_and_actions(window, qtbot, runs
     assert row["Steps"] == "6 / 6"
     assert row["Model"] == "demo" and row["Data"] == "demo"
     assert row["Final loss"] == f"{losses[6]:.4f}"
-    assert row["Best loss"] == f"{min(losses.values()):.4f}"
+    assert row["Best train loss"] == f"{min(losses.values()):.4f}"
     assert row["Tokens/s"] == f"{statistics.median(speeds):,.0f}"
     assert row["Date"] != "—" and row["Duration"] != "—"
 
