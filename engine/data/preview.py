@@ -72,6 +72,31 @@ class PackingLayout:
     skipped: list[tuple[int, str]]
 
 
+# What the window calls each preference data kind (engine.data.preference) as its format. Not
+# GRPO's prompts: a lone prompt-like column is also an SFT file with its answer column unnamed,
+# which must still open the column mapping (a GRPO file with an answer column reads as SFT data).
+PREFERENCE_FORMATS = {"paired": "preference pairs", "unpaired": "labelled answers (KTO)"}
+
+
+def _preference_spec(cfg: DataConfig, columns: list[str]):
+    """The preference data kind of columns no supervised format matches (pairs, KTO's labelled
+    answers), or None. Supervised formats win: a file both could read trains SFT
+    as before, and training.method decides what a run reads."""
+    from engine.data.preference import detect_preference_format
+
+    try:
+        detect_format(columns, cfg.format, cfg.columns, cfg.source)
+        return None
+    except DataError:
+        pass
+    for kind in PREFERENCE_FORMATS:
+        try:
+            return detect_preference_format(columns, kind, cfg.columns, cfg.source)
+        except DataError:
+            continue
+    return None
+
+
 def load_preview(cfg: DataConfig) -> DataPreview:
     """Rows and detected format; raises DataError when the file cannot be read at all."""
     ds = _raw(cfg)
@@ -79,6 +104,10 @@ def load_preview(cfg: DataConfig) -> DataPreview:
     try:
         spec = detect_format(columns, cfg.format, cfg.columns, cfg.source)
     except DataError as exc:
+        pref = _preference_spec(cfg, columns)
+        if pref is not None:  # rows are checked by the X-ray and the packing (their skipped rows)
+            spec = FormatSpec(PREFERENCE_FORMATS[pref.kind], dict(pref.mapping))
+            return DataPreview(columns, len(ds), spec, dict(pref.mapping), [], None, ds)
         return DataPreview(columns, len(ds), None, {}, [], str(exc), ds, exc)
     problems = []
     for i, row in enumerate(ds):
@@ -93,6 +122,9 @@ def render_example(tokenizer, cfg: DataConfig, index: int) -> RenderedExample:
     ds = _raw(cfg)
     if not 0 <= index < len(ds):
         raise DataError(f"row {index} does not exist ({plural(len(ds), 'row')})")
+    pref = _preference_spec(cfg, list(ds.column_names))
+    if pref is not None:
+        return _render_preference(tokenizer, cfg, ds, index, pref.kind)
     spec = detect_format(list(ds.column_names), cfg.format, cfg.columns, cfg.source)
     fallback = ensure_chat_template(tokenizer) if spec.kind != "text" else False
     try:
@@ -143,11 +175,45 @@ def token_pieces(tokenizer, text: str, ids: list[int]) -> list[str]:
     return pieces
 
 
+def _render_preference(tokenizer, cfg: DataConfig, ds, index: int, kind: str) -> RenderedExample:
+    """One preference row as training packs it: prompt + chosen, prompt + rejected (answers
+    trained); KTO: prompt + answer."""
+    from engine.data.preference import prepare_preference_data
+
+    try:
+        data = prepare_preference_data(cfg, tokenizer, kind, raw=ds.select([index]))
+    except DataError as exc:
+        raise DataError(f"row {index}: {str(exc).rsplit(': ', 1)[-1]}") from exc
+    example = data.examples[0]
+    parts = [(example[0], False), (example[1], True), (example[0], False), (example[2], True)]
+    parts = parts[: {"paired": 4, "unpaired": 2}[kind]]
+    pieces = [(_piece_of(tokenizer, t), trained) for ids, trained in parts for t in ids]
+    return RenderedExample(index, pieces, len(pieces), sum(t for _, t in pieces), bool(data.truncated), False)
+
+
 def packing_layout(tokenizer, cfg: DataConfig, raw=None) -> PackingLayout:
     """`raw`: the rows to pack (engine.data.scan passes a bounded, cancellable view of them)."""
     from engine.data.dataset import prepare_dataset
 
-    data = prepare_dataset(cfg, tokenizer, raw=_raw(cfg) if raw is None else raw)
+    raw = _raw(cfg) if raw is None else raw
+    pref = _preference_spec(cfg, list(raw.column_names))
+    if pref is not None:
+        from engine.data.preference import prepare_preference_data
+
+        p = prepare_preference_data(cfg, tokenizer, pref.kind, raw=raw)
+        rows = [[len(p.docs[d]) for d in row] for row in p.packing.rows]
+        unpacked = len(p.docs) * max(map(len, p.docs))  # every example padded to the longest
+        return PackingLayout(
+            rows,
+            p.packing.row_tokens,
+            p.packing.efficiency,
+            max(0, unpacked - len(rows) * p.packing.row_tokens),
+            len(p.docs),
+            p.truncated,
+            0,
+            p.skipped,
+        )
+    data = prepare_dataset(cfg, tokenizer, raw=raw)
     s = data.summary()
     rows = [[len(data.docs[d]) for d in row] for row in data.packing.rows]
     return PackingLayout(

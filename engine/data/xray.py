@@ -134,10 +134,16 @@ def _texts(example) -> list[str]:
 
 
 def _pair_spec(cfg: DataConfig, columns: list[str]):
-    """The preference-pair spec when the columns are a pair format (chosen and rejected), else None."""
+    """The preference-pair spec when the columns are a pair format (chosen and rejected) and no
+    supervised format (as the Data page's preview decides: engine.data.preview), else None."""
     from engine.data.preference import detect_preference_format
     from engine.data.sources import DataError
 
+    try:
+        detect_format(columns, cfg.format, cfg.columns, cfg.source)
+        return None
+    except DataError:
+        pass
     try:
         return detect_preference_format(columns, "paired", cfg.columns, cfg.source)
     except DataError:

@@ -155,3 +155,28 @@ def test_a_user_reward_file_is_called_and_its_errors_named(tmp_path):
         build_rewards([RewardConfig(kind="python", file=str(f))])
     with pytest.raises(RewardError, match=r"no such reward file"):
         build_rewards([RewardConfig(kind="python", file=str(tmp_path / "gone.py"))])
+
+
+def test_the_data_preview_reads_pair_files(tmp_path, tok):
+    """The Data page's preview, example and packing (engine.data.preview) on a pairs file: the
+    format is named, no 'no known shape' error, the packing is the run's (two sides a row). (A KTO
+    file's prompt / completion columns already read as SFT's instruction format there.)"""
+    from engine.data.preview import load_preview, packing_layout, render_example
+
+    pairs = _file(
+        tmp_path,
+        [{"prompt": f"What is {i} plus 1?", "chosen": f"Answer: {i + 1}", "rejected": "Answer: 0"} for i in range(6)],
+        "pairs.jsonl",
+    )
+    preview = load_preview(pairs)
+    assert preview.error is None and preview.format.kind == "preference pairs"
+    assert preview.mapping == {"chosen": "chosen", "rejected": "rejected", "prompt": "prompt"}
+    layout = packing_layout(tok, pairs)
+    data = prepare_preference_data(pairs, tok, "paired")
+    assert layout.examples == 6 and layout.rows == [[len(data.docs[d]) for d in row] for row in data.packing.rows]
+    ex = render_example(tok, pairs, 2)
+    assert ex.n_tokens == len(data.docs[2]) and "".join(t for t, on in ex.pieces if on).count("Answer") == 2
+
+    # A lone prompt-like column is not taken for GRPO prompts: the SFT mapping is still offered.
+    lone = _file(tmp_path, [{"question": "What is 1 plus 1?", "notes": "x"}], "lone.jsonl")
+    assert load_preview(lone).error is not None

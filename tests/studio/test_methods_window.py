@@ -6,6 +6,7 @@ their rewards at each log step, including the user's reward file. Waits for even
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -107,3 +108,34 @@ def test_grpo_trains_from_the_window_with_the_users_reward_file(window, qtbot, r
         assert sample["reward"] == pytest.approx(expected)  # the user's function really ran
     show_method_tab(window.monitor_panel)
     screenshot(window.monitor_panel, "monitor-grpo-completions")
+
+
+def test_the_data_page_reads_preference_pairs_and_xrays_them(window, qtbot, tmp_path):
+    """A pairs file on the Data page: its format is named (not 'match no known shape'), Train is
+    not blocked, an example shows the prompt with each answer trained, and the X-ray lists the
+    pairs' own findings with their rows."""
+    from PySide6.QtCore import Qt
+
+    dp = window.data_panel
+    qtbot.waitUntil(lambda: dp.preview is not None, timeout=60_000)
+    rows = [
+        {"prompt": "What is 7 plus 5?", "chosen": "Answer: 12", "rejected": "Answer: 13"},
+        {"prompt": "What is 2 plus 2?", "chosen": "Answer: 4", "rejected": "Answer: 4"},  # 1: identical sides
+        {"prompt": "What is 3 plus 3?", "chosen": "", "rejected": "Answer: 6"},  # 2: empty side
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with qtbot.waitSignal(dp.xray_ready, timeout=120_000):
+        dp.load_source(str(path))
+    assert "preference pairs" in dp.summary.text() and not dp.problem
+    assert window.train_blocker() == ""
+    view = dp.xray_view
+    items = [view.tree.topLevelItem(i) for i in range(view.tree.topLevelItemCount())]
+    by_kind = {it.data(0, Qt.ItemDataRole.UserRole): it for it in items}
+    assert set(by_kind) == {"identical_sides", "empty_side"}
+    assert by_kind["identical_sides"].child(0).text(1) == "1" and by_kind["empty_side"].child(0).text(1) == "2"
+    assert "chosen" in by_kind["empty_side"].child(0).text(2)
+    assert dp.tabs.tabText(4) == "X-ray (2)"
+    qtbot.waitUntil(lambda: dp.example is not None and dp.example.index == 0, timeout=60_000)
+    trained = "".join(text for text, on in dp.example.pieces if on)
+    assert "12" in trained and "13" in trained  # both answers trained, after their prompt
