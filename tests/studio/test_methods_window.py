@@ -44,12 +44,17 @@ def type_into(qtbot, edit, text: str) -> None:
 
 
 def test_dpo_trains_from_the_window_and_charts_its_margins(window, qtbot, runs_dir, tmp_path):
-    configure(window, runs_dir, "dpo-window", steps=3, **{"data.source": str(write_pairs(tmp_path / "pairs.jsonl"))})
+    configure(window, runs_dir, "dpo-window", steps=3)
+    dp = window.data_panel
+    qtbot.waitUntil(lambda: dp.preview is not None, timeout=60_000)
+    with qtbot.waitSignal(dp.xray_ready, timeout=120_000):  # opened on the Data page, as a person does
+        dp.load_source(str(write_pairs(tmp_path / "pairs.jsonl")))
     page = pick(window, qtbot, "dpo")
     assert page.preference.isVisibleTo(page) and not page.grpo.isVisibleTo(page)
     assert not page.user_code.isVisibleTo(page)
     type_into(qtbot, page.beta, "0.2")
     assert window.state.get("preference.beta") == 0.2
+    assert window.training_panel.train.isEnabled(), window.training_panel.train_reason.text()
     finished = train(window, qtbot)
     assert finished.summary["steps"] == 3
     view = window.monitor_panel.method
