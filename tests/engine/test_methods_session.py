@@ -109,6 +109,7 @@ def test_grpo_trains_through_the_session(tmp_path):
         m = s.metrics
         assert {"reward", "reward_std", "rewards/format/mean", "rewards/exact_answer/mean", "kl"} <= m.keys()
         assert 0 < m["completion_length"] <= 8
+        assert not any("KV cache" in k for k in s.fallbacks), s.fallbacks  # generation is not the step
     assert (Path(result.run_dir) / "adapter" / "adapter_model.safetensors").exists()
 
 

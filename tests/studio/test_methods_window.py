@@ -96,6 +96,7 @@ def test_grpo_trains_from_the_window_with_the_users_reward_file(window, qtbot, r
     assert window.state.get("grpo.group_size") == 4 and window.state.get("grpo.beta") == 0.04
     finished = train(window, qtbot)
     assert finished.summary["steps"] == 3
+    assert "KV cache" not in window.monitor_panel.fast_path_warning  # sampling is not a fallback
     view = window.monitor_panel.method
     assert {"Reward mean", "Reward spread (std)", "Completion length", "KL to the base"} <= view.charts.keys()
     for name in ("total", "format", "short_answer"):

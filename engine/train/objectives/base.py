@@ -112,9 +112,15 @@ class StepContext:
         """Eval mode and no autograd for a generation phase (GRPO's groups from the current
         policy, adapters on); train mode back after. Unlike the gallery this does not restore
         the RNG: the samples are part of the training step (a rerun after running out of memory
-        restores the step's RNG first, so it samples the same groups)."""
+        restores the step's RNG first, so it samples the same groups). The fast-path counters
+        come back as they were: StepMetrics' calls and fallbacks describe the training forwards,
+        and decoding with a KV cache takes the stock attention by design (counted, it read as a
+        fast path that "did not run" on every GRPO step)."""
         import torch
 
+        from engine.counters import COUNTERS, reset_counters
+
+        before = dict(COUNTERS)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -123,6 +129,8 @@ class StepContext:
         finally:
             if was_training:
                 self.model.train()
+            reset_counters()
+            COUNTERS.update(before)
 
 
 class Objective:
