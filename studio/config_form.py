@@ -27,8 +27,9 @@ from PySide6.QtWidgets import (
 from engine.api import AUTO, RunConfig
 from studio.field_help import HELP, SECTION_TITLES
 
-# Fields edited on other pages (Model, Data) or not meant for a form.
-SKIP = {"model.name_or_path", "data.source", "data.format", "data.columns"}
+# Fields edited on other pages (Model, Data), by the Train page's method selector
+# (studio.widgets.method_picker), or not meant for a form.
+SKIP = {"model.name_or_path", "data.source", "data.format", "data.columns", "training.method"}
 SECTIONS = ["training", "lora", "data", "model", "fast_paths", "output"]
 
 

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPushButton,
+    QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
@@ -62,6 +63,7 @@ class MethodPicker(QWidget):
 
     def __init__(self, state, parent=None):
         super().__init__(parent)
+        self.setObjectName("methodPicker")
         self.state = state
         self._loading = False
         self.box = QComboBox()
@@ -72,6 +74,9 @@ class MethodPicker(QWidget):
         self.what = QLabel("")
         self.what.setObjectName("methodWhat")
         self.what.setWordWrap(True)
+        # Wraps into the width it is given: a long sentence must not widen the page (issue 28).
+        self.what.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.what.setMinimumHeight(34)
         top = QHBoxLayout()
         top.setContentsMargins(0, 0, 0, 0)
         top.addWidget(QLabel("Method"))

@@ -50,6 +50,7 @@ def test_dpo_trains_from_the_window_and_charts_its_margins(window, qtbot, runs_d
     with qtbot.waitSignal(dp.xray_ready, timeout=120_000):  # opened on the Data page, as a person does
         dp.load_source(str(write_pairs(tmp_path / "pairs.jsonl")))
     page = pick(window, qtbot, "dpo")
+    assert "training.method" not in window.training_panel.form.fields  # one place to choose it
     assert page.preference.isVisibleTo(page) and not page.grpo.isVisibleTo(page)
     assert not page.user_code.isVisibleTo(page)
     type_into(qtbot, page.beta, "0.2")
@@ -94,6 +95,10 @@ def test_grpo_trains_from_the_window_with_the_users_reward_file(window, qtbot, r
         {"kind": "python", "file": str(reward)},
     ]
     assert window.state.get("grpo.group_size") == 4 and window.state.get("grpo.beta") == 0.04
+    from studio.main_window import TRAIN
+
+    window.go_to(TRAIN)
+    screenshot(window, "train-grpo-method")
     finished = train(window, qtbot)
     assert finished.summary["steps"] == 3
     assert "KV cache" not in window.monitor_panel.fast_path_warning  # sampling is not a fallback
