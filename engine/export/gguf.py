@@ -436,6 +436,8 @@ def _lint_prompt_tokens(llm, tok, ref, folder: Path):
     from engine.export import modelfile
     from engine.export.selfcheck import Lint
 
+    if not (folder / "Modelfile").is_file():
+        return Lint("modelfile", False, "there is no Modelfile beside the GGUF")
     adds_bos = _adds_bos(Path(llm.model_path))
     tr = modelfile.translate(tok, runtime_adds_bos=adds_bos)
     written = modelfile.read_modelfile(folder / "Modelfile")["template"]
