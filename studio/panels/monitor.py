@@ -490,7 +490,7 @@ class MonitorPanel(QWidget):
     def _drop_points_after(self, step: int) -> None:
         """After a rollback: the curves end at the good step again, so the rerun steps draw on
         from there instead of doubling back."""
-        for chart in self.charts:
+        for chart in [*self.charts, *self.method.charts.values()]:  # the method's curves too
             for name in list(chart._series):
                 xs, ys = (a.copy() for a in chart.series(name).view())
                 chart.series(name).clear()

@@ -150,3 +150,22 @@ def test_the_data_page_reads_preference_pairs_and_xrays_them(window, qtbot, tmp_
     qtbot.waitUntil(lambda: dp.example is not None and dp.example.index == 0, timeout=60_000)
     trained = "".join(text for text, on in dp.example.pieces if on)
     assert "12" in trained and "13" in trained  # both answers trained, after their prompt
+
+
+def test_a_rollback_drops_the_method_curves_after_the_good_step(qtbot):
+    """The Method tab's curves, like the Monitor's, end at the good step after a rollback (the
+    rerun steps draw on from there instead of doubling back)."""
+    from engine.api import RolledBack, StepMetrics
+    from studio.panels.monitor import MonitorPanel
+
+    m = MonitorPanel()
+    qtbot.addWidget(m)
+    m.begin()
+    for step in range(1, 7):
+        metrics = {"rewards/margins": 0.1 * step, "rewards/accuracies": 0.5}
+        m.step(StepMetrics(step, 10, 0.0, 1.0, 1e-3, 1.0, 100, 50, 0.1, 1000.0, metrics=metrics))
+    chart = m.method.charts["Rewards (preference)"]
+    assert chart.point_count("margins") == 6
+    assert m.notice(RolledBack(6, 3, "nan", float("nan"), 1e-3, 5e-4, "The loss turned NaN at step 6"))
+    assert list(chart.series("margins").view()[0]) == [1.0, 2.0, 3.0]
+    assert m.method.charts["Reward accuracy"].point_count("accuracy") == 3
