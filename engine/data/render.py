@@ -78,15 +78,19 @@ def _template_errors() -> tuple[type[BaseException], ...]:
     return (TemplateError, TypeError, KeyError, IndexError, AttributeError, ValueError)
 
 
+SYSTEM_JOIN = "\n\n"  # between the system prompt and the first user message, in training and in the Modelfile
+
+
 def fold_system_message(messages: list[dict]) -> list[dict]:
-    """The system message put at the start of the first user turn (a blank line between)."""
-    if not messages or messages[0]["role"] != "system":
-        return messages
-    system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
+    """The system prompt put at the start of the first user turn (SYSTEM_JOIN between): what a
+    template without a system turn (Gemma-2) is given, in training and in the exported Modelfile
+    (engine.export.modelfile uses this same function, so the two never disagree)."""
+    system = SYSTEM_JOIN.join(m["content"] for m in messages if m["role"] == "system" and m["content"])
+    rest = [dict(m) for m in messages if m["role"] != "system"]
     for m in rest:
-        if m["role"] == "user":
-            m["content"] = f"{system}\n\n{m['content']}" if system else m["content"]
-            return rest
+        if system and m["role"] == "user":
+            m["content"] = system + SYSTEM_JOIN + m["content"]
+            break
     return rest
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from engine.data.render import SYSTEM_JOIN, fold_system_message
+
 _MARK = "\x02{}\x03"  # marker contents no template changes
 _WS = " \t\n\r\v\f"  # what trimming removes, here and in the Go template (ASCII whitespace)
 _THINK_END = "</think>"
@@ -349,19 +351,9 @@ def _probe_messages(slot: str, probe: str) -> list[dict]:
 
 
 # -- checking a translation --------------------------------------------------------------------
-JOIN = "\n\n"  # between the system prompt and the first user message when a template has no system turn
-
-
-def fold_system(messages: list[dict]) -> list[dict]:
-    """`messages` with the system prompt joined to the first user message (JOIN between): what a
-    template without a system turn (Gemma-2) is given, in training and in the Modelfile."""
-    system = JOIN.join(m["content"] for m in messages if m["role"] == "system")
-    out = [dict(m) for m in messages if m["role"] != "system"]
-    for m in out:
-        if system and m["role"] == "user":
-            m["content"] = system + JOIN + m["content"]
-            break
-    return out
+# The fold that training applies to a template without a system turn (one home: engine.data.render).
+JOIN = SYSTEM_JOIN
+fold_system = fold_system_message
 
 
 def checks(system: bool = True) -> list[list[dict]]:
