@@ -65,8 +65,7 @@ def _print_json_event(event) -> None:
 
 
 def _train(config, output, resume, events_json: bool = False) -> int:
-    from engine.api import TrainingSession
-    from engine.hardware.threads import apply_cpu_threads
+    from engine.api import TrainingSession, apply_cpu_threads
 
     report = _print_json_event if events_json else _print_event
     threads = apply_cpu_threads(config.training.device)
