@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def _lint(tree: Path) -> subprocess.CompletedProcess:
     """lint-imports on the packages under `tree` (importable from there, first on the path)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    exe = shutil.which("lint-imports") or "lint-imports"
+    # The environment's own lint-imports (next to this interpreter): the test command runs
+    # .venv/bin/python without putting .venv/bin on PATH.
+    exe = shutil.which("lint-imports", path=sysconfig.get_path("scripts")) or shutil.which("lint-imports")
+    assert exe, "lint-imports is not installed (pip install -e '.[test]')"
     return subprocess.run(
         [exe, "--no-cache", str(tree / "pyproject.toml")],
         cwd=tree,
