@@ -11,6 +11,7 @@ import sys
 from child_process import child_env
 
 WARM = """
+import logging
 logging.basicConfig(level=logging.WARNING)
 from engine.api import warm_up
 warm_up()
