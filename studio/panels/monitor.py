@@ -424,17 +424,17 @@ class MonitorPanel(QWidget):
             self.banner.show_message(self.fast_path_warning, "warning")
 
     def _update_eta(self, m) -> None:
+        # The ETA needs a step timed since the run (or its resume) started; the step's own
+        # figures and what ran (the tooltip) are shown from the first step on.
         done = self.last_step - getattr(self, "_first_step", 0)
-        if done <= 0 or self._started is None:
-            return
-        per_step = (time.monotonic() - self._started) / done
-        left = max(0, self.total_steps - self.last_step) * per_step
+        eta = ""
+        if done > 0 and self._started is not None:
+            per_step = (time.monotonic() - self._started) / done
+            eta = f" · ETA {fmt_seconds(max(0, self.total_steps - self.last_step) * per_step)}"
         # Packing metadata should be built once per micro-batch and never synced per layer.
         packing = f" · packing meta {m.metadata_builds}×, {m.host_syncs} syncs"
         offload = f" · offload {m.offload}" if getattr(m, "offload", "") else ""
-        self.eta.setText(
-            f"loss {m.loss:.3f} · {m.tokens_per_second:,.0f} tok/s · ETA {fmt_seconds(left)}{packing}{offload}"
-        )
+        self.eta.setText(f"loss {m.loss:.3f} · {m.tokens_per_second:,.0f} tok/s{eta}{packing}{offload}")
         calls = getattr(m, "fast_path_calls", None) or {}
         ran = ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "nothing counted"
         self.eta.setToolTip(
