@@ -78,7 +78,6 @@ class TrainingPanel(QWidget):
         top.addStretch(1)
         top.addWidget(load)
         top.addWidget(save)
-        top.addWidget(self.train_reason)
         top.addWidget(self.train)
 
         self.form = ConfigForm(state)
@@ -135,6 +134,9 @@ class TrainingPanel(QWidget):
         )
         lay.addWidget(self.banner)
         lay.addLayout(top)
+        # Why Train is off, on a row of its own: beside the buttons a long column name in it
+        # widened the whole window past a laptop screen.
+        lay.addWidget(self.train_reason, 0, Qt.AlignmentFlag.AlignRight)
         lay.addWidget(self.method)
         lay.addWidget(split, 1)
 
