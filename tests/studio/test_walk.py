@@ -132,6 +132,28 @@ raise SystemExit(studio_app.finish(code))
 """
 
 
+_IN_CHILD = os.environ.get("TUNESMITH_WALK_CHILD") == "1"
+
+
+def test_walk_in_a_fresh_process():
+    """The walk opens the app as a person does, in a process of its own: inside the whole suite the
+    background lanes are the process's, and a task an earlier test left waiting (a Hub lookup) held
+    the walk's first step for five minutes."""
+    if _IN_CHILD:
+        pytest.skip("this is the fresh process: test_walk runs here")
+    test = f"{Path(__file__).resolve()}::test_walk"
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        cwd=Path(__file__).resolve().parents[2],
+        env=child_env(TUNESMITH_WALK_CHILD="1"),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-8000:] + out.stderr[-3000:]
+
+
+@pytest.mark.skipif(not _IN_CHILD, reason="run in a fresh process by test_walk_in_a_fresh_process")
 def test_walk(window, qtbot, runs_dir, tmp_path):
     from studio import tasks
 
