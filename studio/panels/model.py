@@ -380,6 +380,11 @@ class ModelPanel(QWidget):
 
     def _show_fast_paths(self, rep: dict) -> None:
         fps = rep["fast_paths"]
+        if self.state.profile is None:
+            # What runs depends on the machine: without its profile "on" could be wrong (a CPU
+            # runs the references), so nothing is claimed until the hardware is known.
+            self.fast_paths.setText("Detecting hardware…")
+            return
         if fps is None:
             self.fast_paths.setText("The engine does not report fast paths for this architecture yet.")
             return
