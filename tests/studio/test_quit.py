@@ -5,14 +5,7 @@ Run in a child process: what is measured is the process itself ending."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-from child_process import child_env
-
-ROOT = Path(__file__).resolve().parents[2]
+from child_process import seconds_to_end_after_quit
 
 # A child that opens the window, starts a task that will not listen (a stand-in for a Hub lookup
 # retrying offline: it ignores `cancelled`) and one that does, waits until both run, then quits
@@ -45,26 +38,7 @@ raise SystemExit(studio_app.finish(0, grace_ms=2000))
 
 
 def test_quit_ends_the_process_within_5_s_with_a_task_that_does_not_listen(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(tmp_path / "s.ini"), str(tmp_path / "runs")],
-        cwd=tmp_path,
-        env=child_env(QT_QPA_PLATFORM="offscreen"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = ""
-        while "QUITTING" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, f"the child ended before quitting: {proc.stderr.read()}"
-        t0 = time.monotonic()
-        code = proc.wait(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = proc.stderr.read()
+    code, took, err = seconds_to_end_after_quit(CHILD, [str(tmp_path / "s.ini"), str(tmp_path / "runs")], tmp_path)
     assert code == 0, err
     assert took < 5, f"the process lived {took:.1f} s after Quit"
     assert "abandoned" in err  # it said what it left behind

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from child_process import child_env
+from child_process import child_env, seconds_to_end_after_quit
 from PySide6.QtCore import Qt
 from studio_helpers import short_config
 
@@ -294,24 +294,5 @@ def _walk(walk, window, qtbot, runs_dir, tmp_path, tasks):
         qtbot.waitUntil(lambda: dp.tabs.tabText(4) == "X-ray (cancelled)", timeout=60_000)
 
     with walk.step("Quit"):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", QUIT_CHILD, str(tmp_path / "q.ini"), str(runs_dir), str(big)],
-            cwd=tmp_path,
-            env=child_env(QT_QPA_PLATFORM="offscreen"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            line = ""
-            while "QUITTING" not in line:
-                line = proc.stdout.readline()
-                assert line or proc.poll() is None, f"the child ended before Quit: {proc.stderr.read()[-2000:]}"
-            t0 = time.monotonic()
-            proc.wait(timeout=60)
-            took = time.monotonic() - t0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+        _, took, _ = seconds_to_end_after_quit(QUIT_CHILD, [str(tmp_path / "q.ini"), str(runs_dir), str(big)], tmp_path)
         assert took < 5, f"the process lived {took:.1f} s after Quit"
