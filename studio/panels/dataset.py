@@ -26,7 +26,6 @@ from PySide6.QtWidgets import (
     QRadioButton,
     QSpinBox,
     QSplitter,
-    QTableView,
     QTableWidget,
     QTableWidgetItem,
     QTabWidget,
@@ -41,7 +40,7 @@ from studio.tasks import cancel, run_task
 from studio.widgets.column_mapping import ColumnMappingEditor
 from studio.widgets.data_xray import DataXRay
 from studio.widgets.packing_view import PackingView
-from studio.widgets.rows_model import RowsModel
+from studio.widgets.rows_model import RowsModel, RowsTable
 from studio.widgets.token_mask_view import TokenMaskView
 
 FILE_FILTER = "Data sets (*.jsonl *.json *.csv *.parquet);;All files (*)"
@@ -134,7 +133,7 @@ class DataPanel(QWidget):
 
         # Rows table: lazy model, uniform rows so scrolling 100k rows is cheap.
         self.rows_model = RowsModel(self)
-        self.table = QTableView()
+        self.table = RowsTable()  # Ctrl+End reaches the last row, not the last fetched
         self.table.setModel(self.rows_model)
         self.table.setObjectName("rowsTable")
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)

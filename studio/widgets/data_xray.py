@@ -59,7 +59,9 @@ class DataXRay(QWidget):
             if not found:
                 continue
             total += len(found)
-            node = QTreeWidgetItem([f"{sentence}", f"{len(found):,}", ""])
+            # The count goes with the sentence: the Row column holds row numbers only.
+            rows = f"{len(found):,} row" + ("" if len(found) == 1 else "s")
+            node = QTreeWidgetItem([f"{sentence} ({rows})", "", ""])
             node.setData(0, Qt.ItemDataRole.UserRole, kind)
             for f in found[:MAX_ROWS_PER_KIND]:
                 child = QTreeWidgetItem(["", str(f.row), f.detail])

@@ -3,6 +3,8 @@
 Rows are exposed to the view in batches (canFetchMore / fetchMore) as it scrolls, and each
 row is read from the source only when a cell of it is drawn, through a small cache. The
 source is anything with `num_rows`, `columns` and `row(i) -> dict` (engine.data.preview).
+`RowsTable` is the view for it: Ctrl+End (and End) go to the last row of the data set, not of
+the batches fetched so far, which is where Qt's own table view stops.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Optional
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt
 from PySide6.QtGui import QBrush, QColor
+from PySide6.QtWidgets import QAbstractItemView, QTableView
 
 BATCH = 1000
 CACHE_ROWS = 2000
@@ -70,6 +73,14 @@ class RowsModel(QAbstractTableModel):
         self._loaded += more
         self.endInsertRows()
 
+    def fetch_to_end(self) -> None:
+        """Make every row known to the view in one insertion. Cheap at any size: a row is still
+        read only when a cell of it is drawn."""
+        if self._loaded < self._total:
+            self.beginInsertRows(QModelIndex(), self._loaded, self._total - 1)
+            self._loaded = self._total
+            self.endInsertRows()
+
     # -- model interface --------------------------------------------------------------------
     def rowCount(self, parent=QModelIndex()) -> int:
         return 0 if parent.isValid() else self._loaded
@@ -114,3 +125,15 @@ class RowsModel(QAbstractTableModel):
         if orientation == Qt.Orientation.Horizontal:
             return self._columns[section] if section < len(self._columns) else None
         return str(section)
+
+
+class RowsTable(QTableView):
+    """The table over a RowsModel. Qt's view moves Ctrl+End to the last row the model has
+    fetched (row 999 of a 100,000-row file); here the rest is fetched first, so the key means
+    what it says."""
+
+    def moveCursor(self, action, modifiers):
+        model = self.model()
+        if action == QAbstractItemView.CursorAction.MoveEnd and isinstance(model, RowsModel):
+            model.fetch_to_end()
+        return super().moveCursor(action, modifiers)
