@@ -43,6 +43,9 @@ def check_local_folder(path: str, allow_pickle: bool) -> None:
         raise ModelLoadError(f"{folder} is not a folder: pick a Hugging Face model folder")
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} has no config.json: it is not a Hugging Face model folder")
+    broken = config_json_problem(folder)
+    if broken:
+        raise ModelLoadError(broken)
     safe = list(folder.glob("*.safetensors"))
     pickles = [f for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES and "training_args" not in f.name]
     if not safe and not pickles:
@@ -56,16 +59,39 @@ def check_local_folder(path: str, allow_pickle: bool) -> None:
         raise ModelLoadError(f"{folder} has no tokenizer files (tokenizer.json or tokenizer.model)")
 
 
+def config_json_problem(folder: Path) -> str | None:
+    """Why the folder's config.json cannot be read, naming the file and the JSON error's line and
+    column; None when it reads as a JSON object. (A broken config.json is its own problem: it was
+    refused as 'holds no weights' when the weights were there.)"""
+    import json
+
+    path = Path(folder) / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        return f"{path} is not valid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    except UnicodeDecodeError as exc:
+        return f"{path} is not UTF-8 text (byte {exc.start}): it is not a Hugging Face config"
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    if not isinstance(data, dict):
+        return f"{path} holds a JSON {type(data).__name__}, not the object of settings a model config is"
+    return None
+
+
 def check_model_folder(path: str, allow_pickle: bool = False) -> list[str]:
     """What stops a local folder from being trained on, one sentence each ([] when it can be):
-    no config.json, no weights (*.safetensors, or pickle .bin/.pt only with `allow_pickle`), no
-    tokenizer files. Reads file names only: cheap enough for the window to call on every change."""
+    no config.json or one that is not valid JSON, no weights (*.safetensors, or pickle .bin/.pt
+    only with `allow_pickle`), no tokenizer files. Reads file names and the small config.json
+    only: cheap enough for the window to call on every change."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         return [f"{folder} is not a folder: pick a Hugging Face model folder"]
     problems = []
     if not (folder / "config.json").is_file():
         problems.append(f"{folder} has no config.json: it is not a Hugging Face model folder")
+    else:
+        problems += [p for p in [config_json_problem(folder)] if p]
     safe = list(folder.glob("*.safetensors"))
     pickles = [f for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES and "training_args" not in f.name]
     if not safe and not pickles:

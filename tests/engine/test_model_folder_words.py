@@ -1,0 +1,50 @@
+"""A model folder's broken config.json is named as such, with the JSON error's line (issue 28 item
+10: it was refused as 'holds no weights' although the weights were there)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from engine.api import ModelLoadError, check_model_folder
+from engine.config import ModelConfig
+from engine.models.loading import load_tokenizer
+from engine.resources import DEMO_MODEL_DIR
+
+
+def _demo_with_config(tmp_path, text: str):
+    folder = tmp_path / "model"
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    (folder / "config.json").write_text(text, encoding="utf-8")
+    return folder
+
+
+BROKEN = '{\n  "model_type": "llama",\n  "hidden_size": 64,,\n}\n'
+
+
+def test_check_model_folder_names_the_broken_config_and_its_line(tmp_path):
+    folder = _demo_with_config(tmp_path, BROKEN)
+    problems = check_model_folder(str(folder))
+    assert len(problems) == 1  # the weights and tokenizer are there: only the config is wrong
+    assert "config.json" in problems[0] and "line 3" in problems[0]
+    assert "weights" not in problems[0]
+
+
+def test_loading_refuses_the_broken_config_with_its_line(tmp_path):
+    folder = _demo_with_config(tmp_path, BROKEN)
+    with pytest.raises(ModelLoadError, match=r"config\.json.*line 3"):
+        load_tokenizer(ModelConfig(name_or_path=str(folder)))
+
+
+def test_a_config_that_is_not_an_object(tmp_path):
+    folder = _demo_with_config(tmp_path, "[1, 2]\n")
+    problems = check_model_folder(str(folder))
+    assert len(problems) == 1 and "config.json" in problems[0]
+
+
+def test_a_broken_config_without_weights_says_both(tmp_path):
+    folder = _demo_with_config(tmp_path, BROKEN)
+    (folder / "model.safetensors").unlink()
+    problems = check_model_folder(str(folder))
+    assert "line 3" in problems[0] and any("no weights" in p for p in problems[1:])
