@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from engine.config import LoraConfig
 
 
@@ -46,7 +48,13 @@ def attach_lora(model, cfg: LoraConfig):
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, peft_lora_config(cfg, model))
+        with warnings.catch_warnings():
+            # PEFT reads transformers' renamed `is_gradient_checkpointing` (transformers 5 warns from
+            # inside itself; nothing a user can change): that one warning, here where it starts.
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
+            return get_peft_model(model, peft_lora_config(cfg, model))
     except ValueError as exc:
         # PEFT says "Target modules {...} not found in the base model" for bad names.
         raise ValueError(f"lora.target_modules: {exc}") from exc

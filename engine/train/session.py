@@ -326,7 +326,12 @@ class TrainingSession:
         # Offloaded checkpointing works under FSDP too: the layer's FSDP hooks run inside the
         # offloader's Function, gathering the weights for the forward and again for the recompute.
         self._prepared = prepared = prepare_model(
-            model, config.fast_paths, device, bool(t.gradient_checkpointing), offload=t.offload
+            model,
+            config.fast_paths,
+            device,
+            bool(t.gradient_checkpointing),
+            offload=t.offload,
+            auto_reasons=config.auto_reasons,  # an "off" the policy chose says so, with its reason
         )
         self._model = prepared.model
         chunk = config.fast_paths.ce_chunk_tokens

@@ -39,13 +39,21 @@ class PreparedModel:
 
 
 def prepare_model(
-    model, fast_paths: FastPathConfig, device, gradient_checkpointing: bool, offload: str = "off"
+    model,
+    fast_paths: FastPathConfig,
+    device,
+    gradient_checkpointing: bool,
+    offload: str = "off",
+    auto_reasons: Optional[dict[str, str]] = None,
 ) -> PreparedModel:
     """Apply the fast paths to a PEFT-wrapped causal LM; return a PreparedModel whose report
     says {fast path: "on" | why off}.
 
     `offload` ("off", "single", "double"; "auto" is resolved by the hardware policy before
     this) parks each checkpointed layer's input in host memory (engine.fastpath.offload).
+    `auto_reasons`: the config's {field path: reason} for the fields the hardware policy filled
+    (RunConfig.auto_reasons); a path it turned off then reads "off: auto, the policy chose off:
+    <reason>" rather than "disabled in config", which the user did not do.
     """
     device = torch.device(device)
     report: dict[str, str] = {}
@@ -94,12 +102,43 @@ def prepare_model(
     base = hf_model(model)
     base.config.use_cache = False
     if gradient_checkpointing:
-        # Non-reentrant checkpointing needs no input grads and works with frozen embeddings.
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _checkpoint_layers(base)
     offloader, report["offload"] = _install_offload(
         base, offload, device, gradient_checkpointing, bool(fast_paths.keep_attention)
     )
-    return PreparedModel(model, offloader, report)
+    return PreparedModel(model, offloader, _say_policy_offs(report, auto_reasons or {}))
+
+
+# Report keys whose switch is not a fast_paths field of the same name.
+_REPORT_FIELDS = {"offload": "training.offload"}
+
+
+def _say_policy_offs(report: dict[str, str], auto_reasons: dict[str, str]) -> dict[str, str]:
+    """The report with each "off" that names the config ("disabled in config", "fast_paths.X is
+    false") said as the policy's choice where the field was "auto" and the policy filled it."""
+    out = dict(report)
+    for key, line in report.items():
+        if line == "off: disabled in config":
+            path = _REPORT_FIELDS.get(key, f"fast_paths.{key}")
+        elif line.startswith("off: fast_paths.") and line.endswith(" is false"):
+            path = line.removeprefix("off: ").removesuffix(" is false")
+        else:
+            continue
+        if path in auto_reasons:
+            out[key] = f"off: auto, the policy chose off: {auto_reasons[path]}"
+    return out
+
+
+def _checkpoint_layers(base) -> None:
+    """Checkpoint the decoder's layers, non-reentrant (it needs no input grads and works with
+    frozen embeddings). transformers 5 renamed gradient_checkpointing_enable to
+    activation_checkpointing_enable and warns (FutureWarning) on every call of the old name;
+    the old name is called only where the installed transformers lacks the new one."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def tile_mlps(model, device) -> str:
@@ -122,8 +161,7 @@ def enable_checkpointing(model) -> bool:
     base = hf_model(model)
     if not getattr(base, "supports_gradient_checkpointing", False):
         return False
-    # Non-reentrant checkpointing needs no input grads and works with frozen embeddings.
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _checkpoint_layers(base)
     return True
 
 
