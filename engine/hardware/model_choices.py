@@ -92,7 +92,12 @@ def distributed_default(budget: Budget, info: est.ModelInfo | None, load_in_4bit
     """How several processes share the work (one process ignores it): DDP (the whole base on
     every device, adapter gradients all-reduced) unless the 16-bit base alone takes more than
     FSDP_WEIGHTS_SHARE of one device's budget, then FSDP2 (the base sharded per decoder layer).
-    A 4-bit base stays DDP."""
+    A 4-bit base stays DDP. On a CPU it says what happens there: one process, nothing shared."""
+    if not budget.on_gpu:
+        return "ddp", (
+            "CPU: one process trains and nothing is distributed (ddp and fsdp share the work of several "
+            "GPUs under torchrun)"
+        )
     if load_in_4bit is True:
         return "ddp", "a 4-bit base is not sharded: each GPU holds it whole"
     if info is None:
