@@ -33,6 +33,7 @@ from engine.config import (
 # -- fast paths: what ran --------------------------------------------------------------------
 from engine.counters import requested_but_not_run
 from engine.data.preview import (
+    METHOD_DATA,
     DataPreview,
     PackingLayout,
     RenderedExample,
@@ -292,6 +293,7 @@ __all__ = [
     "PACKING_SAMPLE",
     "Cancelled",
     "DATA_FINDINGS",
+    "METHOD_DATA",
     # export
     "EXPORTERS",
     "ExportKind",

@@ -28,8 +28,9 @@ def model_config(model: dict[str, Any]):
     return api.RunConfig.from_dict({"model": model}).model
 
 
-def load_preview(data: dict[str, Any]):
-    return api.load_preview(data_config(data))
+def load_preview(data: dict[str, Any], method: str = "sft"):
+    """`method`: training.method, whose data kind is read first (a KTO or GRPO file)."""
+    return api.load_preview(data_config(data), method)
 
 
 def load_tokenizer(model: dict[str, Any]):
@@ -37,9 +38,9 @@ def load_tokenizer(model: dict[str, Any]):
         return api.load_tokenizer(model_config(model))
 
 
-def render_example(tokenizer, data: dict[str, Any], index: int):
+def render_example(tokenizer, data: dict[str, Any], index: int, method: str = "sft"):
     with _tokenizer_lock:
-        return api.render_example(tokenizer, data_config(data), index)
+        return api.render_example(tokenizer, data_config(data), index, method)
 
 
 def _own_copy(tokenizer):
@@ -49,9 +50,11 @@ def _own_copy(tokenizer):
         return copy.deepcopy(tokenizer)
 
 
-def packing_layout(tokenizer, data: dict[str, Any], progress=None, cancelled=None):
+def packing_layout(tokenizer, data: dict[str, Any], progress=None, cancelled=None, method: str = "sft"):
     """(layout of the first rows, the data set's row count): engine.api.packing_scan."""
-    return api.packing_scan(_own_copy(tokenizer), data_config(data), progress=_fraction(progress), cancelled=cancelled)
+    return api.packing_scan(
+        _own_copy(tokenizer), data_config(data), progress=_fraction(progress), cancelled=cancelled, method=method
+    )
 
 
 def xray(tokenizer, data: dict[str, Any], progress=None, cancelled=None):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from engine.config import DataConfig
 from engine.data import plural
-from engine.data.formats import FormatSpec, detect_format, row_to_messages
+from engine.data.formats import FormatSpec, UnmatchedColumns, detect_format, row_to_messages
 from engine.data.render import ensure_chat_template, tokenize_example
 from engine.data.sources import DataError, load_raw, resolve_source
 
@@ -45,6 +45,10 @@ class DataPreview:
     # The DataError behind `error`: an UnmatchedColumns carries columns, kinds and hint fields the
     # window words its own way (the CLI prints str(error)).
     error_detail: Optional[DataError] = None
+    # GRPO's prompts: the columns beside the prompt, which the reward functions read.
+    extra_columns: list[str] = field(default_factory=list)
+    # The chosen method cannot read these columns (its data kind is missing): one sentence, "" else.
+    method_problem: str = ""
 
     def row(self, i: int) -> dict:
         return dict(self._dataset[i])
@@ -58,6 +62,11 @@ class RenderedExample:
     n_trained: int
     truncated: bool
     fallback_template: bool
+    # A preference row, side by side: "prompt", "chosen", "rejected" (paired) or "prompt",
+    # "completion" (KTO), each the (token text, trained) pieces its document holds; None for SFT.
+    sides: Optional[dict[str, list[tuple[str, bool]]]] = None
+    label: Optional[bool] = None  # KTO: the answer is desirable
+    columns: dict[str, Any] = field(default_factory=dict)  # GRPO: the row's columns the rewards read
 
 
 @dataclass
@@ -76,14 +85,40 @@ class PackingLayout:
 # GRPO's prompts: a lone prompt-like column is also an SFT file with its answer column unnamed,
 # which must still open the column mapping (a GRPO file with an answer column reads as SFT data).
 PREFERENCE_FORMATS = {"paired": "preference pairs", "unpaired": "labelled answers (KTO)"}
+PROMPTS_FORMAT = "prompts (GRPO)"
+# The data kind each training method reads (engine.data.preference); SFT's are the formats.
+METHOD_DATA = {"dpo": "paired", "orpo": "paired", "simpo": "paired", "kto": "unpaired", "grpo": "prompts"}
+METHOD_DATA_WORDS = {
+    "paired": "prompt / chosen / rejected pairs",
+    "unpaired": "prompt / completion / label rows",
+    "prompts": "a prompt column",
+}
 
 
-def _preference_spec(cfg: DataConfig, columns: list[str]):
-    """The preference data kind of columns no supervised format matches (pairs, KTO's labelled
-    answers), or None. Supervised formats win: a file both could read trains SFT
-    as before, and training.method decides what a run reads."""
+def _method_spec(cfg: DataConfig, columns: list[str], method: str):
+    """(the spec of the data kind `method` reads, or None; why not, or "")."""
     from engine.data.preference import detect_preference_format
 
+    kind = METHOD_DATA.get(method)
+    if kind is None or cfg.format != "auto":
+        return None, ""
+    try:
+        return detect_preference_format(columns, kind, cfg.columns, cfg.source), ""
+    except DataError as exc:
+        return None, f"{method.upper()} reads {METHOD_DATA_WORDS[kind]}: {exc}"
+
+
+def _preference_spec(cfg: DataConfig, columns: list[str], method: str = "sft"):
+    """The preference data kind of columns no supervised format matches (pairs, KTO's labelled
+    answers), or None. Supervised formats win: a file both could read trains SFT
+    as before, and training.method decides what a run reads: the data kind of the chosen method
+    (`method`, engine.train.objectives' names) comes first (KTO's prompt/completion/label would
+    otherwise read as SFT's instruction/output, GRPO's prompt/answer likewise)."""
+    from engine.data.preference import detect_preference_format
+
+    spec, _ = _method_spec(cfg, columns, method)
+    if spec is not None:
+        return spec
     try:
         detect_format(columns, cfg.format, cfg.columns, cfg.source)
         return None
@@ -97,32 +132,66 @@ def _preference_spec(cfg: DataConfig, columns: list[str]):
     return None
 
 
-def load_preview(cfg: DataConfig) -> DataPreview:
-    """Rows and detected format; raises DataError when the file cannot be read at all."""
+def load_preview(cfg: DataConfig, method: str = "sft") -> DataPreview:
+    """Rows and detected format, for `method` (training.method: its data kind first);
+    raises DataError when the file cannot be read at all."""
     ds = _raw(cfg)
     columns = list(ds.column_names)
+    mine, method_problem = _method_spec(cfg, columns, method)
+    if mine is not None:  # rows are checked by the X-ray and the packing (their skipped rows)
+        name = PROMPTS_FORMAT if mine.kind == "prompts" else PREFERENCE_FORMATS[mine.kind]
+        extra = [c for c in columns if c not in mine.mapping.values()] if mine.kind == "prompts" else []
+        return DataPreview(
+            columns,
+            len(ds),
+            FormatSpec(name, dict(mine.mapping)),
+            dict(mine.mapping),
+            [],
+            None,
+            ds,
+            extra_columns=extra,
+        )
     try:
         spec = detect_format(columns, cfg.format, cfg.columns, cfg.source)
     except DataError as exc:
         pref = _preference_spec(cfg, columns)
-        if pref is not None:  # rows are checked by the X-ray and the packing (their skipped rows)
+        if pref is not None:
             spec = FormatSpec(PREFERENCE_FORMATS[pref.kind], dict(pref.mapping))
-            return DataPreview(columns, len(ds), spec, dict(pref.mapping), [], None, ds)
-        return DataPreview(columns, len(ds), None, {}, [], str(exc), ds, exc)
+            return DataPreview(columns, len(ds), spec, dict(pref.mapping), [], None, ds, method_problem=method_problem)
+        if isinstance(exc, UnmatchedColumns) and not exc.hint and _prompts_only(cfg, columns):
+            exc.hint = PROMPTS_ONLY
+        return DataPreview(columns, len(ds), None, {}, [], str(exc), ds, exc, method_problem=method_problem)
     problems = []
     for i, row in enumerate(ds):
         try:
             row_to_messages(row, spec)
         except ValueError as exc:
             problems.append((i, str(exc)))
-    return DataPreview(columns, len(ds), spec, dict(spec.mapping), problems, None, ds)
+    return DataPreview(columns, len(ds), spec, dict(spec.mapping), problems, None, ds, method_problem=method_problem)
 
 
-def render_example(tokenizer, cfg: DataConfig, index: int) -> RenderedExample:
+# Why SFT cannot train a prompts file (the window's Data page and Train button say it).
+PROMPTS_ONLY = (
+    "these are prompts without answers, GRPO's data: SFT learns from answers, so pick GRPO on the Train page "
+    "(it samples answers and scores them with reward functions) or map an answer column"
+)
+
+
+def _prompts_only(cfg: DataConfig, columns: list[str]) -> bool:
+    from engine.data.preference import detect_preference_format
+
+    try:
+        detect_preference_format(columns, "prompts", None, cfg.source)
+        return True
+    except DataError:
+        return False
+
+
+def render_example(tokenizer, cfg: DataConfig, index: int, method: str = "sft") -> RenderedExample:
     ds = _raw(cfg)
     if not 0 <= index < len(ds):
         raise DataError(f"row {index} does not exist ({plural(len(ds), 'row')})")
-    pref = _preference_spec(cfg, list(ds.column_names))
+    pref = _preference_spec(cfg, list(ds.column_names), method)
     if pref is not None:
         return _render_preference(tokenizer, cfg, ds, index, pref.kind)
     spec = detect_format(list(ds.column_names), cfg.format, cfg.columns, cfg.source)
@@ -185,18 +254,28 @@ def _render_preference(tokenizer, cfg: DataConfig, ds, index: int, kind: str) ->
     except DataError as exc:
         raise DataError(f"row {index}: {str(exc).rsplit(': ', 1)[-1]}") from exc
     example = data.examples[0]
+    if kind == "prompts":  # GRPO: the prompt as generation starts from it; the model writes the answers
+        pieces = [(_piece_of(tokenizer, t), False) for t in example[0]]
+        columns = {k: v for k, v in data.rows[0].items() if k not in data.spec.mapping.values()}
+        return RenderedExample(index, pieces, len(pieces), 0, False, False, None, None, columns)
     parts = [(example[0], False), (example[1], True), (example[0], False), (example[2], True)]
     parts = parts[: {"paired": 4, "unpaired": 2}[kind]]
     pieces = [(_piece_of(tokenizer, t), trained) for ids, trained in parts for t in ids]
-    return RenderedExample(index, pieces, len(pieces), sum(t for _, t in pieces), bool(data.truncated), False)
+    # The same tokens per side (a KTO row's KL twin is another row's answer: not shown).
+    names = ("prompt", "chosen", "rejected") if kind == "paired" else ("prompt", "completion")
+    sides = {name: [(_piece_of(tokenizer, t), name != "prompt") for t in example[j]] for j, name in enumerate(names)}
+    label = data.labels[0] if kind == "unpaired" else None
+    return RenderedExample(
+        index, pieces, len(pieces), sum(t for _, t in pieces), bool(data.truncated), False, sides, label
+    )
 
 
-def packing_layout(tokenizer, cfg: DataConfig, raw=None) -> PackingLayout:
+def packing_layout(tokenizer, cfg: DataConfig, raw=None, method: str = "sft") -> PackingLayout:
     """`raw`: the rows to pack (engine.data.scan passes a bounded, cancellable view of them)."""
     from engine.data.dataset import prepare_dataset
 
     raw = _raw(cfg) if raw is None else raw
-    pref = _preference_spec(cfg, list(raw.column_names))
+    pref = _preference_spec(cfg, list(raw.column_names), method)
     if pref is not None:
         from engine.data.preference import prepare_preference_data
 

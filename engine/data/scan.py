@@ -62,8 +62,13 @@ def xray_scan(cfg: DataConfig, tokenizer, progress: Progress = None, cancelled: 
 
 
 def packing_scan(
-    tokenizer, cfg: DataConfig, progress: Progress = None, cancelled: Cancel = None, limit: int = PACKING_SAMPLE
+    tokenizer,
+    cfg: DataConfig,
+    progress: Progress = None,
+    cancelled: Cancel = None,
+    limit: int = PACKING_SAMPLE,
+    method: str = "sft",
 ) -> tuple[PackingLayout, int]:
-    """(the packing layout of the first `limit` rows, the data set's row count)."""
+    """(the packing layout of the first `limit` rows, the data set's row count), for `method`."""
     ds = _raw(cfg)
-    return packing_layout(tokenizer, cfg, raw=Rows(ds, limit, progress, cancelled)), len(ds)
+    return packing_layout(tokenizer, cfg, raw=Rows(ds, limit, progress, cancelled), method=method), len(ds)

@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
     QRadioButton,
     QSpinBox,
     QSplitter,
+    QStackedWidget,
     QTableWidget,
     QTableWidgetItem,
     QTabWidget,
@@ -33,13 +34,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.api import DATA_FINDINGS, PACKING_SAMPLE
+from engine.api import DATA_FINDINGS, METHOD_DATA, PACKING_SAMPLE
 from studio import data_bridge
 from studio.panels.common import Banner, caption, card, title
 from studio.tasks import cancel, run_task
 from studio.widgets.column_mapping import ColumnMappingEditor
 from studio.widgets.data_xray import DataXRay
 from studio.widgets.packing_view import PackingView
+from studio.widgets.pair_view import PairView
 from studio.widgets.rows_model import RowsModel, RowsTable
 from studio.widgets.token_mask_view import TokenMaskView
 
@@ -61,6 +63,11 @@ def _sentence(text: str) -> str:
     """The first line of a message: one sentence for a label or a tooltip."""
     line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
     return line if len(line) <= 300 else line[:297] + "…"
+
+
+def _columns_text(columns: dict) -> str:
+    """A prompt row's other columns, short: answer = 12 · source = gsm8k."""
+    return " · ".join(f"{k} = {str(v)[:60]}" for k, v in columns.items())
 
 
 class DataPanel(QWidget):
@@ -130,6 +137,12 @@ class DataPanel(QWidget):
         row.addWidget(self.recent)
         row.addWidget(self.load_button)
         src_lay.addLayout(row)
+        # GRPO's prompts: the columns beside the prompt, and which rewards read them.
+        self.reward_columns = caption("")
+        self.reward_columns.setObjectName("rewardColumns")
+        self.reward_columns.setWordWrap(True)
+        self.reward_columns.hide()
+        src_lay.addWidget(self.reward_columns)
 
         # Rows table: lazy model, uniform rows so scrolling 100k rows is cheap.
         self.rows_model = RowsModel(self)
@@ -158,6 +171,11 @@ class DataPanel(QWidget):
         self.example_index.setKeyboardTracking(False)
         self.example_index.valueChanged.connect(self.show_example)
         self.mask_view = TokenMaskView()
+        # A preference row: prompt, chosen and rejected side by side (KTO: its answer and label).
+        self.pair_view = PairView()
+        self.example_stack = QStackedWidget()
+        self.example_stack.addWidget(self.mask_view)
+        self.example_stack.addWidget(self.pair_view)
         ex = QWidget()
         ex_lay = QVBoxLayout(ex)
         row = QHBoxLayout()
@@ -165,7 +183,7 @@ class DataPanel(QWidget):
         row.addWidget(self.example_index)
         row.addWidget(caption("rendered through the model's chat template (double-click a row to pick it)"), 1)
         ex_lay.addLayout(row)
-        ex_lay.addWidget(self.mask_view, 1)
+        ex_lay.addWidget(self.example_stack, 1)
 
         # Packing tab.
         self.packing_view = PackingView()
@@ -223,6 +241,19 @@ class DataPanel(QWidget):
         lay.addWidget(split, 1)
         self._sync_from_state()
         self._fill_recent()
+        # The method decides what the data is read as (pairs, KTO rows, GRPO's prompts, or SFT's).
+        self._read_for = METHOD_DATA.get(self.method())
+        state.changed.connect(self._method_changed)
+
+    def method(self) -> str:
+        return str(self.state.get("training.method") or "sft")
+
+    def _method_changed(self, path: str) -> None:
+        if path not in ("", "training.method") or METHOD_DATA.get(self.method()) == self._read_for:
+            return
+        self._read_for = METHOD_DATA.get(self.method())
+        if self.preview is not None or self.loading:
+            self.reload()
 
     # -- choosing the source ----------------------------------------------------------------
     def _browse(self) -> None:
@@ -303,9 +334,11 @@ class DataPanel(QWidget):
         for key in ("data.packing", "data.xray", "data.example", "data.tokenizer"):
             cancel(key)
         self._xray_running(False)
+        self._read_for = METHOD_DATA.get(self.method())
         run_task(
             data_bridge.load_preview,
             dict(self.state.get("data")),
+            self.method(),
             owner=self,
             lane="data",
             key="data.preview",
@@ -321,7 +354,7 @@ class DataPanel(QWidget):
         self.preview = self.example = self.layout_info = None
         self.rows_model.set_source(None)
         self._fill_problems([])
-        self.mask_view.set_message("No data.")
+        self._example_message("No data.")
         self.packing_view.set_layout([], 1)
         self.packing_stats.setText("—")
         self.banner.show_message(message, "error")
@@ -356,6 +389,7 @@ class DataPanel(QWidget):
             f"({', '.join(f'{k} ← {v}' for k, v in mapping.items())}) · "
             f"{len(problems)} unusable row{'s' if len(problems) != 1 else ''}"
         )
+        self._show_reward_columns(kind, list(_get(preview, "extra_columns", default=[]) or []))
         self._fill_problems(problems)
         self.example_index.blockSignals(True)
         self.example_index.setRange(0, max(0, n - 1))
@@ -365,10 +399,15 @@ class DataPanel(QWidget):
         error = _get(preview, "error", default=None)
         bad = {int(i) for i, _ in problems}
         self.usable_examples = 0 if error else max(0, n - len(bad))
+        method_problem = _get(preview, "method_problem", default="")
         if unmatched is not None:
             problem = (
                 f"The data's columns ({', '.join(columns) or 'none'}) match no known shape: map them on the Data page."
             )
+            if unmatched.hint:  # a prompts file with SFT chosen: say why (and what trains it)
+                problem += f" Note: {unmatched.hint}."
+        elif method_problem:
+            problem = _sentence(method_problem)
         elif error:
             problem = f"The data's columns cannot be used: {_sentence(str(error))}"
         elif n == 0:
@@ -390,6 +429,27 @@ class DataPanel(QWidget):
         if problem:
             self.banner.show_message(problem, "error")
         self._analyse(gen)
+
+    def _show_reward_columns(self, kind: str, extra: list[str]) -> None:
+        """A GRPO prompts file: the columns the reward functions can read, or that there are none."""
+        if "GRPO" not in str(kind):
+            self.reward_columns.hide()
+            return
+        if extra:
+            cols = ", ".join(f"<b>{c}</b>" for c in extra)
+            text = (
+                f"Prompts for GRPO: the model writes the answers. Columns for the rewards: {cols}. "
+                f"The exact-match reward compares against one of them (its column field, e.g. "
+                f"'{extra[0]}'); your own reward(prompt, completion, **row) receives them all as keywords. "
+                "The format (regex) and length rewards read the completion only."
+            )
+        else:
+            text = (
+                "Prompts for GRPO: the model writes the answers. No other columns: the format (regex), "
+                "length and your own rewards can score the completions; exact match needs a column to compare to."
+            )
+        self.reward_columns.setText(text)
+        self.reward_columns.show()
 
     def _fill_problems(self, problems) -> None:
         shown = problems[:MAX_PROBLEMS_SHOWN]
@@ -417,7 +477,7 @@ class DataPanel(QWidget):
         if self.tokenizer is not None and self._tokenizer_for == model.get("name_or_path"):
             self._with_tokenizer(gen, self.tokenizer)
             return
-        self.mask_view.set_message("Loading the model's tokenizer…")
+        self._example_message("Loading the model's tokenizer…")
         self.packing_stats.setText("Loading the model's tokenizer…")
 
         def done(tok, name=model.get("name_or_path")):
@@ -438,7 +498,7 @@ class DataPanel(QWidget):
         if gen != self._gen:
             return
         text = f"Cannot load the tokenizer of the chosen model, so the example and packing views are empty: {message}"
-        self.mask_view.set_message(text)
+        self._example_message(text)
         self.packing_stats.setText(text)
         self.banner.show_message(text, "warning")
 
@@ -470,6 +530,7 @@ class DataPanel(QWidget):
             on_done=lambda result: self._packing_done(gen, *result),
             on_error=lambda m, d: self._packing_failed(gen, m),
             on_progress=lambda p: self._packing_progress(gen, *p),
+            method=self.method(),
         )
         self.xray_view.set_message("Checking every row…")
         self.tabs.setTabText(XRAY_TAB, "X-ray")
@@ -545,6 +606,7 @@ class DataPanel(QWidget):
             self.tokenizer,
             dict(self.state.get("data")),
             int(index),
+            self.method(),
             owner=self,
             lane="example",
             key="data.example",
@@ -569,13 +631,27 @@ class DataPanel(QWidget):
             note.append("truncated to max seq len")
         if _get(ex, "fallback_template", "used_fallback_template", default=False):
             note.append("the tokenizer has no chat template: a ChatML fallback is used")
-        self.mask_view.set_pieces(pairs, "; ".join(note))
+        sides = _get(ex, "sides", default=None)
+        if sides:
+            self.pair_view.set_sides(sides, _get(ex, "label", default=None), "; ".join(note))
+            self.example_stack.setCurrentWidget(self.pair_view)
+        else:
+            columns = _get(ex, "columns", default=None) or {}
+            if columns:  # GRPO: nothing trained in the prompt; the rewards read these
+                note.append("GRPO samples the answers; for the rewards: " + _columns_text(columns))
+            self.mask_view.set_pieces(pairs, "; ".join(note))
+            self.example_stack.setCurrentWidget(self.mask_view)
         self.example_ready.emit(ex)
+
+    def _example_message(self, text: str) -> None:
+        """A sentence in place of the example (SFT or pair): loading, no data, a row that fails."""
+        self.mask_view.set_message(text)
+        self.example_stack.setCurrentWidget(self.mask_view)
 
     def _example_failed(self, gen: int, index: int, message: str) -> None:
         if gen != self._gen:
             return
-        self.mask_view.set_message(f"Row {index} cannot be rendered: {message}")
+        self._example_message(f"Row {index} cannot be rendered: {message}")
 
     def _packing_done(self, gen: int, lay, total_rows: int = 0) -> None:
         if gen != self._gen:
