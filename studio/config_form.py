@@ -25,11 +25,18 @@ from PySide6.QtWidgets import (
 )
 
 from engine.api import AUTO, RunConfig
-from studio.field_help import HELP, SECTION_TITLES
+from studio.field_help import HELP, SECTION_TITLES, label
 
 # Fields edited on other pages (Model, Data), by the Train page's method selector
-# (studio.widgets.method_picker), or not meant for a form.
-SKIP = {"model.name_or_path", "data.source", "data.format", "data.columns", "training.method"}
+# (studio.widgets.method_picker) or its gallery box (one prompt per line), or not meant for a form.
+SKIP = {
+    "model.name_or_path",
+    "data.source",
+    "data.format",
+    "data.columns",
+    "training.method",
+    "training.gallery_prompts",
+}
 SECTIONS = ["training", "lora", "data", "model", "fast_paths", "output"]
 
 
@@ -106,11 +113,12 @@ class ConfigForm(QWidget):
                 if path in SKIP or _kind(tp) == "skip":
                     continue
                 field = self._make(path, tp)
-                label = QLabel(f.name.replace("_", " "))
+                # Words on the label, the config key (what YAML and the CLI use) in the tooltip.
+                name = QLabel(label(path))
                 tip = HELP.get(path, "")
-                for w in (label, field.editor):
+                for w in (name, field.editor):
                     w.setToolTip(f"<b>{path}</b><br>{tip}" if tip else path)
-                grid.addWidget(label, row, 0)
+                grid.addWidget(name, row, 0)
                 grid.addWidget(field.editor, row, 1)
                 grid.addWidget(field.badge, row, 2)
                 grid.addWidget(field.error, row + 1, 1, 1, 2)

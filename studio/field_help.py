@@ -1,4 +1,6 @@
-"""Tooltips for the training form: what each RunConfig field does, in a sentence or two."""
+"""The training form's words: the label a user reads for each RunConfig field (LABELS; the config
+key itself is in the field's tooltip, for YAML files and the CLI) and its tooltip, what the field
+does in a sentence or two (HELP)."""
 
 SECTION_TITLES = {
     "training": "Training",
@@ -102,3 +104,62 @@ HELP = {
     "output.run_name": "Name of this run's folder; auto uses a timestamp.",
     "output.overwrite": "Replace an existing run folder of the same name.",
 }
+
+# Labels in words a user reads; a field not listed here is shown as its name with spaces.
+LABELS = {
+    "model.trust_remote_code": "run the model's own code",
+    "model.allow_pickle": "allow pickle weights",
+    "model.dtype": "precision",
+    "model.load_in_4bit": "4-bit base (QLoRA)",
+    "lora.r": "adapter rank",
+    "lora.alpha": "adapter scale (alpha)",
+    "lora.dropout": "adapter dropout",
+    "lora.target_modules": "layers with adapters",
+    "lora.init_adapter": "start from adapter",
+    "data.split": "data set split",
+    "data.train_on_responses_only": "train on answers only",
+    "data.fold_system_message": "fold system message into first question",
+    "data.earlier_reasoning": "earlier turns' reasoning",
+    "data.max_seq_len": "tokens per row (max)",
+    "data.overlong": "examples longer than a row",
+    "data.max_examples": "use first N examples",
+    "data.eval_fraction": "held-out share for eval",
+    "data.eval_source": "held-out examples file",
+    "training.max_steps": "steps (0: from epochs)",
+    "training.epochs": "epochs",
+    "training.rows_per_micro_batch": "rows per forward pass",
+    "training.grad_accum": "gradient accumulation",
+    "training.lr": "learning rate",
+    "training.weight_decay": "weight decay",
+    "training.max_grad_norm": "gradient clipping (max norm)",
+    "training.gradient_checkpointing": "recompute activations (checkpointing)",
+    "training.offload": "offload activations to RAM",
+    "training.save_every": "checkpoint every N steps",
+    "training.log_every": "report every N steps",
+    "training.preflight": "rehearse the first step",
+    "training.spike_factor": "loss spike rollback (x median)",
+    "training.eval_every": "eval loss every N steps",
+    "training.early_stopping_patience": "stop after N evals without a new best",
+    "training.gallery_size": "gallery examples (no prompts typed)",
+    "fast_paths.kernels": "Triton kernels",
+    "fast_paths.lora_autograd": "fused LoRA layers",
+    "fast_paths.fused_ce": "fused loss (cross-entropy)",
+    "fast_paths.packed_attention": "packed attention",
+    "fast_paths.cached_metadata": "reuse packing metadata",
+    "fast_paths.moe_grouping": "group MoE experts",
+    "fast_paths.keep_attention": "keep attention outputs",
+    "fast_paths.host_embeddings": "embeddings in host memory",
+    "fast_paths.tiled_mlp": "tiled MLP",
+    "fast_paths.nf4_matmul": "4-bit matmul kernel",
+    "fast_paths.ce_chunk_tokens": "tokens per loss chunk",
+    "output.dir": "runs folder",
+    "output.run_name": "run name",
+    "output.overwrite": "replace a run of the same name",
+    "output.tensorboard": "TensorBoard log",
+    "output.wandb": "Weights & Biases log",
+}
+
+
+def label(path: str) -> str:
+    """The form's label for the config field at `path`."""
+    return LABELS.get(path) or path.rsplit(".", 1)[-1].replace("_", " ")

@@ -2,8 +2,9 @@
 field, the values hardware detection chose (marked "auto"), save/load of the resolved config
 as YAML, the Train button, and what the last run's pre-flight measured (peak, step time, ETA,
 and any setting it had to lower). The gallery's prompts are typed one per line in a box of
-their own (training.gallery_prompts; a prompt may hold commas, which the form's list field
-would split on)."""
+their own, the only place they are edited (training.gallery_prompts; a prompt may hold commas,
+which a list field would split on). A step count above 0 wins over epochs: the epochs field says
+so."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ class TrainingPanel(QWidget):
         side_lay.addWidget(
             caption(
                 "One per line: answered at every checkpoint (the Monitor's Gallery tab). Empty: up to "
-                "training.gallery_size prompts of the held-out examples."
+                "'gallery examples' (Training section) of the held-out examples."
             )
         )
         self.gallery_prompts = QPlainTextEdit()
@@ -116,10 +117,6 @@ class TrainingPanel(QWidget):
         self.gallery_prompts.setMaximumHeight(90)
         self.gallery_prompts.textChanged.connect(self._gallery_edited)
         side_lay.addWidget(self.gallery_prompts)
-        listed = self.form.fields.get("training.gallery_prompts")
-        if listed is not None:  # edited in the box above, one per line
-            listed.editor.setReadOnly(True)
-            listed.editor.setToolTip("Type the gallery prompts one per line in the box on the right.")
         self._load_gallery_prompts()
 
         split = QSplitter(Qt.Orientation.Horizontal)
@@ -253,7 +250,7 @@ class TrainingPanel(QWidget):
     def _state_changed(self, path: str) -> None:
         if path in ("", "training.gallery_prompts", "training"):
             self._load_gallery_prompts()
-        if path == "" or path in self.form.fields or path.startswith(("model.", "data.")):
+        if path in ("", "training.gallery_prompts") or path in self.form.fields or path.startswith(("model.", "data.")):
             self.form.load_from_state()
             self.validate()
 
@@ -293,7 +290,24 @@ class TrainingPanel(QWidget):
         if self.banner.level == "error":
             self.banner.clear()
         self._show_auto()
+        self._show_which_wins()
         return True
+
+    def _show_which_wins(self) -> None:
+        """max steps > 0 wins over epochs (the engine's rule): the epochs field says so, greyed with
+        a note beside it, instead of keeping a value the run silently ignores."""
+        epochs = self.form.fields.get("training.epochs")
+        if epochs is None:
+            return
+        steps = self.state.get("training.max_steps")
+        wins = isinstance(steps, int) and steps > 0
+        epochs.editor.setEnabled(not wins)
+        if wins:
+            epochs.badge.setText(f"not used: {steps} steps win")
+            epochs.badge.setToolTip(
+                f"training.max_steps is {steps}, and a step count wins over epochs. Set steps to 0 to train by epochs."
+            )
+        epochs.badge.setVisible(wins)
 
     def _show_auto(self) -> None:
         if self.state.profile is None:

@@ -22,3 +22,45 @@ def test_xray_row_column_holds_row_numbers_only(qtbot):
     assert group.text(1) == ""  # a group is not a row: its count stays out of the Row column
     assert "3" in group.text(0)  # the count goes with the sentence
     assert [group.child(i).text(1) for i in range(group.childCount())] == ["5", "9", "30"]
+
+
+def _train_page(qtbot, settings, runs_dir):
+    from studio.panels.training import TrainingPanel
+    from studio.state import StudioState
+
+    page = TrainingPanel(StudioState(str(runs_dir)), settings)
+    qtbot.addWidget(page)
+    return page
+
+
+def test_train_page_labels_are_words_with_the_key_in_the_tooltip(qtbot, settings, runs_dir):
+    from PySide6.QtWidgets import QLabel
+
+    page = _train_page(qtbot, settings, runs_dir)
+    labels = {w.toolTip().split("</b>")[0].removeprefix("<b>"): w.text() for w in page.form.findChildren(QLabel)}
+    for key, raw in (("training.lr", "lr"), ("fast_paths.ce_chunk_tokens", "ce chunk tokens"), ("lora.r", "r")):
+        assert key in labels, key  # the config key is still there, in the tooltip
+        assert labels[key] != raw and len(labels[key]) > len(raw)
+
+
+def test_one_place_to_type_the_gallery_prompts(qtbot, settings, runs_dir):
+    from PySide6.QtWidgets import QLineEdit
+
+    page = _train_page(qtbot, settings, runs_dir)
+    assert "training.gallery_prompts" not in page.form.fields
+    copies = [w for w in page.form.findChildren(QLineEdit) if "gallery_prompts" in w.toolTip()]
+    assert copies == []  # no second, read-only copy in the form
+    page.gallery_prompts.setPlainText("What is 2 plus 2?\nName a colour, please.")
+    assert page.state.get("training.gallery_prompts") == ["What is 2 plus 2?", "Name a colour, please."]
+
+
+def test_max_steps_wins_over_epochs_and_the_epochs_field_says_so(qtbot, settings, runs_dir):
+    page = _train_page(qtbot, settings, runs_dir)
+    epochs = page.form.fields["training.epochs"]
+    page.state.set("training.max_steps", 40)
+    page.validate()
+    assert not epochs.editor.isEnabled() and epochs.badge.isVisibleTo(page.form)
+    assert "40" in epochs.badge.text()
+    page.state.set("training.max_steps", 0)
+    page.validate()
+    assert epochs.editor.isEnabled() and not epochs.badge.isVisibleTo(page.form)
