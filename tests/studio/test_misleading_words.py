@@ -64,3 +64,39 @@ def test_max_steps_wins_over_epochs_and_the_epochs_field_says_so(qtbot, settings
     page.state.set("training.max_steps", 0)
     page.validate()
     assert epochs.editor.isEnabled() and not epochs.badge.isVisibleTo(page.form)
+
+
+def test_a_disabled_primary_button_looks_disabled(qtbot):
+    """The stylesheet's disabled primary button is grey, as every disabled button is, not a paler
+    blue with white text that reads as pressable (measured on the rendered pixels)."""
+    from PySide6.QtWidgets import QHBoxLayout, QPushButton, QWidget
+
+    from studio.app import load_style
+
+    host = QWidget()
+    qtbot.addWidget(host)
+    host.setStyleSheet(load_style())
+    lay = QHBoxLayout(host)
+    buttons = {}
+    for name, enabled in (("on", True), ("off", False)):
+        b = QPushButton("Train")
+        b.setObjectName("primary")
+        b.setEnabled(enabled)
+        b.setMinimumSize(120, 32)
+        lay.addWidget(b)
+        buttons[name] = b
+    host.show()
+    qtbot.waitExposed(host)
+
+    def fill(b):  # the button's own background, left of its text
+        img = b.grab().toImage()
+        return img.pixelColor(6, img.height() // 2)
+
+    on, off = fill(buttons["on"]), fill(buttons["off"])
+    assert on.hsvSaturationF() > 0.5  # the enabled primary button is the accent colour
+    assert off.hsvSaturationF() < 0.15  # disabled: grey, not a lighter accent
+    plain = QPushButton("Cancel")
+    plain.setEnabled(False)
+    lay.addWidget(plain)
+    qtbot.waitExposed(plain)
+    assert abs(fill(plain).lightnessF() - off.lightnessF()) < 0.1  # like any disabled button
