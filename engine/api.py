@@ -119,9 +119,11 @@ from engine.runs import (
     best_label,
     config_differences,
     list_runs,
+    new_run_folder,
     read_run,
     run_folder_of,
     summarize_runs,
+    write_problem,
 )
 
 # -- several processes (torchrun) ---------------------------------------------------------------
@@ -244,6 +246,9 @@ __all__ = [
     "list_runs",
     "read_run",
     "run_folder_of",
+    # a new run's folder: the name it gets, and why none can be written there (issue 28 item 7)
+    "new_run_folder",
+    "write_problem",
     # run history (the Runs page)
     "RunHistory",
     "RunSummary",

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import sys
-from datetime import datetime
 from pathlib import Path
 
 from engine.api import (
@@ -103,7 +102,7 @@ def _launch(args, config) -> int:
     machine without CUDA). The run folder is fixed here so every rank and the caller agree."""
     import subprocess
 
-    from engine.api import DistContext, launch_command, visible_gpus
+    from engine.api import DistContext, launch_command, new_run_folder, visible_gpus
 
     n = args.gpus
     gpus = visible_gpus()
@@ -118,10 +117,10 @@ def _launch(args, config) -> int:
         return 2
     output = args.output
     if output is None and args.resume is None:
-        name = config.output.run_name
-        if name == "auto":
-            name = datetime.now().strftime("run-%Y%m%d-%H%M%S")
-        output = str(Path(config.output.dir) / name)
+        folder, note = new_run_folder(config.output.dir, config.output.run_name, config.output.overwrite)
+        output = str(folder.path)
+        if note:
+            print(note, flush=True)
     engine_args = ["train", args.config]
     for flag, value in (("--output", output), ("--resume", args.resume), ("--max-steps", args.max_steps)):
         if value is not None:

@@ -47,6 +47,7 @@ Names: ``CONFIG``, ``METRICS``, ``LOG``, ``CHECKPOINTS``, ``ADAPTER``, ``EXPORTS
   ``.control_file``             the window's request to a run under torchrun
   ``.info()``                   a RunInfo
   ``.check_free(overwrite)``    raises RunFolderError when a new run may not start here
+  ``.check_writable()``         raises RunFolderError with ``write_problem``'s sentence
   ``.create(fresh)``            makes the folder and checkpoints/; ``fresh`` clears an old run first
   ``RunFolder.of(path)``        the RunFolder that a run, checkpoint or adapter folder belongs to
 
@@ -65,6 +66,10 @@ Functions:
                                 files get the umask's permissions, e.g. 0644)
   ``read_run(path)``            a RunInfo, or None when ``path`` is not a run folder
   ``list_runs(root)``           RunInfo of every run folder directly under ``root``, newest first
+  ``write_problem(path)``       why no run can be written there (read-only, no permission, a full
+                                disk), one sentence naming the folder and what to do; "" when one can
+  ``new_run_folder(root, name, overwrite)``  (RunFolder, note): root/name, or the first free
+                                name-2, name-3 ... when that is taken (the note says so)
 
 ``RunInfo(path, adapter, checkpoints, status, best)`` with ``.name`` and ``.sources()``: what can
 be exported or chatted with: the best checkpoint (by eval loss, when best.json names one that
@@ -89,6 +94,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
@@ -112,6 +118,10 @@ TENSORBOARD = "tensorboard"
 # The window's request to a run under torchrun ("pause", "resume" or "stop"), read by rank 0
 # between steps: torchrun forwards SIGINT/SIGTERM but has no pause.
 CONTROL = "control"
+
+# Below this much free space a run's first checkpoint would not fit (a small model's adapter with
+# its optimizer state is tens of MB): refused before anything loads (write_problem).
+MIN_FREE_BYTES = 64 * 2**20
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -529,12 +539,13 @@ class RunFolder:
     # -- starting a run -------------------------------------------------------------------------
     def check_free(self, overwrite: bool = False) -> None:
         """Refuse a folder that already holds a run (unless `overwrite`) or holds anything else,
-        and a path that is (or lies under) a file."""
+        a path that is (or lies under) a file, and a place where nothing can be written."""
         for p in (self.path, *self.path.parents):
             if p.exists():
                 if not p.is_dir():
                     raise RunFolderError(f"the output must be a folder, but {p} is a file")
                 break
+        self.check_writable()
         if self.path.exists() and any(self.path.iterdir()):
             if self.is_run() and not overwrite:
                 raise RunFolderError(
@@ -546,6 +557,13 @@ class RunFolder:
                     f"the output folder {self.path} is not empty and holds no run; choose an empty folder"
                 )
 
+    def check_writable(self) -> None:
+        """Raise RunFolderError with `write_problem`'s sentence when this run cannot be written:
+        before anything loads, not as an OSError after the model and data did."""
+        problem = write_problem(self.path)
+        if problem:
+            raise RunFolderError(problem)
+
     def create(self, fresh: bool) -> "RunFolder":
         """Make the folder and checkpoints/. `fresh`: a new run, so an old run here (only possible
         after check_free with overwrite) is removed first; a resumed run keeps what is there."""
@@ -554,6 +572,69 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints_dir.mkdir(exist_ok=True)
         return self
+
+
+def write_problem(path: str | Path) -> str:
+    """Why no run can be written at `path` (a runs folder or a run folder, made when missing), one
+    sentence naming the folder and what to do; "" when one can. Cheap and writes nothing: the
+    nearest folder that exists must let this process make files in it (a read-only disk, or
+    missing permission, fails) and its disk must have room for a first checkpoint."""
+    p = Path(path).expanduser()
+    existing = next((q for q in (p, *p.parents) if q.exists()), None)
+    if existing is None or not existing.is_dir():
+        return ""  # check_free names a file in the way
+    where = str(existing) if existing == p else f"{existing} (where {p} would be made)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "is on a read-only disk" if _read_only(existing) else "is not writable by you"
+        return (
+            f"Runs cannot be saved: {where} {why}. Choose another runs folder (output.dir) or make "
+            "that folder writable, then train again."
+        )
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return ""
+    if free < MIN_FREE_BYTES:
+        return (
+            f"Runs cannot be saved: the disk holding {existing} is full ({free / 2**20:.0f} MB free). Free some "
+            "space or choose a runs folder on another disk (output.dir), then train again."
+        )
+    return ""
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (Windows)
+        return False
+
+
+def new_run_folder(root: str | Path, name: str, overwrite: bool = False) -> tuple["RunFolder", str]:
+    """The folder of a new run called `name` under `root` ("auto": run-YYYYmmdd-HHMMSS), and a
+    sentence when it is not root/name: a name already taken (a folder holding a run, or anything
+    else) gives the first free name-2, name-3, ..., so a fixed output.run_name in a loaded config
+    trains every time instead of failing every later Train; `overwrite` (output.overwrite) reuses
+    a run's folder, as it always did. The one rule for a new run's folder (the session, and the
+    callers that fix the folder before starting processes under torchrun)."""
+    root = Path(root).expanduser()
+    if name == "auto":
+        name = datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    first = RunFolder(root / name)
+    if not _taken(first.path) or (overwrite and first.is_run()):
+        return first, ""
+    n = 2
+    while _taken(root / f"{name}-{n}"):
+        n += 1
+    folder = RunFolder(root / f"{name}-{n}")
+    what = "holds a run" if first.is_run() else "is in the way"
+    return folder, f"{first.path} already {what}: this run is {folder.path.name}"
+
+
+def _taken(path: Path) -> bool:
+    """Something is at `path` that a new run may not be written into (an empty folder is free)."""
+    if not path.exists():
+        return False
+    return not path.is_dir() or any(path.iterdir())
 
 
 def read_run(path: str | Path) -> Optional[RunInfo]:

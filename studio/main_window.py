@@ -209,14 +209,16 @@ class MainWindow(QMainWindow):
     def train_blocker(self) -> str:
         """Why Train cannot start, in one sentence ("" when it can): the model must load (the
         demo, a Hub id, or a folder with config.json, weights and a tokenizer) and the data must
-        hold at least one usable example. Data still loading does not block: the run checks it."""
+        hold at least one usable example. Data still loading does not block: the run checks it.
+        The runs folder must take a new run (engine.api.write_problem)."""
         problems = model_problems(dict(self.state.get("model")))
         if problems:
             return f"The model cannot be trained on: {problems[0]}."
         dp = self.data_panel
         if not dp.loading and dp.checked_source == self.state.get("data.source") and dp.problem:
             return f"The data cannot be trained on: {dp.problem}"
-        return ""
+        # A read-only, forbidden or full runs folder: said now, not after a minute of loading.
+        return api.write_problem(self.state.get("output.dir"))
 
     def update_train_gate(self) -> None:
         self.training_panel.set_blocker(self.train_blocker())
@@ -227,7 +229,7 @@ class MainWindow(QMainWindow):
             self.train_action.setToolTip(tip)
 
     def _state_changed(self, path: str) -> None:
-        if path == "" or path.startswith(("model.", "data.source")):
+        if path == "" or path.startswith(("model.", "data.source", "output.dir")):
             self.update_train_gate()
 
     def _data_status_changed(self) -> None:

@@ -21,7 +21,6 @@ import os
 import sys
 import tempfile
 from collections import deque
-from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -42,10 +41,9 @@ class ProcessWorker(QObject):
         if resume_from:
             self.run_dir = Path(api.run_folder_of(resume_from))
         else:
-            name = config.output.run_name
-            if name == "auto":
-                name = datetime.now().strftime("run-%Y%m%d-%H%M%S")
-            self.run_dir = Path(run_dir) if run_dir else Path(config.output.dir) / name
+            out = config.output
+            folder = api.RunFolder(run_dir) if run_dir else api.new_run_folder(out.dir, out.run_name, out.overwrite)[0]
+            self.run_dir = folder.path
         self._tmp = Path(tempfile.mkdtemp(prefix="tunesmith-run-"))
         self._buffer = b""
         self._stderr: deque[str] = deque(maxlen=40)

@@ -32,7 +32,6 @@ import random
 import time
 import traceback
 from contextlib import nullcontext
-from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -41,7 +40,7 @@ from engine.counters import reset_counters, split_counts
 from engine.data import plural
 from engine.events import CompletionSamples, Event, Failed, Finished, LogLine, RunStarted, StepMetrics
 from engine.hardware.vram import gpu_health_fields as _gpu_health_fields
-from engine.runs import RunFolder, RunFolderError, resume_checkpoint, step_of
+from engine.runs import RunFolder, RunFolderError, new_run_folder, resume_checkpoint, step_of
 from engine.train.control import RunControl
 from engine.train.distributed import DistContext, share_from_main
 from engine.train.failure import failure_message
@@ -237,16 +236,23 @@ class TrainingSession:
         random.seed(config.training.seed)
 
     def _plan_run_dir(self, config: RunConfig) -> RunFolder:
-        """Where the run will live; refuses a folder that already holds a run (no silent overwrite)."""
+        """Where the run will live; refuses a folder given by path that already holds a run (no
+        silent overwrite) and, before anything loads, a place where nothing can be written. A
+        name from the config that is taken gets the next free one (engine.runs.new_run_folder)."""
+        self._folder_note = ""
         if self._resume_from is not None:
-            return RunFolder.of(self._resume_from)
+            folder = RunFolder.of(self._resume_from)
+            if self._dist.is_main:
+                folder.check_writable()
+            return folder
         if self._run_dir is not None:
             folder = RunFolder(self._run_dir)
         else:
-            name = config.output.run_name
-            if name == "auto":  # every rank takes rank 0's clock
-                name = share_from_main(self._dist, datetime.now().strftime("run-%Y%m%d-%H%M%S"))
-            folder = RunFolder(Path(config.output.dir) / name)
+            out, path = config.output, None
+            if self._dist.is_main:  # rank 0 picks the name (its clock, the folders it sees)
+                folder, self._folder_note = new_run_folder(out.dir, out.run_name, out.overwrite)
+                path = str(folder.path)
+            folder = RunFolder(share_from_main(self._dist, path))  # every rank takes it
         if self._dist.is_main:  # the others would see rank 0's new folder
             folder.check_free(config.output.overwrite)
         return folder
@@ -267,7 +273,7 @@ class TrainingSession:
         self._open_run_dir()
         if self._dist.is_main:
             config.save(self._folder.config)
-        self.log(f"Run folder: {self.run_dir}")
+        self.log(f"Run folder: {self.run_dir}" + (f" ({self._folder_note})" if self._folder_note else ""))
         self._reporter.open_loggers(config.output, self._folder, config.to_dict())
         if heldout_note:
             self.log(heldout_note)

@@ -199,8 +199,14 @@ def test_pause_holds_steps_until_resumed(tmp_path):
 def test_output_folder_with_a_run_is_not_overwritten(tmp_path):
     cfg = tiny_config(tmp_path, steps=1)
     cfg.output.run_name = "same"
-    run(cfg)
-    result = TrainingSession(cfg, None).run()
+    first, _ = run(cfg)
+    config_before = (tmp_path / "same" / "config.yaml").read_text()
+    # A taken name from the config: the next run goes beside it (issue 28 item 7).
+    second, _ = run(cfg)
+    assert (first.run_dir, second.run_dir) == (str(tmp_path / "same"), str(tmp_path / "same-2"))
+    assert (tmp_path / "same" / "config.yaml").read_text() == config_before
+    # A folder given by path that holds a run is still refused.
+    result = TrainingSession(cfg, None, run_dir=tmp_path / "same").run()
     assert isinstance(result, Failed) and "already holds a run" in result.message
 
 
