@@ -123,6 +123,11 @@ def read_history(folder: RunFolder, now: Optional[float] = None) -> RunHistory:
                 hist.problems.append(f"{folder.metrics.name} line {number} is a step without a step number or loss")
                 continue
             by_step[step] = {name: _float(event.get(name)) for name in CURVES}
+            # The method's own metrics (reward margins, accuracy, mean reward, KL...): the Runs
+            # overlay compares runs of any method on what they logged.
+            extra = event.get("metrics")
+            if isinstance(extra, dict):
+                by_step[step].update({k: _float(v) for k, v in extra.items() if k not in by_step[step]})
             hist.total_steps = _int(event.get("total_steps"), hist.total_steps)
         elif kind == "EvalMetrics" and isinstance(event.get("step"), int):
             evals[event["step"]] = {name: _float(event.get(name)) for name in EVAL_CURVES}
@@ -134,8 +139,9 @@ def read_history(folder: RunFolder, now: Optional[float] = None) -> RunHistory:
     if len(segment) == 2:  # a session without an outcome (running, or it ended abruptly)
         hist.seconds += segment[1] - segment[0]
     hist.steps = sorted(by_step)
-    for name in CURVES:
-        hist.curves[name] = [by_step[s][name] for s in hist.steps]
+    logged = dict.fromkeys(k for s in hist.steps for k in by_step[s])  # CURVES first, then the method's
+    for name in logged:
+        hist.curves[name] = [by_step[s].get(name, math.nan) for s in hist.steps]
     nan = {name: math.nan for name in EVAL_CURVES}
     for name in EVAL_CURVES:
         hist.curves[name] = [evals.get(s, nan)[name] for s in hist.steps]

@@ -42,6 +42,7 @@ from engine.api import RunFolder, RunFolderError, config_differences, summarize_
 from studio.panels.common import Banner, caption, fmt_seconds, title
 from studio.tasks import run_task
 from studio.widgets.history_chart import HistoryChart, color_for
+from studio.widgets.metric_overlay import MetricOverlay
 
 # "Best train loss": the lowest training loss logged; the Monitor's "best" is the eval loss's.
 COLUMNS = ("Name", "Date", "Model", "Data", "Status", "Steps", "Final loss", "Best train loss", "Duration", "Tokens/s")
@@ -162,6 +163,9 @@ class RunsPanel(QWidget):
         grid.setSpacing(6)
         for i, chart in enumerate(self.charts.values()):
             grid.addWidget(chart, i // 2, i % 2)
+        # One metric picked from what the selected runs logged (any method: loss, reward margin, KL...).
+        self.overlay = MetricOverlay()
+        grid.addWidget(self.overlay, (len(self.charts) + 1) // 2, 0, 1, 2)
         charts = QWidget()
         charts.setLayout(grid)
 
@@ -462,6 +466,8 @@ class RunsPanel(QWidget):
                     # The held-out eval loss, dashed in the run's colour (NaN between evals).
                     lines.append((f"{s.name} eval", *hist.curve("eval_loss"), color_for(i), True))
             chart.show_curves(lines)
+        picked = [(s.name, self.histories.get(str(s.path)), color_for(i)) for i, s in enumerate(chosen)]
+        self.overlay.show_runs([r for r in picked if r[1] is not None])
 
     def _show_diff(self, chosen: list) -> None:
         """The config keys whose values differ between the selected runs, one column per run."""
