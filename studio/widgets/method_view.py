@@ -104,6 +104,7 @@ class MethodView(QWidget):
     def clear(self) -> None:
         for chart in self.charts.values():
             self.grid.removeWidget(chart)
+            chart.hide()  # gone at once, not when the event loop gets to the deletion
             chart.deleteLater()
         self.charts = {}
         self.samples = {}
