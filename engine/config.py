@@ -59,6 +59,10 @@ class LoraConfig:
     dropout: float = 0.0
     # "all-linear": every linear projection of the decoder (not the LM head).
     target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
+    # Start the adapters from a trained PEFT adapter instead of fresh ones: its folder, or a run
+    # (its final adapter/, else its latest checkpoint's). Any method: e.g. GRPO after an SFT cold
+    # start. Its r, alpha and target modules must be the ones above. "" = fresh adapters.
+    init_adapter: str = ""
 
 
 @dataclass

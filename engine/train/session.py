@@ -232,6 +232,13 @@ class TrainingSession:
 
             raise ConfigError("training.distributed", FSDP_4BIT_REFUSAL)
         self._folder = self._plan_run_dir(config)
+        # An earlier adapter to start from (lora.init_adapter), found before the run folder is made;
+        # a resume takes its adapter from the checkpoint instead.
+        self._init_adapter = None
+        if config.lora.init_adapter.strip() and self._resume_from is None:
+            from engine.peft_model import init_adapter_path
+
+            self._init_adapter = init_adapter_path(config.lora.init_adapter)
         torch.manual_seed(config.training.seed)
         random.seed(config.training.seed)
 
@@ -329,6 +336,11 @@ class TrainingSession:
         model = load_model(config.model, load_on, config.model.dtype)
         with quiet_third_party():  # PEFT's FutureWarnings about transformers internals
             model = attach_lora(model, config.lora)
+        if self._init_adapter is not None:
+            from engine.peft_model import load_init_adapter
+
+            n = load_init_adapter(model, self._init_adapter)
+            self.log(f"LoRA starts from the adapter in {self._init_adapter} ({n} tensors)")
         # Offloaded checkpointing works under FSDP too: the layer's FSDP hooks run inside the
         # offloader's Function, gathering the weights for the forward and again for the recompute.
         self._prepared = prepared = prepare_model(
