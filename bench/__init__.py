@@ -11,4 +11,11 @@ smoke run (``--cpu-smoke``).
 
 Importing this package is cheap on purpose: the Unsloth child process must import unsloth
 before transformers, so nothing here imports torch or transformers at module level.
+
+Every bench process is ours, and its numbers are the engine's as the CLI runs it: the CUDA
+allocator's setting (engine.allocator) is made here, before any bench module imports torch.
 """
+
+from engine.allocator import prefer_expandable_segments
+
+prefer_expandable_segments()

@@ -14,6 +14,9 @@ import importlib
 import time
 from typing import TYPE_CHECKING, Any
 
+# -- the process: the CUDA allocator's setting, made by entry points (engine.allocator) -------
+from engine.allocator import prefer_expandable_segments
+
 # -- chat --------------------------------------------------------------------------------------
 from engine.chat import generate_reply, load_chat_model
 
@@ -259,6 +262,7 @@ __all__ = [
     "detect",
     "apply_cpu_threads",
     "ThreadChoice",
+    "prefer_expandable_segments",
     "apply_defaults",
     "resolve_defaults",
     "explain_defaults",

@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.allocator import prefer_expandable_segments
+
+    prefer_expandable_segments()  # this process is ours; before anything initialises CUDA
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,10 +1,31 @@
 """Per-step counters: what the engine's bookkeeping cost and which fast paths actually ran.
 
 Counted where things happen (engine.fastpath.packed, engine.fastpath.attention, engine.fastpath.moe, engine.kernels.*,
-engine.fastpath.lora, engine.models.patches); the training loop reads and resets them once per
-optimizer step, so each StepMetrics event can show "metadata built once, 0 syncs" and which
-fast paths ran, not only which were patched. Plain ints in one dict: counting must cost
-nothing on the hot path (a dict increment, never a device sync).
+engine.fastpath.lora, engine.models.patches) with `count(key)`; the training loop reads and resets
+them once per optimizer step, so each StepMetrics event can show "metadata built once, 0 syncs"
+and which fast paths ran, not only which were patched. Plain ints in a dict: counting must cost
+nothing on the hot path (a context lookup and a dict increment, never a device sync).
+
+Who owns the counts: a `Counters` object per run. The session creates one and activates it
+(`with counters.active():`) on the thread that runs it, so two sessions in one process (two
+threads, or one after the other) never see each other's counts. The active object lives in a
+`contextvars.ContextVar`, and a ContextVar has a value only in the thread (or asyncio task) that
+set it. That is what keeps a paused run's probe, answered on the window's thread, out of the
+run's step counts; it is also why a count made on a thread with no value needs a rule:
+
+1. this thread's active Counters;
+2. inside a backward pass, the Counters of the thread that started it. On CUDA the autograd
+   engine runs backward nodes (and so the recompute of checkpointed layers, and the base weight
+   decoded for dx) on its own device thread, where no ContextVar is set; torch stashes the
+   launching thread's context for those threads (`torch._C._stash_obj_in_tls("context", ...)`
+   in torch.autograd.graph._engine_run_backward) and we read our variable from it. On a CPU
+   backward runs on the launching thread and rule 1 applies;
+3. the one run active in the process, when exactly one is (a torch without rule 2's stash, or
+   a thread the engine did not start: its counts go where they always went);
+4. otherwise `UNOWNED`, counted but never reported (a library call with no run, a probe while
+   two runs train). Module-level `reset_counters()` and tests outside a run use it the same way.
+
+A CUDA graph replays kernels, not Python: counts are made once, at capture, whatever the rule.
 
 Keys (all counts are per optimizer step, gradient-checkpointing recomputes included):
 
@@ -32,11 +53,14 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import sys
+import threading
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator, Mapping, Optional
 
-# Always present in a reset_counters() snapshot (older callers compare these exactly).
+# Always present in a reset snapshot (older callers compare these exactly).
 BASE_KEYS = ("metadata_builds", "host_syncs", "moe_calls")
-
 CALL_KEYS = (
     "lora_linears",
     "lora_mlp",
@@ -66,30 +90,107 @@ CALL_KEYS = (
 
 FALLBACK = "fallback:"
 
-COUNTERS: dict[str, int] = {k: 0 for k in BASE_KEYS + CALL_KEYS}
+
+class Counters(dict):
+    """One run's counts: {key: n}, every BASE_KEYS and CALL_KEYS key present (zero until counted)."""
+
+    def __init__(self) -> None:
+        super().__init__((k, 0) for k in BASE_KEYS + CALL_KEYS)
+
+    def reset(self) -> dict[str, int]:
+        """Return the counts since the last reset and zero them.
+
+        The snapshot holds the BASE_KEYS always and every other key only when it is non-zero.
+        """
+        snapshot = {k: v for k, v in self.items() if v or k in BASE_KEYS}
+        for k in [k for k in self if k.startswith(FALLBACK)]:
+            del self[k]
+        for k in self:
+            self[k] = 0
+        return snapshot
+
+    @contextmanager
+    def active(self) -> Iterator["Counters"]:
+        """Count into this object on this thread (and in backward passes it starts) until the block ends."""
+        global _ACTIVE
+        token = _CURRENT.set(self)
+        with _LOCK:
+            _ACTIVE = _ACTIVE + (self,)
+        try:
+            yield self
+        finally:
+            with _LOCK:
+                i = next(i for i, c in enumerate(_ACTIVE) if c is self)
+                _ACTIVE = _ACTIVE[:i] + _ACTIVE[i + 1 :]
+            _CURRENT.reset(token)
+
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Counts made inside the block are dropped: the counts come back as they were before it."""
+        before = dict(self)
+        try:
+            yield
+        finally:
+            self.reset()
+            self.update(before)
+
+
+UNOWNED = Counters()  # rule 4 of the module docstring: counts no run reports
+_CURRENT: ContextVar[Counters] = ContextVar("tunesmith_counters")
+# Runs active in the process, for rule 3: a tuple replaced whole under _LOCK, so a reader on
+# another thread sees one consistent value without taking the lock.
+_ACTIVE: tuple[Counters, ...] = ()
+_LOCK = threading.Lock()
+# Rule 2's reader of torch's stash: (is_key_in_tls, get_obj_in_tls), or () for a torch without
+# it; None until torch is imported (this module never imports torch: engine.api stays light).
+_STASH: Optional[tuple] = None
+
+
+def _elsewhere() -> Counters:
+    """Rules 2-4: the Counters for a thread on which no run is active."""
+    global _STASH
+    stash = _STASH
+    if stash is None:
+        torch_c = sys.modules.get("torch._C")
+        if torch_c is not None:
+            is_key, get_obj = getattr(torch_c, "_is_key_in_tls", None), getattr(torch_c, "_get_obj_in_tls", None)
+            _STASH = stash = (is_key, get_obj) if is_key is not None and get_obj is not None else ()
+    if stash and stash[0]("context"):
+        counters = stash[1]("context").get(_CURRENT)
+        if counters is not None:
+            return counters
+    active = _ACTIVE
+    return active[0] if len(active) == 1 else UNOWNED
+
+
+def current() -> Counters:
+    """The Counters a count made here goes to (the rules of the module docstring)."""
+    counters = _CURRENT.get(None)
+    return counters if counters is not None else _elsewhere()
+
+
+def count(key: str) -> None:
+    """One more `key` (a BASE_KEYS or CALL_KEYS name) in the current Counters."""
+    counters = _CURRENT.get(None)
+    if counters is None:
+        counters = _elsewhere()
+    counters[key] += 1
 
 
 def count_fallback(kind: str, reason: str) -> None:
     """A patched module of `kind` ran its stock forward for `reason` (a short phrase)."""
+    counters = current()
     key = f"{FALLBACK}{kind}: {reason}"
-    COUNTERS[key] = COUNTERS.get(key, 0) + 1
+    counters[key] = counters.get(key, 0) + 1
 
 
 def reset_counters() -> dict[str, int]:
-    """Return the counts since the last reset and zero them.
-
-    The snapshot holds the BASE_KEYS always and every other key only when it is non-zero.
-    """
-    snapshot = {k: v for k, v in COUNTERS.items() if v or k in BASE_KEYS}
-    for k in [k for k in COUNTERS if k.startswith(FALLBACK)]:
-        del COUNTERS[k]
-    for k in COUNTERS:
-        COUNTERS[k] = 0
-    return snapshot
+    """The current Counters' snapshot, zeroed (`Counters.reset`)."""
+    return current().reset()
 
 
 def split_counts(snapshot: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
-    """(fast_path_calls, fallbacks) of a reset_counters() snapshot, non-zero entries only.
+    """(fast_path_calls, fallbacks) of a reset snapshot, non-zero entries only.
 
     fast_path_calls: the call keys and moe_calls; fallbacks: {"<module kind>: <reason>": n}.
     """
@@ -183,9 +284,12 @@ def requested_but_not_run(
 
 
 __all__ = [
-    "COUNTERS",
+    "Counters",
+    "UNOWNED",
     "BASE_KEYS",
     "CALL_KEYS",
+    "current",
+    "count",
     "count_fallback",
     "reset_counters",
     "split_counts",

@@ -50,6 +50,9 @@ def load_style() -> str:
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from engine.api import prefer_expandable_segments
+
+    prefer_expandable_segments()  # the worker thread trains in this process; before CUDA starts
     from studio import system_libs
 
     libs = system_libs.prepare()  # before QApplication: Qt would abort on a missing xcb library

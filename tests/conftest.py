@@ -11,6 +11,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from engine.allocator import prefer_expandable_segments  # noqa: E402
+
+prefer_expandable_segments()  # tests train in this process as the CLI and the studio do
+
 try:
     import torch
 

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from engine.counters import current
 from engine.fastpath import packed
 from engine.fastpath.packed import PackedSeqInfo
 from engine.kernels import varlen_attention
@@ -49,7 +50,7 @@ def test_counters_count_builds_and_reset():
     PackedSeqInfo.from_lengths([3, 4])
     PackedSeqInfo.from_lengths([1])
     assert packed.reset_counters() == {"metadata_builds": 2, "host_syncs": 0, "moe_calls": 0}
-    assert not any(packed.COUNTERS.values())
+    assert not any(current().values())
 
 
 def test_cpu_to_returns_self_and_lookup_finds_owner():
@@ -66,7 +67,7 @@ def test_from_position_ids_roundtrip_and_rows():
     again = PackedSeqInfo.from_position_ids(info.position_ids.unsqueeze(0))
     assert again.lengths == lengths
     assert again.cu_seqlens.tolist() == info.cu_seqlens.tolist()
-    assert packed.COUNTERS["metadata_builds"] == 1
+    assert current()["metadata_builds"] == 1
     # Two rows of plain positions: each row is one document even though row 2 does not restart.
     rows = torch.tensor([[0, 1, 2, 0, 1], [5, 6, 7, 8, 9]])
     assert PackedSeqInfo.from_position_ids(rows).lengths == [3, 2, 5]

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from engine.counters import count_fallback
+from engine.counters import count, count_fallback
 from engine.fastpath import packed
 from engine.kernels.varlen_attention import KEPT_KWARG, varlen_attention_reference
 from engine.peft_model import hf_model
@@ -103,7 +103,7 @@ def varlen_attention(
     if dropout_p > 0.0:
         backend = "reference"
     if backend == "reference":
-        packed.COUNTERS["attention:reference"] += 1  # its cu_seqlens.tolist() counts a host sync
+        count("attention:reference")  # its cu_seqlens.tolist() counts a host sync
         return varlen_attention_reference(
             q,
             k,
@@ -117,12 +117,12 @@ def varlen_attention(
             dropout_p=dropout_p,
         )
     if backend == "flash_attn":
-        packed.COUNTERS["attention:flash_attn"] += 1
+        count("attention:flash_attn")
         return _flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window, softcap)
     if backend == "torch_flash":
         if softcap is not None:
             raise ValueError("the torch_flash attention backend has no softcap")
-        packed.COUNTERS["attention:torch_flash"] += 1
+        count("attention:torch_flash")
         return _torch_flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window)
     if backend != "triton":
         raise ValueError(f"unknown attention backend {backend!r}")
@@ -132,7 +132,7 @@ def varlen_attention(
         info = packed.lookup(cu_seqlens)
     tables = info.block_table if info is not None and info.cu_seqlens.device == q.device else None
     covers = info is not None and info.total_tokens == q.shape[0]
-    packed.COUNTERS["attention:varlen_triton"] += 1
+    count("attention:varlen_triton")
     return varlen_attention_triton(
         q,
         k,
@@ -155,7 +155,7 @@ def _flash_attn_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window, s
     if max_seqlen is None:  # flash-attn sizes its grid from it; reading it is a sync
         max_seqlen = (cu[1:] - cu[:-1]).max()
     if isinstance(max_seqlen, torch.Tensor):
-        packed.COUNTERS["host_syncs"] += 1
+        count("host_syncs")
         max_seqlen = int(max_seqlen)
     window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
     return flash_attn_varlen_func(
@@ -205,7 +205,7 @@ def _torch_flash_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window):
         raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen")
     if max_seqlen is None or isinstance(max_seqlen, torch.Tensor):  # the grid needs a host int
         max_seqlen = int((cu[1:] - cu[:-1]).max() if max_seqlen is None else max_seqlen)
-        packed.COUNTERS["host_syncs"] += 1
+        count("host_syncs")
     kwargs = {"scale": scale}
     if "window_size" in params:  # torch >= 2.11; 2.10 had only is_causal
         left = sliding_window - 1 if sliding_window is not None else -1
@@ -288,7 +288,7 @@ def tunesmith_varlen_attention_forward(
             f"{ATTN_NAME} does not support attention sinks (s_aux); enable_packed_attention refuses such models"
         )
     if attention_mask is not None or key.shape[2] != t:
-        packed.COUNTERS["attention:dense"] += 1
+        count("attention:dense")
         count_fallback("packed_attention", "KV cache" if key.shape[2] != t else "explicit attention mask")
         return _dense_attention(
             module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal

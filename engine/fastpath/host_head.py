@@ -178,10 +178,10 @@ def streamed_linear_cross_entropy(
     / normalizer, as an fp32 scalar; `host_weight` [V, H] is frozen and may live in (pinned)
     host memory, `hidden` [N, H] on the device. Same contract as
     engine.kernels.fused_ce.fused_linear_cross_entropy without bias or weight gradient."""
-    from engine.counters import COUNTERS
+    from engine.counters import count
     from engine.kernels.fused_ce import _prepare
 
-    COUNTERS["fused_ce:streamed"] += 1
+    count("fused_ce:streamed")
     h2, t1, normalizer = _prepare(hidden, host_weight, targets, None, ignore_index, normalizer)
     if h2.dtype != host_weight.dtype:  # one dtype for the matmuls; the cast is differentiable
         h2 = h2.to(host_weight.dtype)

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.counters import COUNTERS
+from engine.counters import count
 from engine.fastpath.lora_group import LoRAGroup, as_group, base_linear, base_mm, base_operand, lora_linear_out
 from engine.kernels import activations as K
 
@@ -112,7 +112,7 @@ class LoRALinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, *ab):
-        COUNTERS["lora_linears"] += 1
+        count("lora_linears")
         w = group.weights(ab, x.dtype)
         ys, xa = _group_forward(x, group, w)
         # The cached low-precision weights are kept on ctx (they are not autograd inputs and
@@ -220,7 +220,7 @@ class LoRAMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_up, down, act, *ab):
-        COUNTERS["lora_mlp"] += 1
+        count("lora_mlp")
         w_in = gate_up.weights(ab[:4], x.dtype)
         w_out = down.weights(ab[4:], x.dtype)
         (gate, up), xa = _group_forward(x, gate_up, w_in)

@@ -8,8 +8,9 @@ The fused LoRA Functions (engine.fastpath.lora) work on plain tensors; this modu
 - `lora_unsupported_reason` / `lora_parts` / `runtime_ok`: whether a projection can take the
   fused path (at patch time, then per call), and its split into a frozen base and the active
   adapter's A/B;
-- the adapter generation (`adapters_changed`, `adapter_generation`, a global optimizer post-step
-  hook): the one thing that invalidates cached adapter weights;
+- the adapter generation (`adapters_changed`, `adapter_generation`, and `watch_optimizer`, the
+  post-step hook of the engine's own optimizer): the one thing that invalidates cached adapter
+  weights;
 - `LoRAGroup` (and `as_group`): projections sharing one input, resolved once, with the adapter
   weights cast, stacked and scaled once per weight update instead of in every call.
 
@@ -25,7 +26,6 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from engine.fastpath import quant
 
@@ -229,10 +229,19 @@ def runtime_ok(parts: Sequence[LoRAParts], x: torch.Tensor) -> bool:
 
 # -- adapter generation: what invalidates the cached adapter weights ----------------------------
 
-# One counter for the whole process. Every optimizer step advances it (a global post-step hook:
-# any optimizer, fused or not, ours or a caller's), and so does every load of adapter weights
-# through the engine (`adapters_changed`). Code that writes adapter weights some other way
-# without bumping `_version` (through `.data`, say) must call `adapters_changed()` itself.
+# Who advances it: the steps of the optimizer the engine trains with (engine.train.optim hooks
+# `watch_optimizer` onto that optimizer alone; an optimizer made elsewhere in the process is not
+# watched) and every load of adapter weights through the engine (`adapters_changed`: checkpoints,
+# rollback). Code that writes adapter weights some other way without bumping `_version` (a fused
+# step of an unwatched optimizer, writes through `.data`) must call `adapters_changed()` itself.
+#
+# Why one number for the process rather than one per run: it only ever invalidates. A bump makes
+# every cache rebuild once and never serves a stale weight, so a second session in the process
+# costs the first a rebuild per step at most, and the one value reads the same from any thread:
+# the fused Functions read it in forwards, in the recompute of checkpointed layers and in
+# backward, which on CUDA run on the autograd engine's thread, where a per-run context would
+# have to be found first (see engine.counters). The cache also keys on each weight's identity,
+# `_version` and data pointer, so the number matters only where those stay the same.
 _GENERATION = [0]
 
 
@@ -249,7 +258,10 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
     _GENERATION[0] += 1
 
 
-register_optimizer_step_post_hook(_after_optimizer_step)
+def watch_optimizer(optimizer):
+    """Advance the generation after every step of `optimizer` (and of no other); returns the
+    hook's handle (`.remove()` stops it)."""
+    return optimizer.register_step_post_hook(_after_optimizer_step)
 
 
 # -- a planned group of projections and its per-step weight cache ------------------------------
@@ -265,8 +277,8 @@ class LoRAGroup:
     these once per step removes most of the small cast/cat kernels (and their launch cost) from
     the step.
 
-    The cache is keyed by the adapter generation (`adapter_generation`), which every optimizer
-    step and every load of adapter weights advances, and by each weight's identity, `_version`
+    The cache is keyed by the adapter generation (`adapter_generation`), which every step of the
+    watched optimizer and every load of adapter weights advances, and by each weight's identity, `_version`
     and data pointer (in-place `copy_` and `.data =` swaps). `_version` alone is not enough:
     a fused optimizer (AdamW(fused=True), the engine's choice on CUDA) updates parameters
     without bumping it, and a cache keyed on it served the step-0 adapters for a whole run.

@@ -12,7 +12,7 @@ module holding 3D `gate_up_proj` / `down_proj` tensors). The patched forward
 3. gathers the tokens into expert-contiguous rows and runs the two expert matmuls per group:
    `torch.nn.functional.grouped_mm` (or `torch._grouped_mm`) with the offsets on CUDA bf16 --
    no host sync at all -- otherwise a loop over experts that reads the offsets to the host
-   once per block call (one `.tolist()`, counted in COUNTERS["host_syncs"]);
+   once per block call (one `.tolist()`, counted as "host_syncs" in engine.counters);
 4. combines the slots back per token, weighted by the routing scores, accumulating in fp32.
 
 Steps 3-4 are one autograd.Function (`grouped_experts`). The experts are frozen, so its
@@ -29,7 +29,7 @@ in fp32.
 
 Public: `apply_moe_grouping(model)` (-> "on" / "partial k/n: why" / "off: why"),
 `remove_moe_grouping(model)`, `group_block(block)`, `ungroup_block(block)`,
-`block_unsupported_reason(block)`, `grouped_experts(...)`, `matmul_path(...)`, COUNTERS.
+`block_unsupported_reason(block)`, `grouped_experts(...)`, `matmul_path(...)`; its counts go to engine.counters.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch import nn
 # Block calls through the grouped path and host syncs the routing made (the loop path reads the
 # expert offsets once per call; the grouped_mm path never does) go to engine.counters, where
 # the training loop reads them with the packing counts.
-from engine.counters import COUNTERS, count_fallback, reset_counters  # noqa: F401
+from engine.counters import count, count_fallback, reset_counters  # noqa: F401
 from engine.fastpath import patching
 from engine.kernels import moe as moe_kernels
 
@@ -307,7 +307,7 @@ def grouped_experts(
         plan.alpha, plan.limit = float(ex.alpha), float(ex.limit)
     b_gu = ex.gate_up_proj_bias if plan.has_bias else None
     b_d = ex.down_proj_bias if plan.has_bias else None
-    COUNTERS["moe_calls"] += 1
+    count("moe_calls")
     return _GroupedExperts.apply(x, weights, indices, plan, ex.gate_up_proj, ex.down_proj, b_gu, b_d)
 
 
@@ -343,8 +343,8 @@ class _GroupedExperts(torch.autograd.Function):
         host = None
         if not _use_grouped_mm(plan.impl, x.dtype, dev, n_exp, inter, hidden):
             host = offs.tolist()  # the one host read of this block call (kept for the backward)
-            COUNTERS["host_syncs"] += 1
-        COUNTERS["moe:loop" if host is not None else "moe:grouped_mm"] += 1
+            count("host_syncs")
+        count("moe:loop" if host is not None else "moe:grouped_mm")
         n_rows = order.numel()
         token_of = torch.div(order, k, rounding_mode="floor")
         # inv[(t, j)] = row of that pair in expert order (a permutation: plain scatter, no sort).

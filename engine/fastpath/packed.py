@@ -17,11 +17,15 @@ from typing import Optional, Sequence
 import torch
 
 # Metadata builds and host reads are counted in engine.counters (re-exported here).
-from engine.counters import BASE_KEYS, COUNTERS, reset_counters  # noqa: F401
+from engine.counters import BASE_KEYS, count, reset_counters  # noqa: F401
 
 # Device cu_seqlens tensor id -> the PackedSeqInfo that owns it, so the attention function, which
 # only receives `cu_seq_lens_q` through the model kwargs, can find the host-built block tables.
 # Weak values: an entry leaves with its info; the info keeps its tensor (and so the id) alive.
+# Module-level, but no state passes between runs or threads through it: an info is found only by
+# the very tensor it owns (`lookup` checks identity, not just the id), so two runs, a probe's
+# forwards on another thread and a backward's recompute each find their own batch's info and
+# nothing else; a CUDA graph looks it up once, at capture, like every other Python step.
 _BY_CU: "weakref.WeakValueDictionary[int, PackedSeqInfo]" = weakref.WeakValueDictionary()
 
 
@@ -55,7 +59,7 @@ class PackedSeqInfo:
         total = int(cu[-1])
         starts = torch.repeat_interleave(cu[:-1].to(torch.int64), lens)
         positions = torch.arange(total, dtype=torch.int64) - starts
-        COUNTERS["metadata_builds"] += 1
+        count("metadata_builds")
         return cls(lengths, cu, max(lengths), positions, total)
 
     def to(self, device: torch.device | str) -> "PackedSeqInfo":
@@ -105,7 +109,7 @@ class PackedSeqInfo:
         position_ids."""
         pos = position_ids.reshape(-1, position_ids.shape[-1])
         host = pos.to("cpu")
-        COUNTERS["host_syncs"] += 1  # a sync on a GPU; counted on every device (see engine.counters)
+        count("host_syncs")  # a sync on a GPU; counted on every device (see engine.counters)
         starts = host == 0
         starts[:, 0] = True  # a row never continues the previous row's document
         idx = torch.nonzero(starts.reshape(-1)).reshape(-1).tolist() + [host.numel()]

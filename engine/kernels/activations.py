@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.counters import COUNTERS
+from engine.counters import count
 from engine.kernels._common import jit, next_pow2, on_cuda, tanh_f32, tl, triton, warps_for
 
 _BLOCK = 2048  # values per program along a row; several programs split a long row
@@ -128,7 +128,7 @@ def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
 def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """act(gate) * up, computed by the Triton kernel (no autograd)."""
     code = _ACTS[act]
-    COUNTERS["activations:triton"] += 1
+    count("activations:triton")
     g2, u2 = _rows(gate), _rows(up)
     n_rows, n_cols = g2.shape
     h = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
@@ -242,13 +242,13 @@ def _act_torch(g: torch.Tensor, act: str) -> torch.Tensor:
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Plain torch, in fp32 and cast once (the kernel's numerics)."""
-    COUNTERS["activations:torch"] += 1
+    count("activations:torch")
     return gated_act_reference(gate, up, "silu")
 
 
 def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     act = _geglu_act(approximate)
-    COUNTERS["activations:torch"] += 1
+    count("activations:torch")
     return gated_act_reference(gate, up, act)
 
 

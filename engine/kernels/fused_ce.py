@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.counters import COUNTERS
+from engine.counters import count
 from engine.kernels._common import next_pow2, on_cuda, tanh_f32
 
 # Vocabulary values a program holds per step of its row loop, and its warps: 16 fp32 values per
@@ -279,7 +279,7 @@ def fused_linear_cross_entropy_reference(
     chunk_tokens=None,
 ):
     """Plain torch in fp32 with the full logits: sum of token losses / normalizer."""
-    COUNTERS["fused_ce:torch"] += 1
+    count("fused_ce:torch")
     h2, t1, normalizer = _prepare(hidden, weight, targets, bias, ignore_index, normalizer)
     logits = h2.float() @ weight.float().t()
     if bias is not None:
@@ -304,7 +304,7 @@ def fused_linear_cross_entropy_triton(
     chunk_tokens=None,
 ):
     """The chunked Triton path regardless of device (CPU tensors need TRITON_INTERPRET=1)."""
-    COUNTERS["fused_ce:triton"] += 1
+    count("fused_ce:triton")
     h2, t1, normalizer = _prepare(hidden, weight, targets, bias, ignore_index, normalizer)
     if h2.dtype != weight.dtype:  # cuBLAS wants one dtype; the cast is differentiable
         h2 = h2.to(weight.dtype)

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from engine.counters import COUNTERS
+from engine.counters import count
 from engine.kernels._common import jit, on_cuda, tl
 
 _BLOCK_BYTES = 1024  # packed bytes per program (2,048 values)
@@ -197,7 +197,7 @@ def dequantize_nf4_triton(w: NF4Weight, dtype: Optional[torch.dtype] = None) -> 
     import triton
 
     dtype = dtype or w.dtype
-    COUNTERS["nf4_dequant:triton"] += 1
+    count("nf4_dequant:triton")
     n = w.rows * w.cols
     out = torch.empty((w.rows, w.cols), dtype=dtype, device=w.packed.device)
     if n:
@@ -223,7 +223,7 @@ def dequantize_nf4_reference(w: NF4Weight, dtype: Optional[torch.dtype] = None) 
     """The same decoding in plain torch (fp32 products, one rounding to `dtype`)."""
     dtype = dtype or w.dtype
     n = w.rows * w.cols
-    COUNTERS["nf4_dequant:torch"] += 1
+    count("nf4_dequant:torch")
     b = w.packed.to(torch.int64)
     codes = torch.stack((b >> 4, b & 15), dim=1).reshape(-1)[:n]
     if w.nested:

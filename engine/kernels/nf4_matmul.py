@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from engine.counters import COUNTERS
+from engine.counters import count
 from engine.kernels._common import jit, on_cuda, tl, triton
 from engine.kernels.nf4_dequant import NF4Weight, dequantize_nf4, nf4_tile
 
@@ -206,7 +206,7 @@ def nf4_matmul_triton(
     `accumulate`). The caller has checked `nf4_matmul_supported`. `config` (BLOCK_M, BLOCK_N,
     BLOCK_K, num_warps, num_stages) fixes the tiles; without it the GPU autotunes over
     CANDIDATES and the interpreter uses small tiles."""
-    COUNTERS["nf4_matmul:triton"] += 1
+    count("nf4_matmul:triton")
     m = a.shape[0]
     n, k = (w.rows, w.cols) if transpose else (w.cols, w.rows)
     if out is None:
@@ -255,7 +255,7 @@ def nf4_matmul_reference(
     accumulate: bool = False,
 ) -> torch.Tensor:
     """The stock way: dequantize W (a dense copy), then one torch matmul."""
-    COUNTERS["nf4_matmul:torch"] += 1
+    count("nf4_matmul:torch")
     dense = dequantize_nf4(w, a.dtype)
     b = dense.t() if transpose else dense
     if out is None:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.counters import COUNTERS
+from engine.counters import count
 from engine.kernels._common import as_rows, next_pow2, on_cuda, warps_for
 
 # Rows a program handles together when a row is short (Qwen3's q/k norm runs over head_dim=128):
@@ -221,7 +221,7 @@ class RMSNormFunction(torch.autograd.Function):
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
     """Plain torch: normalize in fp32, multiply by (offset + weight) in fp32, cast to x.dtype."""
-    COUNTERS["rmsnorm:torch"] += 1
+    count("rmsnorm:torch")
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (offset + weight.float())).to(x.dtype)
@@ -230,7 +230,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
     """The Triton path regardless of device (CPU tensors need TRITON_INTERPRET=1)."""
     _check(x, weight)
-    COUNTERS["rmsnorm:triton"] += 1
+    count("rmsnorm:triton")
     return RMSNormFunction.apply(x, weight, eps, offset)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.counters import COUNTERS
+from engine.counters import count
 from engine.kernels._common import jit, next_pow2, on_cuda, tl
 
 # Values per half-head tile a program rotates at once (heads x D/2).
@@ -239,7 +239,7 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 
 def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """`rope_reference` behind the dispatcher: cos/sin may also be [T, D]; counted."""
-    COUNTERS["rope:torch"] += 1
+    count("rope:torch")
     return rope_reference(q, k, _as_btd(cos, "cos"), _as_btd(sin, "sin"))
 
 
@@ -249,7 +249,7 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     if not (_unit_last_stride(q) and _unit_last_stride(k)):
         raise ValueError("apply_rope: q and k need a unit stride along head_dim to be rotated in place")
     cos, sin = _as_btd(cos, "cos"), _as_btd(sin, "sin")
-    COUNTERS["rope:triton"] += 1
+    count("rope:triton")
     if q._is_view() or k._is_view():
         return RoPESingleFunction.apply(q, cos, sin), RoPESingleFunction.apply(k, cos, sin)
     return RoPEFunction.apply(q, k, cos, sin)

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from engine.counters import COUNTERS
+from engine.counters import count
 from engine.kernels._common import on_cuda
 from engine.kernels.fused_ce import _ce_rows, default_chunk_tokens
 
@@ -58,7 +58,7 @@ def fused_linear_token_logp_reference(
     hidden, weight, targets, *, bias=None, ignore_index=-100, softcap=None, logit_scale=1.0, chunk_tokens=None
 ):
     """Plain torch in fp32 with the full logits: [N] fp32 log p(target), 0 where ignored."""
-    COUNTERS["token_logp:torch"] += 1
+    count("token_logp:torch")
     h2, t1 = _check(hidden, weight, targets, bias)
     logits = h2.float() @ weight.float().t()
     if bias is not None:
@@ -166,7 +166,7 @@ def fused_linear_token_logp_triton(
     hidden, weight, targets, *, bias=None, ignore_index=-100, softcap=None, logit_scale=1.0, chunk_tokens=None
 ):
     """The chunked Triton path regardless of device (CPU tensors need TRITON_INTERPRET=1)."""
-    COUNTERS["token_logp:triton"] += 1
+    count("token_logp:triton")
     h2, t1 = _check(hidden, weight, targets, bias)
     if h2.dtype != weight.dtype:  # cuBLAS wants one dtype; the cast is differentiable
         h2 = h2.to(weight.dtype)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.counters import COUNTERS
+from engine.counters import count
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -62,7 +62,7 @@ def varlen_attention_reference(
 ):
     """Per-document attention in plain torch: SDPA where it can, explicit softmax for softcap.
 
-    Reads `cu_seqlens` on the host (a sync on CUDA, counted in COUNTERS["host_syncs"] on every
+    Reads `cu_seqlens` on the host (a sync on CUDA, counted as "host_syncs" in engine.counters on every
     device): this is the reference and the CPU path.
     """
     t, hq, d = q.shape
@@ -70,7 +70,7 @@ def varlen_attention_reference(
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     bounds = cu_seqlens.tolist()
-    COUNTERS["host_syncs"] += 1
+    count("host_syncs")
     out = q.new_empty(t, hq, d)
     for s, e in zip(bounds[:-1], bounds[1:]):
         if e <= s:

@@ -3,13 +3,16 @@
 On CUDA, AdamW's fused kernel updates every adapter tensor in one launch; the step loop is
 host-bound on small models, so hundreds of per-tensor launches per step are worth saving.
 The fused kernel does not bump the parameters' `_version`: nothing in the engine may key a
-cache on it (engine.fastpath.lora keys its adapter cache on a generation that every optimizer
-step advances).
+cache on it alone. The fused LoRA path's adapter cache also keys on a generation that this
+optimizer's steps advance (engine.fastpath.lora_group.watch_optimizer, hooked onto the optimizer
+made here and no other).
 """
 
 from __future__ import annotations
 
 import torch
+
+from engine.fastpath.lora_group import watch_optimizer
 
 OPTIMIZERS = ("auto", "adamw_fused", "adamw")
 
@@ -22,4 +25,6 @@ def make_optimizer(params, lr: float, weight_decay: float = 0.0, kind: str = "au
     params = list(params)
     on_cuda = bool(params) and all(p.is_cuda for p in params)
     fused = {"auto": True if on_cuda else None, "adamw_fused": True, "adamw": None}[kind]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+    watch_optimizer(optimizer)  # its steps make the cached adapter weights stale
+    return optimizer

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from engine.config import ConfigError, RunConfig
-from engine.counters import reset_counters, split_counts
+from engine.counters import Counters, split_counts
 from engine.data import plural
 from engine.events import CompletionSamples, Event, Failed, Finished, LogLine, RunStarted, StepMetrics
 from engine.hardware.vram import gpu_health_fields as _gpu_health_fields
@@ -86,6 +86,9 @@ class TrainingSession:
         self._locked = False
         self._memory = self._saver = None
         self._resumed_from: Optional[Path] = None
+        # This run's fast-path counts, active on the thread that runs it (engine.counters says
+        # which thread's counts land here and why).
+        self._counters = Counters()
 
     # -- control (thread-safe) ----------------------------------------------------------------
     def request_pause(self) -> None:
@@ -131,6 +134,10 @@ class TrainingSession:
 
     # -- run ----------------------------------------------------------------------------------
     def run(self) -> Event:
+        with self._counters.active():
+            return self._run_reporting_failure()
+
+    def _run_reporting_failure(self) -> Event:
         try:
             return self._run()
         except Exception as exc:  # every failure becomes an event the person can act on
@@ -510,7 +517,7 @@ class TrainingSession:
         t = self.config.training
         step = self._start_step
         self._loss_guard.start(step)
-        reset_counters()
+        self._counters.reset()
         while step < self._total:
             if self._control.wait_if_paused(step, self._dist, self.run_dir):
                 return step, True
@@ -562,7 +569,7 @@ class TrainingSession:
 
         t, device, memory = self.config.training, self._device, self._memory
         ntok = sum(b.num_tokens for b in micro)
-        counters = reset_counters()
+        counters = self._counters.reset()
         calls, fallbacks = split_counts(counters)
         self._reporter.say_what_did_not_run(memory.fast, calls, fallbacks, str(device), step)
         if step % t.log_every != 0 and step != self._total:

@@ -19,8 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine.config import FastPathConfig, LoraConfig
 from engine.counters import (
     BASE_KEYS,
-    COUNTERS,
+    count,
     count_fallback,
+    current,
     requested_but_not_run,
     reset_counters,
     split_counts,
@@ -75,7 +76,8 @@ def one_step(model, b=None):
 
 def test_reset_keeps_base_keys_and_drops_zero_and_fallback_entries():
     reset_counters()
-    COUNTERS["lora_mlp"] += 3
+    for _ in range(3):
+        count("lora_mlp")
     count_fallback("attention", "KV cache")
     count_fallback("attention", "KV cache")
     snap = reset_counters()
@@ -87,7 +89,7 @@ def test_reset_keeps_base_keys_and_drops_zero_and_fallback_entries():
         "fallback:attention: KV cache": 2,
     }
     assert split_counts(snap) == ({"lora_mlp": 3}, {"attention: KV cache": 2})
-    assert not any(k.startswith("fallback:") for k in COUNTERS) and not any(COUNTERS.values())
+    assert not any(k.startswith("fallback:") for k in current()) and not any(current().values())
     assert reset_counters() == {k: 0 for k in BASE_KEYS}
 
 

@@ -118,19 +118,16 @@ class StepContext:
         fast path that "did not run" on every GRPO step)."""
         import torch
 
-        from engine.counters import COUNTERS, reset_counters
+        from engine.counters import current
 
-        before = dict(COUNTERS)
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with current().set_aside(), torch.no_grad():
                 yield
         finally:
             if was_training:
                 self.model.train()
-            reset_counters()
-            COUNTERS.update(before)
 
 
 class Objective:
