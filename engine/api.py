@@ -131,6 +131,7 @@ from engine.runs import (
 
 # -- several processes (torchrun) ---------------------------------------------------------------
 from engine.train.distributed import CONTROL_FILE, DistContext, launch_command, visible_gpus
+from engine.train.guard import sleep_lock_problem  # can a run keep the machine awake (Hardware page)
 
 if TYPE_CHECKING:
     from engine.train.session import ProbeUnavailable, TrainingSession
@@ -261,6 +262,7 @@ __all__ = [
     "HardwareProfile",
     "detect",
     "apply_cpu_threads",
+    "sleep_lock_problem",
     "ThreadChoice",
     "prefer_expandable_segments",
     "apply_defaults",

@@ -202,6 +202,39 @@ def inhibit_sleep(why: str, system: str | None = None) -> Inhibitor:
     return Inhibitor("none", f"the machine may sleep during the run: no sleep inhibitor known on {system}")
 
 
+# What a person can do where no lock can be taken, per platform.system().
+_KEEP_AWAKE = {
+    "Linux": "turn automatic suspend off in the system's power settings while a run trains",
+    "Darwin": "turn sleep off in System Settings > Energy (or Battery) while a run trains",
+    "Windows": "set Sleep to Never in Settings > System > Power while a run trains",
+}
+
+
+def sleep_sentence(lock: Inhibitor, system: str | None = None) -> str:
+    """What to tell a person about sleep during a run, in plain words: the held lock's note, or that
+    the machine may go to sleep and how to prevent it. The tools' own errors (a D-Bus 'Failed to
+    connect to bus', a missing systemd-inhibit) stay in `lock.note`: they mean nothing to a user."""
+    if lock.held:
+        return lock.note
+    how = _KEEP_AWAKE.get(system or platform.system(), "turn automatic sleep off while a run trains")
+    return f"This machine may go to sleep during a run: Tunesmith cannot keep it awake here. To prevent it, {how}."
+
+
+_checked: dict[str, str | None] = {}
+
+
+def sleep_lock_problem(system: str | None = None) -> str | None:
+    """None when a sleep lock can be taken on this machine (it is taken and given back at once),
+    else `sleep_sentence`'s plain words. Asked once per process and platform (the Hardware page
+    says it once); takes up to INHIBIT_SETTLE_S."""
+    key = system or platform.system()
+    if key not in _checked:
+        lock = inhibit_sleep("checking that a run can keep the machine awake", key)
+        lock.release()
+        _checked[key] = None if lock.held else sleep_sentence(lock, key)
+    return _checked[key]
+
+
 # -- battery -----------------------------------------------------------------------------------
 
 
@@ -315,7 +348,9 @@ class RunGuard:
 
     @property
     def note(self) -> str:
-        return self.inhibitor.note if self.inhibitor else "not started"
+        """The sleep lock in plain words (what the run logs once); the tools' errors are in
+        `inhibitor.note`."""
+        return sleep_sentence(self.inhibitor, self.system) if self.inhibitor else "not started"
 
     def __enter__(self) -> RunGuard:
         self.inhibitor = inhibit_sleep(self.why, self.system)

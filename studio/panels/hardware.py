@@ -1,6 +1,9 @@
 """Hardware page: what the engine's hardware detection found on this machine and the defaults its policy
 chooses for the current config, with the reason for each. With more than one GPU it offers "Train on
 N GPUs": such a run is N processes under torchrun (studio.process_worker), not the in-process worker.
+Where a run cannot keep the machine awake (no sleep inhibitor: a container, no desktop session), it
+says so once, in plain words, with how to prevent it (engine.api.sleep_lock_problem, asked once on a
+pool thread when the hardware is known).
 
 `TUNESMITH_CPU_PROCESSES=N` offers N processes on a machine without GPUs (gloo): for trying the
 multi-process path on a laptop CPU and for the tests."""
@@ -23,6 +26,7 @@ from PySide6.QtWidgets import (
 
 from studio.panels.common import Banner, card, fmt_bytes, title, value_label
 from studio.panels.hardware_doctor import DoctorCard
+from studio.tasks import run_task
 
 
 class HardwarePanel(QWidget):
@@ -56,6 +60,13 @@ class HardwarePanel(QWidget):
         self._health_timer = QTimer(self, interval=2000)
         self._health_timer.timeout.connect(self.poll_health)
         prof_lay.addLayout(form)
+        self.sleep_note = value_label()
+        self.sleep_note.setObjectName("sleepNote")
+        self.sleep_note.setWordWrap(True)
+        self.sleep_note.hide()
+        prof_lay.addWidget(self.sleep_note)
+        self._sleep_asked = False
+        self.sleep_known = False  # the answer has come back
         # Several GPUs: how many a run uses (1 = in this process, as always).
         self.gpus = QSpinBox()
         self.gpus.setRange(1, 1)
@@ -132,6 +143,21 @@ class HardwarePanel(QWidget):
         if not self._health_timer.isActive():
             self._health_timer.start()
 
+    def check_sleep_lock(self) -> None:
+        """Ask once whether a run can keep the machine awake (it starts a helper process, so on a
+        pool thread); show the answer only when it cannot."""
+        if self._sleep_asked:
+            return
+        self._sleep_asked = True
+        from engine.api import sleep_lock_problem
+
+        run_task(sleep_lock_problem, owner=self, on_done=self._show_sleep_note, lane="hardware")
+
+    def _show_sleep_note(self, sentence) -> None:
+        self.sleep_note.setText(sentence or "")
+        self.sleep_note.setVisible(bool(sentence))
+        self.sleep_known = True
+
     def processes(self) -> int:
         """How many processes the next run uses (1: in this process)."""
         return self.gpus.value() if self.gpus_row.isVisible() or self.gpus.value() > 1 else 1
@@ -154,6 +180,7 @@ class HardwarePanel(QWidget):
         if p is None:
             return
         self._offer_gpus(p)
+        self.check_sleep_lock()
         cap = f"compute {p.compute_capability[0]}.{p.compute_capability[1]}" if p.compute_capability else ""
         self.fields["kind"].setText(f"<b>{p.kind}</b> — {p.kind_reason}")
         self.fields["gpu"].setText(
