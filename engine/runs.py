@@ -516,12 +516,12 @@ class RunFolder:
 
     def rename(self, new_name: str) -> "RunFolder":
         """Move the run to `new_name` in the same folder; checkpoints and adapters move with it
-        (nothing inside a run refers to its own path, so it stays resumable and exportable)."""
+        (nothing inside a run refers to its own path, so it stays resumable and exportable). The
+        name follows `run_name_problem`, the rule output.run_name follows too."""
         name = str(new_name).strip()
-        if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
-            raise RunFolderError(f"{new_name!r} cannot be a folder name: use letters, digits, '-', '_' or '.'")
-        if name.endswith(TMP_SUFFIX):
-            raise RunFolderError(f"a run name may not end in {TMP_SUFFIX} (that marks half-written folders)")
+        why = run_name_problem(name)
+        if why:
+            raise RunFolderError(why)
         target = self.path.parent / name
         if target == self.path:
             return self
@@ -609,6 +609,25 @@ def _read_only(path: Path) -> bool:
         return False
 
 
+def run_name_problem(name: str) -> str:
+    """Why `name` cannot name a run, one sentence ("" when it can): the one rule, for a name typed
+    in the Runs page's Rename and for output.run_name. A run is a folder, so what a folder name may
+    hold is fine (spaces, accents, emoji); a path separator, a control character, "." or "..", a
+    name longer than file systems allow (255 bytes) or the half-written mark (.tmp) are not."""
+    text = str(name)
+    if not text.strip() or text.strip() in (".", ".."):
+        return f"{text!r} cannot be a folder name: a run needs a name other than '.' or '..'"
+    bad = sorted({c for c in text if c in "/\\" or c == os.sep or ord(c) < 32 or ord(c) == 127})
+    if bad:
+        shown = ", ".join(repr(c) for c in bad)
+        return f"{text!r} cannot be a folder name: it holds {shown} (spaces, accents and emoji are fine)"
+    if len(text.encode("utf-8")) > 255:
+        return f"a run name may be at most 255 bytes long as a folder name ({len(text.encode('utf-8'))} given)"
+    if text.endswith(TMP_SUFFIX):
+        return f"a run name may not end in {TMP_SUFFIX} (that marks half-written folders)"
+    return ""
+
+
 def new_run_folder(root: str | Path, name: str, overwrite: bool = False) -> tuple["RunFolder", str]:
     """The folder of a new run called `name` under `root` ("auto": run-YYYYmmdd-HHMMSS), and a
     sentence when it is not root/name: a name already taken (a folder holding a run, or anything
@@ -619,6 +638,9 @@ def new_run_folder(root: str | Path, name: str, overwrite: bool = False) -> tupl
     root = Path(root).expanduser()
     if name == "auto":
         name = datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    why = run_name_problem(name)
+    if why:
+        raise RunFolderError(f"output.run_name: {why}")
     first = RunFolder(root / name)
     if not _taken(first.path) or (overwrite and first.is_run()):
         return first, ""
