@@ -160,6 +160,7 @@ def load_preview(cfg: DataConfig, method: str = "sft") -> DataPreview:
             return DataPreview(columns, len(ds), spec, dict(pref.mapping), [], None, ds, method_problem=method_problem)
         if isinstance(exc, UnmatchedColumns) and not exc.hint and _prompts_only(cfg, columns):
             exc.hint = PROMPTS_ONLY
+            exc.args = (exc.cli_message(),)  # its sentence says it too
         return DataPreview(columns, len(ds), None, {}, [], str(exc), ds, exc, method_problem=method_problem)
     problems = []
     for i, row in enumerate(ds):
