@@ -4,8 +4,9 @@
 Variants: "all-on" (grouped forward, Triton activations on CUDA), "no-kernels" (grouped
 forward, torch activations), "no-moe-grouping" (the stock forward with HF's eager experts).
 The record's options say which expert-matmul path ran (grouped_mm or loop), how many host
-syncs the routing made per block call (engine.fastpath.moe.COUNTERS) and, on CUDA, how many
-device-to-host syncs one whole forward + backward made (torch's sync debug mode).
+syncs the routing made per block call (engine.counters, read through moe.reset_counters) and,
+on CUDA, how many device-to-host syncs one whole forward + backward made (torch's sync debug
+mode).
 """
 
 from __future__ import annotations

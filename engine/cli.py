@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.allocator import prefer_expandable_segments
+    from engine.api import prefer_expandable_segments
 
     prefer_expandable_segments()  # this process is ours; before anything initialises CUDA
     argv = list(sys.argv[1:] if argv is None else argv)
