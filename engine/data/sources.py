@@ -69,6 +69,19 @@ def _check_text(path: Path, nul: bool = True) -> None:
         raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
+def _check_parquet(path: Path) -> None:
+    """A file that is not Parquet (or is cut short) is named here, before datasets reads it: its
+    Parquet builder logs 'Failed to read schema from ... ArrowInvalid' to stderr for such a file
+    and then raises, so the person saw that line beside our own sentence."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"{path} is not a readable Parquet file (cut short, or another format): {exc}") from exc
+
+
 def _check_json(path: Path) -> None:
     """Raise a DataError naming the first malformed line of a JSON or JSON Lines file."""
     try:
@@ -126,6 +139,8 @@ def load_raw(cfg: DataConfig):
                 raise DataError(f"{path} is empty: it holds no examples")
             elif builder == "csv":
                 _check_text(path)
+            elif builder == "parquet":
+                _check_parquet(path)
             try:
                 ds = datasets.load_dataset(builder, data_files=str(path), split="train")
             except Exception as exc:
