@@ -553,9 +553,19 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:
         if self.is_training():
-            if not self.confirm("Stop training?", "A run is in progress. Stop it (a checkpoint is saved) and close?"):
+            # Nothing more is trained while the person decides: the run pauses after its current
+            # step, and goes on if they keep the window (unless it was paused before).
+            was_paused = self.monitor_panel.mode == "paused" or getattr(self.worker, "pause_asked", False)
+            if self.monitor_panel.mode != "stopping":
+                self.worker.pause()
+            question = "A run is in progress (paused while you decide). Stop it (a checkpoint is saved) and close?"
+            keep = not self.confirm("Stop training?", question)
+            if keep:
+                if not was_paused and self.is_training():
+                    self.worker.resume()
                 event.ignore()
                 return
+        if self.is_training():  # it may have ended by itself while the question was up
             # Stop asynchronously so the window stays responsive while the checkpoint is
             # written; the window closes itself when the worker thread has finished.
             self._close_after_stop = True

@@ -10,6 +10,12 @@ started with a `key` supersedes the previous task of that key: a queued one is d
 one is told to stop (a function that accepts `cancelled=` gets a callable to poll) and its answer,
 if it still comes, is thrown away. `shutdown()` does that for every task when the window quits.
 
+Some calls cannot be told to stop: a Hub lookup retrying inside huggingface_hub, a model load in
+transformers. Started with `interruptible=False`, such a task is let go when cancelled while it
+runs: the page hears `cancelled` at once, its lane gets a fresh thread so the next task does not
+queue behind it, and the abandoned call finishes on its old thread with its answer dropped. Quit
+never waits for it beyond `shutdown`'s grace (studio.app ends the process with os._exit).
+
 Until the engine's heavy imports are done (studio.warmup), tasks run one at a time whatever their
 lane: those libraries cannot be imported from two threads at once.
 """
@@ -17,6 +23,7 @@ lane: those libraries cannot be imported from two threads at once.
 from __future__ import annotations
 
 import inspect
+import itertools
 import threading
 import traceback
 from typing import Any, Callable, Optional
@@ -54,6 +61,11 @@ class Task(QRunnable):
         self.stop_requested = threading.Event()
         self.lane = "general"
         self.key: Optional[str] = None
+        self.interruptible = True  # False: cancelling it while it runs lets it go (see the module)
+        self.seq = next(_order)  # the order tasks were started in, kept when a lane is moved
+        self.returned = False  # its run() is over (a let-go task may be forgotten then)
+        self._ended = threading.Lock()  # done, failed or cancelled is said once
+        self._said_end = False
         # Created on the GUI thread, so slots connected to it run there (queued).
         self.signals = _Signals()
 
@@ -65,14 +77,17 @@ class Task(QRunnable):
         return self.stop_requested.is_set()
 
     def run(self) -> None:  # pool thread
-        if self.is_cancelled():
-            self._emit("cancelled")
-            return
-        if warmup.done.is_set():
-            self._call()
-        else:
-            with warmup.gate:
+        try:
+            if self.is_cancelled():
+                self._emit("cancelled")
+                return
+            if warmup.done.is_set():
                 self._call()
+            else:
+                with warmup.gate:
+                    self._call()
+        finally:
+            self.returned = True
 
     def _call(self) -> None:
         try:
@@ -95,7 +110,13 @@ class Task(QRunnable):
 
     def _emit(self, name: str, *args) -> None:
         """Emit unless the signals object is gone: a task still running when the application
-        exits finds it deleted ("Signal source has been deleted"), and nobody is left to tell."""
+        exits finds it deleted ("Signal source has been deleted"), and nobody is left to tell.
+        The end (done, failed or cancelled) is said once: a task let go said cancelled already."""
+        if name != "progress":
+            with self._ended:
+                if self._said_end:
+                    return
+                self._said_end = True
         try:
             getattr(self.signals, name).emit(*args)
         except RuntimeError:
@@ -113,6 +134,11 @@ def _accepts(fn: Callable, name: str) -> bool:
 _running: set[Task] = set()
 _by_key: dict[str, Task] = {}
 _pools: dict[str, QThreadPool] = {}
+# Tasks let go while running (kept alive until their thread returns) and the pools that still run
+# them (a pool deleted with a running thread would wait for it).
+_abandoned: set[Task] = set()
+_order = itertools.count()
+_retired: list[QThreadPool] = []
 _lock = threading.Lock()
 
 
@@ -165,14 +191,16 @@ def run_task(
     on_cancelled: Optional[Callable[[], None]] = None,
     lane: str = "general",
     key: Optional[str] = None,
+    interruptible: bool = True,
     **kwargs,
 ) -> Task:
-    """Start `fn(*args, **kwargs)` in `lane`; with `key`, first cancel the previous task of that key."""
+    """Start `fn(*args, **kwargs)` in `lane`; with `key`, first cancel the previous task of that key.
+    `interruptible=False`: a call that cannot be stopped, let go when cancelled (see the module)."""
     on_done, on_error, on_progress, on_cancelled = (
         _guarded(owner, f) for f in (on_done, on_error, on_progress, on_cancelled)
     )
     task = Task(fn, *args, with_progress=on_progress is not None, **kwargs)
-    task.lane, task.key = lane, key
+    task.lane, task.key, task.interruptible = lane, key, interruptible
     if key is not None:
         cancel(key)
         _by_key[key] = task
@@ -200,10 +228,31 @@ def run_task(
 
 
 def _drop(task: Task) -> None:
-    """Cancel `task`; one still queued leaves its pool at once and says so."""
+    """Cancel `task`; one still queued leaves its pool at once and says so, one running that
+    cannot be interrupted is let go (its lane gets a fresh thread) and says so too."""
     task.cancel()
     if pool(task.lane).tryTake(task):
         task._emit("cancelled")
+    elif not task.interruptible and not task.returned:
+        _let_go(task)
+
+
+def _let_go(task: Task) -> None:
+    """`task` runs a call that cannot be stopped: keep it alive until its thread returns, give its
+    lane a fresh pool (with the tasks queued behind it, in order) and say cancelled now."""
+    _abandoned.difference_update([t for t in _abandoned if t.returned])
+    _abandoned.add(task)
+    with _lock:
+        old = _pools.pop(task.lane, None)
+        _retired[:] = [p for p in _retired if p.activeThreadCount() > 0]
+        if old is not None:
+            _retired.append(old)
+    if old is not None:
+        behind = sorted((t for t in _running if t.lane == task.lane and t is not task), key=lambda t: t.seq)
+        for t in behind:
+            if old.tryTake(t):
+                pool(task.lane).start(t)
+    task._emit("cancelled")
 
 
 def cancel(key: str) -> bool:
@@ -237,7 +286,9 @@ def wait_all(timeout_ms: int = 60_000) -> bool:
     import time
 
     deadline = time.monotonic() + timeout_ms / 1000
-    for p in list(_pools.values()):
+    with _lock:
+        pools = list(_pools.values()) + list(_retired)
+    for p in pools:
         left = max(0, int((deadline - time.monotonic()) * 1000))
         if not p.waitForDone(left):
             return False

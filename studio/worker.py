@@ -32,6 +32,7 @@ class TrainingWorker(QObject):
         self._session = None
         self._lock = threading.Lock()
         self._pending: list[str] = []
+        self._pause_asked = False  # the last request was a pause (closing the window asks it)
         self.thread = QThread()
         self.thread.setObjectName("tunesmith-training")
         self.moveToThread(self.thread)
@@ -84,10 +85,17 @@ class TrainingWorker(QObject):
         getattr(session, name)()
 
     def pause(self) -> None:
+        self._pause_asked = True
         self._request("request_pause")
 
     def resume(self) -> None:
+        self._pause_asked = False
         self._request("request_resume")
+
+    @property
+    def pause_asked(self) -> bool:
+        """Pause was the last request (the run is paused, or will be after its current step)."""
+        return self._pause_asked
 
     def stop(self) -> None:
         self._request("request_stop")

@@ -5,7 +5,11 @@ differ only by the adapter).
 A run's best checkpoint by eval loss is listed first, labelled with its eval loss and step.
 While a run in this window is paused, the first entry is "Talk to step N (paused)": the
 session's own model answers on the training device, through the worker's probe on a pool
-thread; it changes nothing the run trains with, so resuming stays exact."""
+thread; it changes nothing the run trains with, so resuming stays exact.
+
+Loading a model and generating cannot be interrupted inside transformers: Cancel lets the call go
+(studio.tasks, interruptible=False), so the page is free at once, its answer is dropped, and the
+next Load or Generate does not wait for it."""
 
 from __future__ import annotations
 
@@ -23,12 +27,14 @@ from PySide6.QtWidgets import (
 )
 
 from engine.api import list_runs
-from studio import chat_backend
+from studio import chat_backend, tasks
 from studio.panels.common import Banner, caption, card, title
 from studio.tasks import run_task
 
 # The source combo's data for the paused run's live weights.
 PROBE = "probe:"
+# The key of the page's one task (a load, a generation or a probe): a new one supersedes it.
+TASK = "chat"
 
 
 class ChatPanel(QWidget):
@@ -49,6 +55,10 @@ class ChatPanel(QWidget):
         refresh.clicked.connect(self.refresh)
         self.load_button = QPushButton("Load")
         self.load_button.clicked.connect(self.load_model)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setToolTip("Stop waiting: what the model is doing is dropped when it ends")
+        self.cancel_button.clicked.connect(self.cancel)
+        self.cancel_button.hide()
         self.loaded = caption("Nothing loaded.")
         self.prompt = QPlainTextEdit()
         self.prompt.setObjectName("chatPrompt")
@@ -79,6 +89,7 @@ class ChatPanel(QWidget):
         ask.addWidget(self.max_tokens)
         ask.addWidget(self.with_base)
         ask.addStretch(1)
+        ask.addWidget(self.cancel_button)
         ask.addWidget(self.send)
         replies = QHBoxLayout()
         for label, box in (("<b>Fine-tuned</b>", self.tuned), ("<b>Base model</b>", self.base)):
@@ -137,6 +148,7 @@ class ChatPanel(QWidget):
 
     def _set_busy(self, busy: bool, what: str = "") -> None:
         self._busy = busy
+        self.cancel_button.setVisible(busy)
         self.load_button.setEnabled(not busy and self.source.count() > 0 and self.source.currentData() != PROBE)
         self.send.setEnabled(not busy and self.source.count() > 0)
         if what:
@@ -156,7 +168,7 @@ class ChatPanel(QWidget):
             if then_generate:
                 self.generate()
 
-        run_task(chat_backend.load_chat_model, source, owner=self, lane="chat", on_done=done, on_error=self._failed)
+        self._run(chat_backend.load_chat_model, source, on_done=done)
 
     def generate(self) -> None:
         prompt = self.prompt.toPlainText().strip()
@@ -172,16 +184,13 @@ class ChatPanel(QWidget):
         self._set_busy(True, "Generating…")
         self.tuned.setPlainText("…")
         self.base.setPlainText("…" if self.with_base.isChecked() else "")
-        run_task(
+        self._run(
             chat_backend.compare,
             self.model,
             prompt,
             self.max_tokens.value(),
             self.with_base.isChecked(),
-            owner=self,
-            lane="chat",
             on_done=self._replied,
-            on_error=self._failed,
         )
 
     def _ask_probe(self, prompt: str) -> None:
@@ -192,15 +201,27 @@ class ChatPanel(QWidget):
         self._set_busy(True, f"Step {self.probe_step} is answering…")
         self.tuned.setPlainText("…")
         self.base.setPlainText("(the base model is not loaded while talking to a paused run)")
+        self._run(self._probe, prompt, self.max_tokens.value(), on_done=self._probed)
+
+    def _run(self, fn, *args, on_done) -> None:
+        """The page's one task, in the chat lane; Cancel lets it go (see the module)."""
         run_task(
-            self._probe,
-            prompt,
-            self.max_tokens.value(),
-            owner=self,
-            lane="chat",
-            on_done=self._probed,
-            on_error=self._failed,
+            fn, *args, owner=self, lane="chat", key=TASK, interruptible=False, on_done=on_done, on_error=self._failed
         )
+
+    def cancel(self) -> None:
+        """Stop waiting for the load or the reply now; whatever it returns later is dropped."""
+        if not tasks.cancel(TASK) and not self._busy:
+            return
+        for box in (self.tuned, self.base):
+            if box.toPlainText() == "…":
+                box.setPlainText("(cancelled)")
+        after = (
+            "Nothing loaded."
+            if self.model is None
+            else f"Loaded {self.model.base_name} + adapter {self.model.adapter_dir}."
+        )
+        self._set_busy(False, f"Cancelled. {after}")
 
     def _probed(self, result) -> None:
         step, reply = result

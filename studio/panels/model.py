@@ -279,6 +279,9 @@ class ModelPanel(QWidget):
             # A Hub lookup can retry for most of a minute offline: it must not hold up a local folder.
             lane="model" if _is_local_name(name) else "hub",
             key="model.report",
+            # huggingface_hub's retries cannot be told to stop: Cancel lets the read go, and the
+            # next read runs on a fresh thread instead of queueing behind it.
+            interruptible=False,
             on_done=lambda rep: self._show(gen, rep),
             on_error=lambda msg, _d: self._fail(gen, name, msg),
         )
