@@ -36,6 +36,10 @@ class PairView(QWidget):
         super().__init__(parent)
         self.setObjectName("pairView")
         self.views = {name: TokenMaskView() for name in ("prompt", "chosen", "rejected")}
+        for view in self.views.values():
+            # Each view's legend does not wrap: two side by side would ask for 930 px and widen
+            # the window past a laptop screen (issue 28). They narrow; the legend is cut instead.
+            view.setMinimumWidth(160)
         self.titles = {}
         boxes = {}
         for name, view in self.views.items():

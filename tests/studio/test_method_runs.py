@@ -10,6 +10,7 @@ import math
 
 import pytest
 from PySide6.QtCore import Qt
+from studio_helpers import screenshot
 from test_runs_page import select, show_runs
 
 from engine.config import RewardConfig
@@ -54,6 +55,7 @@ def test_the_runs_overlay_compares_runs_of_any_method_on_a_picked_metric(window,
     assert overlay.set_metric("reward")
     assert overlay.chart.point_count("grpo-run") == 3 and "dpo-run" not in overlay.chart.curves
     assert all(0.0 <= v <= 1.0 for v in overlay.chart.values("grpo-run"))  # one 0/1 format reward
+    screenshot(window, "runs-methods-overlay")
     # The picked metric stays when the selection still logged it; one run alone keeps working.
     select(page, qtbot, ["grpo-run"])
     assert overlay.picked() == "reward" and overlay.chart.point_count("grpo-run") == 3
