@@ -227,6 +227,8 @@ def base_record(args, env: dict, mode: str = "bench") -> dict:
 
 def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dict]:
     from bench.batches import describe, make_batches
+    from bench.method_batches import METHOD_KINDS, make_method_batches, method_rates
+    from bench.method_batches import describe as describe_method
     from bench.peers.unsloth import run_child
     from bench.report import append_record
     from bench.runner import Context, run_impl
@@ -237,6 +239,11 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
     speed = [wl for wl in workloads if wl.kind != "memcap"]
     batches, longest = {}, {}
     for wl in speed:
+        if wl.kind in METHOD_KINDS:  # W10, W11: pairs or prompts, not packed documents
+            batches[wl.id] = make_method_batches(wl, args.warmup + args.steps)
+            longest[wl.id] = 0.0
+            progress(f"== {wl.id} {wl.title}: {describe_method(wl)}; AdamW lr {lr_for(wl, args):g}")
+            continue
         batches[wl.id] = make_batches(args.warmup + args.steps, wl.tokens, wl.config["vocab_size"], wl.packing)
         docs = sum(len(b.lengths) for b in batches[wl.id]) / len(batches[wl.id])
         longest[wl.id] = 0.0
@@ -263,7 +270,8 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
             rank.setdefault((impl, opts.get("variant")), len(rank))
         jobs.sort(key=lambda j: (j[3], rank[(j[1], j[2].get("variant"))]))
     for wl, impl, options, rep in jobs:
-        base = dict(base_record(args, env), lr=lr_for(wl, args), data=describe(wl.config["vocab_size"]))
+        data = describe_method(wl) if wl.kind in METHOD_KINDS else describe(wl.config["vocab_size"])
+        base = dict(base_record(args, env), lr=lr_for(wl, args), data=data)
         if repeats > 1:
             base["repeat"] = rep
         left = budget.remaining()
@@ -288,6 +296,8 @@ def run_speed(args, workloads, impls, variants, device, budget, env) -> list[dic
         else:
             ctx = Context(wl, batches[wl.id], device, args.warmup, args.steps, budget, args, lr=lr_for(wl, args))
             rec = run_impl(setup_for(impl, options), ctx, impl, base, options)
+        if wl.kind in METHOD_KINDS:
+            rec.update(method_rates(wl, rec))
         longest[wl.id] = max(longest[wl.id], rec.get("wall_s") or 0.0)
         if wl.kind == "train" and device.type == "cuda":  # the ceiling is the H200's
             rec["ceiling_tokens_per_s"] = ceiling_tokens_per_s(wl)
@@ -410,6 +420,8 @@ def dry_run(args, workloads, impls, variants) -> int:
     import importlib.util
 
     from bench.batches import describe, make_batches
+    from bench.method_batches import METHOD_KINDS
+    from bench.method_batches import describe as describe_method
     from bench.peers.unsloth import find_site
     from bench.workloads import ceiling_tokens_per_s, matmul_params
 
@@ -422,6 +434,11 @@ def dry_run(args, workloads, impls, variants) -> int:
         print(f"  {name}: {'importable' if importlib.util.find_spec(name) else 'not importable here'}", flush=True)
     print(f"  unsloth bundle: {find_site(args.unsloth_site) or 'none (pass --unsloth-site)'}", flush=True)
     for wl in workloads:
+        if wl.kind in METHOD_KINDS:  # W10, W11: pairs or prompts (bench.method_batches)
+            print(f"{wl.id} {wl.title} [{wl.kind}]: N={matmul_params(wl):,}; target: {wl.target}", flush=True)
+            print(f"  data: {describe_method(wl)}; AdamW lr {lr_for(wl, args):g}", flush=True)
+            print("  impls: " + ", ".join(i for i, _ in plan_impls(wl, impls, variants)), flush=True)
+            continue
         batches = make_batches(args.warmup + args.steps, wl.tokens, wl.config["vocab_size"], wl.packing)
         docs = [len(b.lengths) for b in batches]
         print(

@@ -144,6 +144,10 @@ def setup_ours(variant: str):
             from bench.moe_block import setup_ours_moe_block
 
             return setup_ours_moe_block(variant, fields)(ctx)
+        if wl.kind in ("dpo", "grpo"):  # W10, W11: a training method's step (bench.ours_methods)
+            from bench.ours_methods import setup_ours_method
+
+            return setup_ours_method(variant, fields)(ctx)
         if wl.quant == "nf4":
             _need_bnb(ctx.device)
         model = build_model(

@@ -41,6 +41,9 @@ PEER_IMPLS = (
     "trl_liger_flex",
     "trl_liger_varlen",
     "unsloth",
+    "trl_dpo",  # W10 (bench.peers.trl_dpo, bench.peers.liger_dpo)
+    "trl_dpo_liger",
+    "liger_dpo_varlen",
 )
 
 
@@ -158,7 +161,8 @@ FALL_TOL = 0.10  # ours falls by the stock fall within 10%
 STEP_TOL = 0.02  # every step of ours within 2% of the stock curve
 MIN_STEPS = 4  # a first step and three more to average
 # Stock references, in order of preference: HF + PEFT as people run it, then with Liger.
-REFERENCE_IMPLS = ("hf_sdpa", "hf_flex", "hf_eager", "liger_sdpa", "liger_flex")
+# trl_dpo: W10's stock curve (TRL's DPOTrainer + PEFT, no Liger), against which ours' DPO loss is held.
+REFERENCE_IMPLS = ("hf_sdpa", "hf_flex", "hf_eager", "liger_sdpa", "liger_flex", "trl_dpo")
 OLD_RECORD = "no loss curve (recorded before the learning check)"
 
 

@@ -347,6 +347,14 @@ def setup_for(impl: str, options: dict):
 
     if impl == "ours":
         return setup_ours(options.get("variant", "all-on"))
+    if impl in DPO_PEERS:  # W10's DPO peers (bench.peers.trl_dpo, bench.peers.liger_dpo)
+        if impl == "liger_dpo_varlen":
+            from bench.peers.liger_dpo import setup_liger_dpo
+
+            return setup_liger_dpo()
+        from bench.peers.trl_dpo import setup_trl_dpo
+
+        return setup_trl_dpo(liger=impl == "trl_dpo_liger")
     if impl.startswith("hf_moe_"):
         return setup_moe_block(impl[len("hf_moe_") :])
     if impl == "hf_experts_eager" or (impl == "hf_sdpa" and options.get("experts_implementation")):
@@ -365,6 +373,10 @@ def setup_for(impl: str, options: dict):
         return setup_trl(attn, liger=liger)
     raise SystemExit(f"unknown impl {impl!r}")
 
+
+# W10's peers: TRL's DPOTrainer + PEFT (plain, and with Liger's layer kernels), and HF + PEFT with
+# Liger's fused DPO loss on varlen flash attention.
+DPO_PEERS = ("trl_dpo", "trl_dpo_liger", "liger_dpo_varlen")
 
 PEER_ATTN = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager", "varlen": "varlen"}
 

@@ -22,7 +22,7 @@ class Workload:
     title: str
     arch: str  # transformers model_type: "qwen3", "llama", "qwen3_moe", "gpt_oss"
     config: dict[str, Any]
-    kind: str = "train"  # "train" (full LoRA step), "moe_block" (W5), "memcap" (W7)
+    kind: str = "train"  # "train" (full LoRA step), "moe_block" (W5), "memcap" (W7), "dpo" (W10), "grpo" (W11)
     tokens: int = 16_384  # tokens per step (W7: the search's upper end is separate)
     packing: str = "packed"  # "packed": LogNormal documents; "single": one document per step
     quant: str | None = None  # "nf4" for QLoRA workloads
@@ -220,6 +220,46 @@ WORKLOADS: dict[str, Workload] = {
         tokens=131_072,
         target=">= 131,072 tokens at 16 GiB",
     ),
+    # Training methods (issue 30): a DPO step and a GRPO step, timed like the others (bench.runner)
+    # on their own data (bench.method_batches). The figure is pairs/s (completions/s) and peak.
+    "W10": Workload(
+        "W10",
+        "Qwen3-8B DPO, 1,024-token pairs",
+        "qwen3",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12_288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151_936,
+            tie_word_embeddings=False,
+            **_QWEN3_COMMON,
+        ),
+        kind="dpo",
+        target=">= 2x the best TRL DPO peer's pairs/s at <= 0.6x its peak",
+        extra=dict(pairs=16, prompt_mean=256, answer_mean=384, max_tokens=1024, beta=0.1),
+    ),
+    "W11": Workload(
+        "W11",
+        "Qwen3-1.7B GRPO, group of 8, 256-token completions",
+        "qwen3",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151_936,
+            tie_word_embeddings=True,
+            **_QWEN3_COMMON,
+        ),
+        kind="grpo",
+        target=">= 2x TRL GRPOTrainer's completions/s (no vLLM on either side)",
+        extra=dict(prompts=8, group=8, prompt_mean=64, max_tokens=256, max_new_tokens=256, beta=0.04),
+    ),
 }
 
 # A model small enough for a CPU: the CI smoke run and the CPU parity check.
@@ -263,6 +303,12 @@ def tiny_moe(w: Workload, layers: int = 2, experts: int = 8, top_k: int = 2, tok
     )
     # CPU-tiny's learning rate: a 64-wide LoRA moves the loss ~10x slower per step.
     return w.with_changes(id=f"{w.id}-tiny", config=cfg, tokens=tokens, extra=dict(w.extra, lr=1e-2))
+
+
+def tiny_method(w: Workload, **extra) -> Workload:
+    """A training-method workload (W10, W11) at CPU-tiny's shape, with smaller steps (`extra`
+    overrides): for CPU tests of the harness; speed means nothing here."""
+    return w.with_changes(id=f"{w.id}-tiny", config=dict(CPU_TINY.config), extra=dict(w.extra, lr=1e-2, **extra))
 
 
 def get_workload(wid: str) -> Workload:
