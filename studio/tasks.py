@@ -275,7 +275,10 @@ def busy() -> bool:
 def shutdown(timeout_ms: int = 3000) -> bool:
     """The window is quitting: cancel every task and wait up to `timeout_ms` for the lanes to
     empty. False when some task did not stop in time (the caller ends the process anyway)."""
-    for task in list(_running):
+    every = sorted(_running, key=lambda t: t.seq)
+    for task in every:  # first, so a task moved to a fresh lane by a let-go one does not start
+        task.cancel()
+    for task in every:
         _drop(task)
     _by_key.clear()
     return wait_all(timeout_ms)

@@ -47,6 +47,26 @@ def test_a_call_that_cannot_stop_is_let_go_and_its_lane_goes_on(qtbot):
     assert answers == [] and cancelled == ["cancelled"]  # ... and its answer was dropped
 
 
+def test_quit_neither_waits_for_a_let_go_call_nor_starts_what_queued_behind_it(qtbot):
+    from studio.warmup import ensure_warm
+
+    ensure_warm()
+    started, release = threading.Event(), threading.Event()
+
+    def load():  # deaf to `cancelled`, like from_pretrained
+        started.set()
+        release.wait(300)
+
+    ran = []
+    tasks.run_task(load, lane="loads", interruptible=False)
+    assert started.wait(60)
+    tasks.run_task(lambda: ran.append("queued"), lane="loads")
+    assert tasks.shutdown(100) is False  # the load still runs: Quit goes on without it (os._exit)
+    assert ran == []
+    release.set()
+    assert tasks.wait_all(60_000) and ran == []
+
+
 def test_chat_cancel_frees_the_page_at_once_and_drops_the_loaded_model(window, qtbot, runs_dir):
     short_config(window.state, runs_dir, "talk", steps=2)
     qtbot.waitUntil(lambda: window.engine_warm, timeout=300_000)
