@@ -78,9 +78,16 @@ def _table(run, theirs) -> str:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_method_learns_like_its_trl_trainer(method, tmp_path_factory):
+    from engine.counters import reset_counters, split_counts
+
     theirs, data, twin, trained = _trl(method, tmp_path_factory)
     ours = copy.deepcopy(twin)
+    reset_counters()
     run = our_run(method, SETTING, ours, data)
+    calls, fallbacks = split_counts(reset_counters())
+    if DEVICE == "cuda":  # ours ran the GPU's path: the fused log-prob head, the reference pass fused too
+        assert calls.get("token_logp:triton", 0) > 0, calls
+        assert not any("adapters disabled" in k for k in fallbacks), fallbacks
     table = _table(run, theirs)
     assert len(theirs["loss"]) == SETTING.steps, table
     assert matches(run, theirs, LOSS_RTOL, MARGIN_RTOL), f"{method}: a step is off TRL's curve\n{table}"
@@ -88,7 +95,9 @@ def test_method_learns_like_its_trl_trainer(method, tmp_path_factory):
     assert their_fall >= MIN_FALL, f"{method}: TRL's loss fell {their_fall:.3f} nats only\n{table}"
     assert abs(fall - their_fall) <= FALL_RTOL * their_fall, f"{method}: fell {fall:.4f}, TRL {their_fall:.4f}"
     err = _adapter_error(ours, trained)
-    print(f"\n{method} on {DEVICE}, {SETTING.steps} steps: LoRA weights' relative error {err:.2e}\n{table}")
+    print(
+        f"\n{method} on {DEVICE}, {SETTING.steps} steps: LoRA weights' relative error {err:.2e}; ran {calls}\n{table}"
+    )
     assert err <= ADAPTER_RTOL, f"{method}: LoRA weights {err:.3e} from TRL's at the end"
 
 
