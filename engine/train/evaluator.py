@@ -57,10 +57,11 @@ class Evaluator:
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.total)
 
-    def loss(self) -> tuple[float, int, dict]:
+    def loss(self, step: int = 0) -> tuple[float, int, dict]:
         """(mean loss per trained token, trained tokens, the objective's metrics) over the
         held-out examples, through the run's own forward (fast paths, fused CE); each rank takes
-        a share of the batches."""
+        a share of the batches. For other methods "trained tokens" is the objective's normalizer
+        (pairs, answers, completions) and the loss its own (GRPO's: minus the mean reward)."""
         import torch
 
         from engine.train import evaluation
@@ -69,8 +70,6 @@ class Evaluator:
         objective = runner.objective
         if self._batches is None:
             self._batches = objective.eval_batches(self.held_out, self.row_tokens, runner.memory.rows)
-        batches = self._batches
-        tokens = objective.normalizer(batches)
         total = torch.zeros((), device=device)
         sums: dict = {}
 
@@ -83,6 +82,10 @@ class Evaluator:
                 sums[k] = sums[k] + v if k in sums else v
 
         with evaluation.side_effect_free(runner.model):
+            # What the objective evaluates: the held-out batches with what their loss needs
+            # (DPO's reference log-probs), or batches made from them (GRPO's greedy answers).
+            batches = objective.prepare_eval(runner.context(step), self._batches)
+            tokens = objective.normalizer(batches)
             if runner.fsdp:
                 # Every forward gathers each layer from all ranks: every rank runs as many
                 # forwards, a rank short of batches repeats its first one and drops its loss.
@@ -108,7 +111,7 @@ class Evaluator:
         from engine.train import evaluation
 
         t0 = time.perf_counter()
-        loss, tokens, metrics = self.loss()
+        loss, tokens, metrics = self.loss(step)
         seconds = time.perf_counter() - t0
         best = self.best
         if evaluation.best_improved(loss, best["eval_loss"] if best else None):

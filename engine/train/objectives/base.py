@@ -22,8 +22,12 @@ every optimizer step (and the pre-flight's rehearsal, with `rehearsal=True`):
   `step_metrics(sums)`                   floats for StepMetrics.metrics (after the step's sync)
   `step_samples()`                       at log steps: the step's generated samples, if any
 between steps:
-  `eval_batches(held_out, row_tokens, rows)` once, then `loss` over them with no grad, the
-  mean of `.loss` being EvalMetrics.eval_loss and `eval_metrics(sums)` its metrics.
+  `eval_batches(held_out, row_tokens, rows)` once, then at every eval `prepare_eval(ctx,
+  batches)` -> the batches to evaluate (DPO's reference log-probs of the held-out pairs,
+  computed once; GRPO's greedy answers, scored), `normalizer` of those, and `loss` over them
+  with no grad, the sum of `.loss` being EvalMetrics.eval_loss and `eval_metrics(sums)` its
+  metrics. The best checkpoint is the lowest eval loss, so a method whose measure rises when
+  it gets better reports it negated (GRPO: minus the mean reward).
 
 A batch is whatever `collate` returns; the session needs from it only `to(device)`,
 `num_tokens`, `num_trained_tokens` (for StepMetrics) and `info.free()` (a PackedBatch has all;
@@ -190,6 +194,13 @@ class Objective:
     def eval_batches(self, held_out, row_tokens: int, rows_per_batch: int) -> list:
         """The held-out examples as batches, built once per run on the host."""
         raise NotImplementedError
+
+    def prepare_eval(self, ctx: StepContext, batches: list) -> list:
+        """Before each eval's forwards (no autograd, eval mode, RNG restored after): the batches
+        `loss` runs over, from the held-out `batches` (built once, kept for the run). DPO attaches
+        its reference log-probs to them; GRPO answers their prompts greedily and returns scored
+        batches. SFT: the batches as they are."""
+        return batches
 
     def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """EvalMetrics.metrics from the summed LossOutput.metrics of the eval's forwards."""

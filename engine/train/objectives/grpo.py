@@ -22,6 +22,12 @@ max_new_tokens, not with the group. The session's rows per micro-batch bounds k.
 Each group is used for one optimizer step, so the sampling policy is the policy being trained
 (TRL's num_iterations=1): the old log-probs are the current ones detached and the ratio is 1 in
 value (its gradient is the policy gradient).
+
+The eval (held-out prompts: data.eval_source, or a data.eval_fraction split as SFT's) answers
+each prompt once, greedily (so two evals of the same weights agree and the RNG is untouched),
+scores the answers with the same reward functions and reports the mean reward and each
+function's mean as EvalMetrics.metrics. Its eval loss is minus the mean reward: the best
+checkpoint is the lowest eval loss, so it is the highest reward.
 """
 
 from __future__ import annotations
@@ -46,24 +52,26 @@ class PromptBatch(PackedBatch):
     data: object = None
 
 
-def sample_completions(model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device):
+def sample_completions(
+    model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy=False
+):
     """[len(prompts) * group_size] completion id lists (each group's consecutive), each cut
-    after its first token in `eos_ids`. Call with the model in eval mode and no autograd."""
+    after its first token in `eos_ids`; `greedy`: the most likely token each time (the eval).
+    Call with the model in eval mode and no autograd."""
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p}
     out = model.generate(
         input_ids=ids,
         attention_mask=mask,
-        do_sample=True,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=0,
+        top_k=0 if not greedy else None,
         max_new_tokens=max_new_tokens,
         num_return_sequences=group_size,
         eos_token_id=list(eos_ids),
         pad_token_id=pad_id,
         use_cache=True,
+        **sampling,
     )
     completions = []
     for row in out[:, width:].tolist():
@@ -102,7 +110,12 @@ class GRPO(Objective):
         return [(len(d) + g.max_new_tokens) * g.group_size for d in data.docs]
 
     def held_out(self, data, tokenizer):
-        return data, None, "no held-out split for GRPO runs (rewards are logged every step)"
+        from engine.train.objectives.pairs import load_held_pairs, split_pairs
+
+        d = self.config.data
+        if d.eval_source.strip():
+            return data, *load_held_pairs(d, tokenizer, "prompts", extra_tokens=self.config.grpo.max_new_tokens)
+        return split_pairs(data, d.eval_fraction, self.config.training.seed)
 
     def collate(self, data, example_ids):
         batch = PackedBatch.from_documents([data.examples[i][0] for i in example_ids])
@@ -110,11 +123,15 @@ class GRPO(Objective):
             batch.input_ids, batch.targets, batch.info, batch.num_tokens, 0, example_ids=list(example_ids), data=data
         )
 
+    @staticmethod
+    def _eos_pad(tok):
+        eos = {tok.eos_token_id} | ({tok.convert_tokens_to_ids("<|im_end|>")} - {None, tok.unk_token_id})
+        return eos, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
     def prepare_step(self, ctx, micro):
         g = self.config.grpo
         tok = ctx.tokenizer
-        eos = {tok.eos_token_id} | ({tok.convert_tokens_to_ids("<|im_end|>")} - {None, tok.unk_token_id})
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        eos, pad = self._eos_pad(tok)
         out, samples = [], []
         for rows, placeholder in micro:
             ids, data = placeholder.example_ids, placeholder.data
@@ -133,14 +150,15 @@ class GRPO(Objective):
         self.last_samples = samples
         return out
 
-    def _score(self, data, tok, ids, prompts, completions):
+    def _score(self, data, tok, ids, prompts, completions, group_size=None):
         from engine.train.rewards import score
 
         g = self.config.grpo
+        group = group_size or g.group_size
         spec = data.spec.mapping
         rows, texts, prompt_texts, row_ids = [], [], [], []
         for j, comp in enumerate(completions):
-            i = ids[j // g.group_size]
+            i = ids[j // group]
             row = dict(data.rows[i])
             prompt_texts.append(row.pop(spec["prompt"]))
             row.pop("completion", None)
@@ -150,10 +168,10 @@ class GRPO(Objective):
         table = torch.tensor(score(self.rewards, prompt_texts, texts, rows, row_ids), dtype=torch.float32)
         weights = torch.tensor([r.weight for r in self.rewards])
         total = (table * weights).sum(1)
-        seqs = [(prompts[j // g.group_size], c) for j, c in enumerate(completions)]
+        seqs = [(prompts[j // group], c) for j, c in enumerate(completions)]
         batch = SequenceBatch.from_sequences(seqs)
         x = batch.extra
-        x["advantages"] = group_advantages(total, g.group_size, g.scale_rewards)
+        x["advantages"] = group_advantages(total, group, g.scale_rewards) if group > 1 else torch.zeros_like(total)
         x["reward_sum"], x["reward_sumsq"] = total.sum(), total.square().sum()
         for k, r in enumerate(self.rewards):
             x[f"rewards/{r.name}/sum"], x[f"rewards/{r.name}/sumsq"] = table[:, k].sum(), table[:, k].square().sum()
@@ -169,15 +187,39 @@ class GRPO(Objective):
         ]
         return batch, samples
 
+    def prepare_eval(self, ctx, batches):
+        """The held-out prompts answered greedily (one answer each) and scored: batches whose
+        `loss` is minus their rewards (see the module's docstring)."""
+        g = self.config.grpo
+        eos, pad = self._eos_pad(ctx.tokenizer)
+        out = []
+        for placeholder in batches:
+            ids, data = placeholder.example_ids, placeholder.data
+            prompts = [data.examples[i][0] for i in ids]
+            completions = sample_completions(
+                ctx.model, prompts, 1, g.max_new_tokens, 1.0, 1.0, eos, pad, ctx.device, greedy=True
+            )
+            batch, _ = self._score(data, ctx.tokenizer, ids, prompts, completions, group_size=1)
+            batch.extra["eval"] = True
+            out.append(batch)
+        return out
+
     def normalizer(self, batches):
+        if batches and isinstance(batches[0], SequenceBatch) and batches[0].extra.get("eval"):
+            return max(1, sum(b.num_docs for b in batches))  # the eval: a mean over the answers
         if self.config.grpo.loss_type == "grpo":
             return max(1, sum(b.num_docs for b in batches))
         return max(1, sum(b.num_trained_tokens for b in batches))
 
     def loss(self, forward, model, batch, normalizer):
         g = self.config.grpo
-        logps = token_logps(forward, model, batch, 1 / g.temperature)
         x = batch.extra
+        if x.get("eval"):  # scored greedy answers (prepare_eval): no forward, minus the reward
+            device = batch.input_ids.device
+            metrics = {k: v.to(device) for k, v in x.items() if k.startswith("reward") or k == "completion_len_sum"}
+            metrics["completions"] = torch.tensor(float(batch.num_docs), device=device)
+            return LossOutput(-x["reward_sum"].to(device) / normalizer, metrics)
+        logps = token_logps(forward, model, batch, 1 / g.temperature)
         loss, metrics = batch_loss(
             logps,
             batch,
@@ -218,4 +260,10 @@ class GRPO(Objective):
         return list(self.last_samples)
 
     def eval_batches(self, held_out, row_tokens, rows_per_batch):
-        return []
+        n, k = len(held_out), max(1, rows_per_batch)
+        return [self.collate(held_out.data, list(range(i, min(i + k, n)))) for i in range(0, n, k)]
+
+    def eval_metrics(self, sums):
+        out = self.step_metrics(sums)
+        out.pop("clip_ratio", None)  # no policy update in an eval
+        return out

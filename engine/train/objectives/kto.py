@@ -78,11 +78,7 @@ class KTO(PairObjective):
     """Unpaired answers; each example is (prompt, completion, KL twin) with its label."""
 
     name = "kto"
-
-    def prepare_data(self, tokenizer):
-        from engine.data.preference import prepare_preference_data
-
-        return prepare_preference_data(self.config.data, tokenizer, "unpaired")
+    data_kind = "unpaired"
 
     def collate(self, data, example_ids: list[int]):
         batch = SequenceBatch.from_sequences([data.examples[i][:2] for i in example_ids])
@@ -98,15 +94,28 @@ class KTO(PairObjective):
 
     def prepare_step(self, ctx, micro):
         for _, batch in micro:
-            kl_host = batch.extra.pop("kl_batch")
-            dev, kl_dev = batch.to(ctx.device), kl_host.to(ctx.device)
-            with torch.no_grad():
-                batch.extra["kl"] = completion_sums(token_logps(ctx.forward, ctx.model, kl_dev), kl_dev)
+            self._score(ctx, batch, batch.extra.pop("kl_batch"))
+        return micro
+
+    def prepare_eval(self, ctx, batches):
+        # The policy's KL estimate moves with the adapters: scored again at every eval; the
+        # reference's log-probs (the base, adapters off) are computed at the first and kept.
+        for batch in batches:
+            self._score(ctx, batch, batch.extra["kl_batch"], reference="ref" not in batch.extra)
+        return batches
+
+    @staticmethod
+    def _score(ctx, batch, kl_host, reference: bool = True) -> None:
+        """The KL twins' log-probs under the policy and, with `reference`, the answers' and the
+        twins' under the base (adapters off), attached to `batch.extra`; no gradient."""
+        dev, kl_dev = batch.to(ctx.device), kl_host.to(ctx.device)
+        with torch.no_grad():
+            batch.extra["kl"] = completion_sums(token_logps(ctx.forward, ctx.model, kl_dev), kl_dev)
+        if reference:
             with ctx.adapters_off():
                 batch.extra["ref"] = completion_sums(token_logps(ctx.forward, ctx.model, dev), dev)
                 batch.extra["ref_kl"] = completion_sums(token_logps(ctx.forward, ctx.model, kl_dev), kl_dev)
-            kl_dev.info.free()
-        return micro
+        kl_dev.info.free()
 
     def loss(self, forward, model, batch, normalizer):
         p = self.config.preference

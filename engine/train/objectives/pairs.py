@@ -5,9 +5,18 @@ A pair is one example: its chosen and rejected completions are two documents of 
 row (`SequenceBatch`, chosen first), so a pair never straddles rows and the packed attention
 needs no padding. The step's normalizer is its number of pairs: every forward divides its summed
 per-pair losses by it, so gradient accumulation equals one large batch.
+
+Held-out examples (`PairHeldOut`: a share split off with data.eval_fraction, as SFT's rule, or
+data.eval_source read like the training file) give the eval: the method's own loss per example
+and its metrics (DPO, ORPO, SimPO: reward margin and accuracy; KTO: its rewards and KL), and the
+gallery's prompts (each example's prompt). The best checkpoint is the lowest held-out loss.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
 
 import torch
 
@@ -50,10 +59,15 @@ class PairObjective(Objective):
     def prepare_data(self, tokenizer):
         from engine.data.preference import prepare_preference_data
 
-        return prepare_preference_data(self.config.data, tokenizer, "paired")
+        return prepare_preference_data(self.config.data, tokenizer, self.data_kind)
+
+    data_kind = "paired"  # engine.data.preference's kind of example
 
     def held_out(self, data, tokenizer):
-        return data, None, "no held-out split for preference runs (the eval loss is SFT's)"
+        d = self.config.data
+        if d.eval_source.strip():
+            return data, *load_held_pairs(d, tokenizer, self.data_kind)
+        return split_pairs(data, d.eval_fraction, self.config.training.seed)
 
     def collate(self, data, example_ids: list[int]):
         seqs = []
@@ -76,13 +90,119 @@ class PairObjective(Objective):
                 dev.info.free()
         return micro
 
+    def prepare_eval(self, ctx, batches: list) -> None:
+        # The held-out batches are the same at every eval and so is the reference (the base
+        # with its adapters off): its log-probs are computed at the first eval and kept.
+        todo = [(None, b) for b in batches if "ref" not in b.extra]
+        if todo:
+            self.prepare_step(ctx, todo)
+        return batches
+
     def step_metrics(self, sums):
         return per_pair(sums)
 
     def eval_batches(self, held_out, row_tokens, rows_per_batch):
-        return []
+        from engine.data.packing import pack_best_fit_decreasing
+
+        rows = pack_best_fit_decreasing([len(d) for d in held_out.docs], row_tokens).rows
+        step = max(1, rows_per_batch)
+        return [
+            self.collate(held_out.data, [d for r in rows[i : i + step] for d in r]) for i in range(0, len(rows), step)
+        ]
 
 
 def chosen_rejected(values: torch.Tensor):
     """Per-document values of a pair batch -> (chosen, rejected)."""
     return values[0::2], values[1::2]
+
+
+@dataclass
+class PairHeldOut:
+    """Held-out preference examples: a PreferenceData of the training data's kind (pairs, or
+    KTO's labelled answers with their KL twins) and where they come from ("split" or a path).
+    `docs` and `prompt_ids` are what the eval schedule and the gallery read."""
+
+    data: object  # engine.data.preference.PreferenceData
+    source: str
+
+    @property
+    def docs(self) -> list[list[int]]:
+        return self.data.docs
+
+    def __len__(self) -> int:
+        return len(self.data.examples)
+
+    def prompt_ids(self, n: int) -> list[list[int]]:
+        """The prompts of the first `n` held-out examples, each once (the gallery's prompts)."""
+        out: list[list[int]] = []
+        for example in self.data.examples:
+            if len(out) == n:
+                break
+            if list(example[0]) not in out:
+                out.append(list(example[0]))
+        return out
+
+
+def _subset(data, keep: list[int]):
+    """`data` (a PreferenceData) with only the examples `keep`, packed again (GRPO's prompts
+    one to a row, as engine.data.preference packs them)."""
+    from engine.data.packing import PackingResult, pack_best_fit_decreasing
+
+    pick = lambda values: [values[i] for i in keep] if values else values  # noqa: E731
+    docs = pick(data.docs)
+    if data.kind == "prompts":
+        packing = PackingResult([[i] for i in range(len(docs))], data.packing.row_tokens, sum(map(len, docs)))
+    else:
+        packing = pack_best_fit_decreasing([len(d) for d in docs], data.packing.row_tokens)
+    return dataclasses.replace(
+        data,
+        examples=pick(data.examples),
+        docs=docs,
+        labels=pick(data.labels),
+        rows=pick(data.rows),
+        row_ids=pick(data.row_ids),
+        packing=packing,
+    )
+
+
+def split_pairs(data, fraction: float, seed: int):
+    """(training data, PairHeldOut or None, one sentence for the log): SFT's rule (at least
+    EVAL_MIN_EXAMPLES examples, this share of them, at most EVAL_MAX_EXAMPLES, drawn with
+    `seed`); the held-out examples are removed from the training data, which is packed again."""
+    from engine.data import plural
+    from engine.train.evaluation import EVAL_MAX_EXAMPLES, EVAL_MIN_EXAMPLES
+
+    n = len(data.examples)
+    if fraction <= 0:
+        return data, None, ""
+    if n < EVAL_MIN_EXAMPLES:
+        return (
+            data,
+            None,
+            f"No held-out split: {plural(n, 'example')} (it takes {EVAL_MIN_EXAMPLES} or more; "
+            "data.eval_source can name a separate file)",
+        )
+    k = max(1, min(EVAL_MAX_EXAMPLES, round(n * fraction)))
+    held = sorted(random.Random(seed).sample(range(n), k))
+    taken = set(held)
+    note = (
+        f"Held out {plural(k, 'example')} of {n} for the eval ({k / n:.1%}, drawn with seed {seed}; never trained on)"
+    )
+    return _subset(data, [i for i in range(n) if i not in taken]), PairHeldOut(_subset(data, held), "split"), note
+
+
+def load_held_pairs(data_config, tokenizer, kind: str, extra_tokens: int = 0):
+    """(PairHeldOut, one sentence) of data.eval_source, read like the training file (its first
+    EVAL_MAX_EXAMPLES usable examples)."""
+    from engine.data import plural
+    from engine.data.preference import prepare_preference_data
+    from engine.train.evaluation import EVAL_MAX_EXAMPLES
+
+    source = data_config.eval_source
+    cfg = dataclasses.replace(data_config, source=source, max_examples=0)
+    held = prepare_preference_data(cfg, tokenizer, kind, extra_tokens=extra_tokens)
+    n = len(held.examples)
+    if n > EVAL_MAX_EXAMPLES:
+        held = _subset(held, list(range(EVAL_MAX_EXAMPLES)))
+    capped = f" (the first {EVAL_MAX_EXAMPLES} of {n})" if n > EVAL_MAX_EXAMPLES else ""
+    return PairHeldOut(held, source), f"Eval on {plural(len(held.examples), 'example')} of {source}{capped}"
