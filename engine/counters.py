@@ -10,8 +10,7 @@ Who owns the counts: a `Counters` object per run. The session creates one and ac
 (`with counters.active():`) on the thread that runs it, so two sessions in one process (two
 threads, or one after the other) never see each other's counts. The active object lives in a
 `contextvars.ContextVar`, and a ContextVar has a value only in the thread (or asyncio task) that
-set it. That is what keeps a paused run's probe, answered on the window's thread, out of the
-run's step counts; it is also why a count made on a thread with no value needs a rule:
+set it, so a count made on a thread with no value needs a rule:
 
 1. this thread's active Counters;
 2. inside a backward pass, the Counters of the thread that started it. On CUDA the autograd
@@ -21,7 +20,9 @@ run's step counts; it is also why a count made on a thread with no value needs a
    in torch.autograd.graph._engine_run_backward) and we read our variable from it. On a CPU
    backward runs on the launching thread and rule 1 applies;
 3. the one run active in the process, when exactly one is (a torch without rule 2's stash, or
-   a thread the engine did not start: its counts go where they always went);
+   a thread the engine did not start, such as a paused run's probe on the window's thread: its
+   counts go where they always went, and the probe drops them as the gallery does, through
+   engine.train.evaluation.side_effect_free, before the next step counts);
 4. otherwise `UNOWNED`, counted but never reported (a library call with no run, a probe while
    two runs train). Module-level `reset_counters()` and tests outside a run use it the same way.
 
