@@ -532,6 +532,16 @@ class DataPanel(QWidget):
             on_progress=lambda p: self._packing_progress(gen, *p),
             method=self.method(),
         )
+        if "GRPO" in str(_get(_get(self.preview, "format", default=None), "kind", default="")):
+            # The X-ray's findings are SFT's and the pairs'; a prompt's own problem (too long, empty)
+            # shows in the Problems tab once packed, as training would skip it.
+            self.xray_view.set_message(
+                "The X-ray checks answers (SFT rows, preference pairs); GRPO's prompts have none. "
+                "Prompts that cannot be used are listed in the Problems tab."
+            )
+            self.tabs.setTabText(XRAY_TAB, "X-ray (n/a)")
+            self._xray_running(False)
+            return
         self.xray_view.set_message("Checking every row…")
         self.tabs.setTabText(XRAY_TAB, "X-ray")
         self._xray_running(True)

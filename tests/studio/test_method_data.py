@@ -113,6 +113,7 @@ def test_a_prompts_file_is_grpo_data_and_says_why_it_cannot_train_sft(window, qt
     assert "exact-match" in note.text() and "**row" in note.text()
     qtbot.waitUntil(lambda: window.training_panel.train.isEnabled(), timeout=60_000)
     assert window.train_blocker() == ""
+    assert dp.tabs.tabText(4) == "X-ray (n/a)"  # its findings are about answers; not a failure
     # The example: the prompt as generation starts from it (nothing trained), its reward columns.
     qtbot.waitUntil(lambda: dp.example is not None and dp.example.index == 0, timeout=60_000)
     assert dp.example_stack.currentWidget() is dp.mask_view
