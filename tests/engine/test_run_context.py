@@ -280,3 +280,75 @@ def test_the_cli_entry_point_asks_for_expandable_segments_and_a_persons_setting_
     )
     assert _python(code, _clean_env()) == "expandable_segments:True"
     assert _python(code, {**_clean_env(), "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}) == "max_split_size_mb:64"
+
+
+# -- two sessions at once ------------------------------------------------------------------------
+
+
+def _session_counts(tmp_path, name: str, setup: threading.Lock | None = None, start=None) -> list[tuple]:
+    """Per step: (step, fast_path_calls, fallbacks, metadata_builds, host_syncs) of a tiny demo
+    run with the fast paths forced on (the CPU runs their torch references). `setup`: held while
+    the model loads (transformers' loading is not safe on two threads at once); `start`: a
+    Barrier the run waits at, set up, before its first step."""
+    from engine.config import RunConfig
+    from engine.events import Failed, RunStarted, StepMetrics
+    from engine.resources import DEMO_PRESET
+    from engine.train.session import TrainingSession
+
+    cfg = RunConfig.load(DEMO_PRESET)
+    cfg.data.max_examples = 24
+    cfg.data.max_seq_len = 128
+    cfg.training.max_steps = 3
+    cfg.training.rows_per_micro_batch = 1
+    cfg.training.grad_accum = 2
+    cfg.training.save_every = 0
+    cfg.training.log_every = 1
+    for path in ("kernels", "lora_autograd", "fused_ce", "packed_attention"):
+        setattr(cfg.fast_paths, path, True)
+    cfg.output.dir = str(tmp_path)
+    events, held = [], [False]
+
+    def on_event(event) -> None:
+        events.append(event)
+        if start is not None and isinstance(event, RunStarted):
+            setup.release()
+            held[0] = False
+            start.wait(timeout=300)  # both runs set up before either trains
+
+    if setup is not None:
+        held[0] = setup.acquire(timeout=300)
+    try:
+        result = TrainingSession(cfg, on_event, run_dir=tmp_path / name).run()
+    finally:
+        if held[0]:  # failed before it started: let the other run load
+            setup.release()
+    assert not isinstance(result, Failed), result.message + "\n" + result.detail
+    return [
+        (m.step, m.fast_path_calls, m.fallbacks, m.metadata_builds, m.host_syncs)
+        for m in events
+        if isinstance(m, StepMetrics)
+    ]
+
+
+def test_two_sessions_training_at_once_report_their_own_counts(tmp_path):
+    """Each of two TrainingSessions on threads of one process reports, every step, what a run alone
+    reports: the other's forwards are not in its counts."""
+    alone = _session_counts(tmp_path, "alone")
+    assert len(alone) == 3 and all(calls.get("lora_linears") for _, calls, *_ in alone), alone
+    setup, start = threading.Lock(), threading.Barrier(2)
+    got: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def train(name: str) -> None:
+        try:
+            got[name] = _session_counts(tmp_path, name, setup, start)
+        except BaseException as exc:  # re-raised on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert got["a"] == alone and got["b"] == alone
