@@ -8,7 +8,10 @@ gives "Answer" a probability of about 2e-6 after the prompt, so GRPO alone sampl
 in the format, every group scores 0, every advantage is 0 and nothing is learned. 16 SFT steps
 (measured on 64 prompts x 8 samples, seed 0: greedy answers are already in the format, sampled
 ones at temperature 0.3 in 15% of cases, 0.6% at 0.5, none at 0.7; 24 steps: 70% at 0.3) leave
-a format that GRPO can find and reinforce. This replaces the earlier check of a reward for
+a format that GRPO can find and reinforce. GRPO samples at temperature 0.2, where the first
+steps score about 0.3 (the flat tail of this small model's distribution is what a higher
+temperature samples; measured: at 0.3 the reward rose to about 0.8 and stayed there for 60
+steps, at 0.2 it passes 0.9 by step 20). This replaces the earlier check of a reward for
 sentences starting with "The" (which the base model samples a quarter of the time): one GRPO
 learning check is what CI pays for, and this one is the demo's own format.
 
@@ -45,7 +48,7 @@ def cold_start(tmp_path, steps=16):
 @pytest.mark.slow
 def test_grpo_after_an_sft_cold_start_learns_the_demo_answer_format(tmp_path):
     sft = cold_start(tmp_path)
-    cfg = config(tmp_path, "grpo", write_prompts(tmp_path / "prompts.jsonl", n=64), steps=60)
+    cfg = config(tmp_path, "grpo", write_prompts(tmp_path / "prompts.jsonl", n=64), steps=30)
     cfg.lora.init_adapter = str(sft)
     cfg.output.run_name = "grpo"
     cfg.training.rows_per_micro_batch = 4  # four prompts a step
@@ -55,7 +58,7 @@ def test_grpo_after_an_sft_cold_start_learns_the_demo_answer_format(tmp_path):
     cfg.training.seed = 0
     cfg.grpo.group_size = 8
     cfg.grpo.max_new_tokens = 8
-    cfg.grpo.temperature = 0.3
+    cfg.grpo.temperature = 0.2
     cfg.grpo.rewards = [RewardConfig(kind="regex", pattern=r"Answer: (.+)")]
     events = []
     result = TrainingSession(cfg, events.append).run()
