@@ -41,7 +41,9 @@ class Rows:
     def __len__(self) -> int:
         return self.total
 
-    def __iter__(self) -> Iterator[dict]:
+    def batches(self) -> Iterator[tuple[int, list[dict]]]:
+        """(index of the batch's first row, its rows), BATCH rows at a time: what the X-ray renders and
+        tokenizes together (engine.data.render.tokenize_examples)."""
         done = 0
         columns = self.column_names
         while done < self.total:
@@ -49,11 +51,14 @@ class Rows:
                 raise Cancelled()
             end = min(self.total, done + BATCH)
             batch = self.ds[done:end]  # one columnar slice: {column: [values]}
-            for j in range(end - done):
-                yield {c: batch[c][j] for c in columns}
+            yield done, [{c: batch[c][j] for c in columns} for j in range(end - done)]
             done = end
             if self.progress is not None:
                 self.progress(done, self.total)
+
+    def __iter__(self) -> Iterator[dict]:
+        for _, rows in self.batches():
+            yield from rows
 
 
 def xray_scan(cfg: DataConfig, tokenizer, progress: Progress = None, cancelled: Cancel = None) -> XRay:

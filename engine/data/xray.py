@@ -33,11 +33,14 @@ It also gives the token length of every row (before truncation) for a histogram 
 from __future__ import annotations
 
 import hashlib
+import re
+from array import array
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from engine.config import DataConfig
 from engine.data.formats import ROLE_NAMES, detect_format, row_to_messages
-from engine.data.render import RowError, ensure_chat_template, tokenize_example
+from engine.data.render import RowError, ensure_chat_template, tokenize_examples
 from engine.data.sources import load_raw
 
 # Finding kinds, in the order the Data page lists them, with the sentence that explains each.
@@ -67,25 +70,41 @@ class Finding:
     detail: str
 
 
+KEPT_PER_KIND = 1000  # findings of one kind kept with their rows; past that they are counted only
+
+
 @dataclass
 class XRay:
     rows: int
     max_seq_len: int
-    lengths: list[int]  # token length of each readable row, before truncation
-    findings: list[Finding] = field(default_factory=list)
+    lengths: Sequence[int]  # token length of each readable row, before truncation (array("I"): 4 bytes a row)
+    findings: list[Finding] = field(default_factory=list)  # the first KEPT_PER_KIND of each kind, in row order
+    more: dict[str, int] = field(default_factory=dict)  # findings of a kind past those kept
+    _kept: dict[str, int] = field(default_factory=dict, repr=False, compare=False)  # add()'s count per kind
+
+    def add(self, kind: str, row: int, detail: str) -> None:
+        """Keep a finding, or (KEPT_PER_KIND of its kind are kept) count it: a file where every row
+        has the same problem keeps memory bounded and still says how many rows have it."""
+        kept = self._kept.get(kind, 0)
+        if kept < KEPT_PER_KIND:
+            self.findings.append(Finding(kind, row, detail))
+            self._kept[kind] = kept + 1
+        else:
+            self.more[kind] = self.more.get(kind, 0) + 1
 
     def by_kind(self) -> dict[str, list[Finding]]:
+        """The findings kept, by kind (counts() says how many there are in all)."""
         out: dict[str, list[Finding]] = {k: [] for k in KINDS}
         for f in self.findings:
             out[f.kind].append(f)
         return out
 
     def counts(self) -> dict[str, int]:
-        return {k: len(v) for k, v in self.by_kind().items()}
+        return {k: len(v) + self.more.get(k, 0) for k, v in self.by_kind().items()}
 
     def histogram(self, bins: int = 20) -> tuple[list[int], list[int]]:
         """(bin edges, counts) over [0, max(longest, max_seq_len)]: equal-width bins."""
-        top = max([self.max_seq_len, *self.lengths]) if self.lengths else self.max_seq_len
+        top = max(self.max_seq_len, max(self.lengths)) if len(self.lengths) else self.max_seq_len
         width = max(1, -(-top // bins))
         edges = [i * width for i in range(bins + 1)]
         counts = [0] * bins
@@ -150,6 +169,14 @@ def _pair_spec(cfg: DataConfig, columns: list[str]):
         return None
 
 
+def _row_batches(raw):
+    """(index of the first row, [rows]) in Arrow batches: engine.data.scan.Rows' own (with its
+    progress and stop check) or, for a plain data set, the same batches without them."""
+    from engine.data.scan import Rows
+
+    return (raw if isinstance(raw, Rows) else Rows(raw)).batches()
+
+
 def xray(cfg: DataConfig, tokenizer, raw=None) -> XRay:
     raw = load_raw(cfg) if raw is None else raw
     pairs = _pair_spec(cfg, list(raw.column_names))
@@ -157,74 +184,105 @@ def xray(cfg: DataConfig, tokenizer, raw=None) -> XRay:
         from engine.data.preference import pair_findings
 
         lengths, found = pair_findings(cfg, tokenizer, raw, pairs)
-        return XRay(len(raw), cfg.max_seq_len, lengths, [Finding(*f) for f in found])
+        out = XRay(len(raw), cfg.max_seq_len, array("I", lengths))
+        for f in found:
+            out.add(*f)
+        return out
     spec = detect_format(list(raw.column_names), cfg.format, cfg.columns, cfg.source)
     if spec.kind != "text":
         ensure_chat_template(tokenizer)
-    special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    for tok_id, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        if getattr(tok, "special", False):
-            special_ids.add(int(tok_id))
-    specials = _special_strings(tokenizer)
-    limit = cfg.max_seq_len
-    out = XRay(len(raw), limit, [])
-    seen: dict[str, int] = {}
-    for i, row in enumerate(raw):
-        if spec.kind == "conversations":
-            why = _role_problem(row, spec)
-            if why:
-                out.findings.append(Finding("roles", i, why))
-        try:
-            example = row_to_messages(row, spec)
-            tok = tokenize_example(
-                tokenizer, example, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
+    out = XRay(len(raw), cfg.max_seq_len, array("I"))
+    checks = _RowChecks(out, tokenizer, cfg)
+    for start, batch in _row_batches(raw):
+        rows = []  # (row, its roles finding or None, messages or text, or the ValueError that says why not)
+        for i, row in enumerate(batch, start):
+            why = _role_problem(row, spec) if spec.kind == "conversations" else None
+            try:
+                rows.append((i, why, row_to_messages(row, spec)))
+            except ValueError as exc:
+                rows.append((i, why, exc))
+        readable = [example for _, _, example in rows if not isinstance(example, ValueError)]
+        toks = iter(
+            tokenize_examples(
+                tokenizer, readable, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
             )
-        except RowError as exc:
-            out.findings.append(Finding("rejected", i, str(exc)))
-            continue
-        except ValueError as exc:
-            if not (spec.kind == "conversations" and "unknown role" in str(exc)):  # already named above
-                out.findings.append(Finding("unreadable", i, str(exc)))
-            continue
+        )
+        for i, why, example in rows:  # in row order, each row's findings in the order the page lists them
+            if why:
+                out.add("roles", i, why)
+            if isinstance(example, ValueError):
+                if not (spec.kind == "conversations" and "unknown role" in str(example)):  # already named above
+                    out.add("unreadable", i, str(example))
+                continue
+            tok = next(toks)
+            if isinstance(tok, RowError):
+                out.add("rejected", i, str(tok))
+            else:
+                checks.check(i, example, tok)
+    return out
+
+
+class _RowChecks:
+    """The findings of a rendered, tokenized row, with what they need prepared once per scan."""
+
+    def __init__(self, out: XRay, tokenizer, cfg: DataConfig):
+        self.out, self.tokenizer, self.cfg = out, tokenizer, cfg
+        self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+        for tok_id, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+            if getattr(tok, "special", False):
+                self.special_ids.add(int(tok_id))
+        self.specials = _special_strings(tokenizer)
+        # One search for "any special string at all" (most rows have none); the longest-first loop
+        # then names the one a row holds.
+        self.any_special = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
+        self.decoded: dict[int, str] = {}  # one token's text, by id (each row's last trained token)
+        # A 16-byte digest of each distinct row's messages -> its first row: about 100 bytes a row.
+        self.seen: dict[bytes, int] = {}
+
+    def piece(self, token_id: int) -> str:
+        if token_id not in self.decoded:
+            self.decoded[token_id] = self.tokenizer.decode([token_id])
+        return self.decoded[token_id]
+
+    def check(self, i: int, example, tok) -> None:
+        out, limit = self.out, self.cfg.max_seq_len
         ids, trained = tok.ids, tok.trained
         out.lengths.append(len(ids))
 
-        key = hashlib.sha1(repr(example).encode("utf-8")).hexdigest()
-        if key in seen:
-            out.findings.append(Finding("duplicate", i, f"same as row {seen[key]}"))
+        key = hashlib.blake2b(repr(example).encode("utf-8"), digest_size=16).digest()
+        if key in self.seen:
+            out.add("duplicate", i, f"same as row {self.seen[key]}")
         else:
-            seen[key] = i
+            self.seen[key] = i
 
         for text in _texts(example):
-            hit = next((s for s in specials if s in text), None)
+            if self.any_special is None or not self.any_special.search(text):
+                continue
+            hit = next((s for s in self.specials if s in text), None)
             if hit:
-                out.findings.append(Finding("special_tokens", i, f"contains {hit!r}"))
+                out.add("special_tokens", i, f"contains {hit!r}")
                 break
 
         # The last answer's end is missing_eos' business (below); this names an earlier one.
         for n, answer in enumerate(tok.answers[:-1], 1):
             if not answer.ends_at_marker:
                 tail = tok.text[max(answer.start, answer.end - 12) : answer.end]
-                out.findings.append(Finding("answer_end", i, f"answer {n} ends with {tail!r}, no end-of-turn token"))
+                out.add("answer_end", i, f"answer {n} ends with {tail!r}, no end-of-turn token")
                 break
         if any(a.reasoning_dropped for a in tok.answers):
-            out.findings.append(Finding("reasoning_dropped", i, f"earlier_reasoning: {cfg.earlier_reasoning}"))
+            out.add("reasoning_dropped", i, f"earlier_reasoning: {self.cfg.earlier_reasoning}")
 
         kept = trained[:limit]
         if len(ids) > limit and any(trained[limit:]) and any(kept):
-            out.findings.append(
-                Finding("truncated_answer", i, f"{len(ids)} tokens; {sum(trained[limit:])} answer tokens cut")
-            )
+            out.add("truncated_answer", i, f"{len(ids)} tokens; {sum(trained[limit:])} answer tokens cut")
         if not any(kept[1:]):
             why = "the cut at max_seq_len removed every answer token" if any(trained[1:]) else "no trained token"
-            out.findings.append(Finding("fully_masked", i, why))
-            continue
+            out.add("fully_masked", i, why)
+            return
         # The last trained token of the full row (before any cut), past trailing whitespace (a
         # template's newline after its end marker): an end marker there teaches stopping.
-        last = max(j for j, t in enumerate(trained) if t)
-        while last > 0 and trained[last - 1] and not tokenizer.decode([ids[last]]).strip():
+        last = len(trained) - 1 - trained[::-1].index(True)
+        while last > 0 and trained[last - 1] and not self.piece(ids[last]).strip():
             last -= 1
-        if ids[last] not in special_ids:
-            shown = tokenizer.decode([ids[last]])
-            out.findings.append(Finding("missing_eos", i, f"the answer ends with {shown!r}, not an end-of-turn token"))
-    return out
+        if ids[last] not in self.special_ids:
+            out.add("missing_eos", i, f"the answer ends with {self.piece(ids[last])!r}, not an end-of-turn token")

@@ -52,23 +52,25 @@ class DataXRay(QWidget):
     def set_xray(self, x, kinds: dict[str, str]) -> int:
         """Show an engine XRay; `kinds` maps each kind to its sentence. Returns the finding count."""
         self.tree.clear()
-        by = x.by_kind()
+        by, counts = x.by_kind(), x.counts()
         total = 0
         for kind, sentence in kinds.items():
             found = by.get(kind) or []
-            if not found:
+            n = counts.get(kind, len(found))  # the engine keeps a kind's first rows and counts them all
+            if not n:
                 continue
-            total += len(found)
+            total += n
             # The count goes with the sentence: the Row column holds row numbers only.
-            rows = f"{len(found):,} row" + ("" if len(found) == 1 else "s")
+            rows = f"{n:,} row" + ("" if n == 1 else "s")
             node = QTreeWidgetItem([f"{sentence} ({rows})", "", ""])
             node.setData(0, Qt.ItemDataRole.UserRole, kind)
             for f in found[:MAX_ROWS_PER_KIND]:
                 child = QTreeWidgetItem(["", str(f.row), f.detail])
                 child.setData(1, Qt.ItemDataRole.UserRole, f.row)
                 node.addChild(child)
-            if len(found) > MAX_ROWS_PER_KIND:
-                node.addChild(QTreeWidgetItem(["", "…", f"{len(found) - MAX_ROWS_PER_KIND:,} more"]))
+            shown = min(len(found), MAX_ROWS_PER_KIND)
+            if n > shown:
+                node.addChild(QTreeWidgetItem(["", "…", f"{n - shown:,} more"]))
             self.tree.addTopLevelItem(node)
         longest = max(x.lengths) if x.lengths else 0
         over = x.over_limit()
