@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from bench.laptop import MODELS, model_folder
+from engine.runs import RunFolder
 
 
 def _config(folder: Path, data: Path, args, out: Path) -> Path:
@@ -55,7 +56,7 @@ def _config(folder: Path, data: Path, args, out: Path) -> Path:
 
 
 def _steps(run: Path) -> list[dict]:
-    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    events = [json.loads(x) for x in RunFolder(run).metrics.read_text().splitlines() if x.strip()]
     return [e for e in events if e.get("event") == "StepMetrics"]
 
 
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = "timeout"
         rec[f"wall_s_{n}"] = round(time.monotonic() - start, 1)
         rec[f"rc_{n}"] = rc
-        steps = _steps(run) if (run / "metrics.jsonl").exists() else []
+        steps = _steps(run) if RunFolder(run).metrics.exists() else []
         if rc != 0:
             rec[f"stderr_{n}"] = (err or "")[-2000:]
             print((err or "")[-2000:], flush=True)

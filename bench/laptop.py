@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.workloads import WORKLOADS
+from engine.runs import RunFolder
 
 # Real shapes (public configs); the weights are random: memory and speed do not depend on them.
 _QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151_936, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
@@ -167,7 +168,7 @@ def run_config(
 
 
 def summarize_run(run: Path, cap_gib: int) -> dict:
-    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    events = [json.loads(x) for x in RunFolder(run).metrics.read_text().splitlines() if x.strip()]
     steps = [e for e in events if e.get("event") == "StepMetrics"]
     rec: dict = {"steps": len(steps)}
     if steps:
@@ -185,7 +186,7 @@ def summarize_run(run: Path, cap_gib: int) -> dict:
             loss_last=steps[-1]["loss"],
             offload=steps[-1].get("offload", ""),
         )
-    cfg_file = run / "config.yaml"
+    cfg_file = RunFolder(run).config
     if cfg_file.exists():
         import yaml
 
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         rec["steps_asked"] = args.steps
         rec["wall_s"] = round(time.monotonic() - start, 1)
         rec["folder_build_s"] = build_s
-        if (run / "metrics.jsonl").exists():
+        if RunFolder(run).metrics.exists():
             rec.update(summarize_run(run, cap))
         if rc != 0:
             rec["stderr_tail"] = (err or "")[-1500:]

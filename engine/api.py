@@ -81,6 +81,7 @@ from engine.export import (
     EXPORTERS,
     ExportError,
     ExportKind,
+    ExportOption,
     ExportResult,
     SelfCheckFailed,
     destinations,
@@ -114,6 +115,7 @@ from engine.resources import DEMO_DATA_FILE, DEMO_HELDOUT_FILE, DEMO_MODEL_DIR, 
 
 # -- run folders, and their history for the Runs page (issue 14 item 4) -----------------------
 from engine.runs import (
+    RUNNING_WINDOW_S,
     RunFolder,
     RunFolderError,
     RunHistory,
@@ -125,6 +127,7 @@ from engine.runs import (
     new_run_folder,
     read_run,
     run_folder_of,
+    shown_status,
     summarize_runs,
     write_problem,
 )
@@ -247,6 +250,8 @@ __all__ = [
     "RunFolder",
     "RunFolderError",
     "RunInfo",
+    "shown_status",
+    "RUNNING_WINDOW_S",
     "list_runs",
     "read_run",
     "run_folder_of",
@@ -308,6 +313,7 @@ __all__ = [
     # export
     "EXPORTERS",
     "ExportKind",
+    "ExportOption",
     "ExportError",
     "run_exports",
     "destinations",

@@ -17,7 +17,6 @@ from pathlib import Path
 from engine.api import (
     DEMO_PRESET,
     EXPORTERS,
-    GGUF_QUANTS,
     CheckpointSaved,
     ConfigError,
     ExportError,
@@ -165,10 +164,19 @@ def cmd_demo(args) -> int:
     return rc
 
 
+def _export_options(args, requests) -> dict[str, dict]:
+    """{kind: {option: value}} of the requested kinds that take options."""
+    return {
+        name: {o.name: getattr(args, o.name) for o in EXPORTERS[name].options}
+        for name in requests
+        if EXPORTERS[name].options
+    }
+
+
 def cmd_export(args) -> int:
-    """Every kind in the export registry is an option (--adapter DIR, --merged DIR, --gguf OUT.gguf);
-    each export is self-checked against the trained model before it is published, and the
-    verdicts are printed (and written to the run's export-report.json)."""
+    """Every kind in the export registry is an option (--adapter DIR, --merged DIR, --gguf OUT.gguf),
+    and so is every kind's own option (--quant); each export is self-checked against the trained
+    model before it is published, and the verdicts are printed (and written to the run folder)."""
     requests = {name: getattr(args, name) for name in EXPORTERS if getattr(args, name, None)}
     if not requests:
         options = " and/or ".join(
@@ -176,7 +184,7 @@ def cmd_export(args) -> int:
         )
         print(f"error: say what to export: {options}", file=sys.stderr)
         return 2
-    options = {"gguf": {"quant": args.quant}} if "gguf" in requests else {}
+    options = _export_options(args, requests)
     try:
         result = export_and_check(args.run, requests, overwrite=args.overwrite, progress=print, options=options)
     except SelfCheckFailed as exc:
@@ -189,15 +197,19 @@ def cmd_export(args) -> int:
         return 1
     for v in result.verdicts:
         print(f"self-check {v.kind}: {v.summary}")
-    gguf = result.extras.get("gguf")
-    if gguf:
-        if not gguf.get("template_translated"):
-            print(f"Modelfile: no TEMPLATE, the chat template cannot be translated ({gguf['template_reason']})")
-        print(f"for Ollama: {gguf['ollama_command']}")
+    for name, extras in result.extras.items():
+        kind = EXPORTERS[name]
+        for note in kind.notes(extras) if kind.notes else []:
+            print(note)
+        command = kind.next_command(extras) if kind.next_command else ""
+        if command:
+            print(f"for {kind.next_command_for}: {command}")
     if args.push:
-        kind = "merged" if "merged" in requests else "adapter" if "adapter" in requests else None
+        # The last pushable kind asked for, in registry order: the merged model, else the adapter.
+        kind = next((k.name for k in reversed(EXPORTERS.values()) if k.pushable and k.name in requests), None)
         if kind is None:
-            print("error: --push needs --adapter or --merged (the folder that is pushed)", file=sys.stderr)
+            pushable = " or ".join(f"--{k.name}" for k in EXPORTERS.values() if k.pushable)
+            print(f"error: --push needs {pushable} (the folder that is pushed)", file=sys.stderr)
             return 2
         try:
             print(f"pushed to {push_to_hub(requests[kind], args.push, args.run, kind, progress=print)}")
@@ -237,10 +249,20 @@ def build_parser() -> argparse.ArgumentParser:
     for kind in EXPORTERS.values():
         metavar = f"OUT{kind.file_suffix}" if kind.file_suffix else "DIR"
         e.add_argument(f"--{kind.name}", dest=kind.name, metavar=metavar, help=kind.help)
-    e.add_argument("--quant", choices=GGUF_QUANTS, default=GGUF_QUANTS[0], help="GGUF type (default %(default)s)")
+    for kind in EXPORTERS.values():
+        for option in kind.options:
+            e.add_argument(
+                f"--{option.name}",
+                choices=option.choices,
+                default=option.default,
+                help=f"{option.help} (--{kind.name}; default %(default)s)",
+            )
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    pushable = [k.title for k in reversed(EXPORTERS.values()) if k.pushable]
     e.add_argument(
-        "--push", metavar="USER/REPO", help="push the merged model (else the adapter) to the Hugging Face Hub"
+        "--push",
+        metavar="USER/REPO",
+        help=f"push the {pushable[0]}{''.join(f' (else the {t})' for t in pushable[1:])} to the Hugging Face Hub",
     )
     e.set_defaults(func=cmd_export)
     h = sub.add_parser("hw", help="show the detected hardware and the defaults chosen for it")

@@ -1,6 +1,7 @@
 """A run's history read back from its folder (the Runs page): per-step curves from
 metrics.jsonl (`read_history` -> RunHistory), one row of the run list (`summarize` ->
-RunSummary, whose status is engine.runs' one rule and whose `resumable` its one decision),
+RunSummary: a RunInfo with the history's figures, whose status is engine.runs' one rule and
+whose `resumable` its one decision),
 every run under a folder (`summarize_runs`) and what differs between runs' configs
 (`config_differences`). Never raises for a broken folder: it names the problem instead.
 Where the files lie is engine.runs'; RunFolder.history() and .summary() call here.
@@ -16,14 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.runs import METRICS, TMP_SUFFIX, RunFolder, RunInfo, resume_refusal, status_of
+from engine.runs import METRICS, RUNNING_WINDOW_S, TMP_SUFFIX, RunFolder, RunInfo, status_of
 
 # What a run's history keeps of each StepMetrics line (the Runs page's charts).
 CURVES = ("loss", "lr", "grad_norm", "tokens_per_second", "step_seconds", "mem_peak")
 # And of each EvalMetrics line: NaN at the steps without an eval.
 EVAL_CURVES = ("eval_loss",)
-# An unfinished last line of metrics.jsonl written this recently is a writer mid-line, not damage.
-RUNNING_WINDOW_S = 300.0
 # Keys that differ between any two runs without saying anything about how they trained.
 _NOT_A_DIFFERENCE = ("output.run_name", "auto_fields", "auto_reasons")
 
@@ -46,12 +45,12 @@ class RunHistory:
 
 
 @dataclass
-class RunSummary:
-    """One row of the run list. `status`: "running", "finished", "stopped", "failed",
-    "incomplete" (no outcome and no longer written to) or "corrupt" (see `problem`)."""
+class RunSummary(RunInfo):
+    """One row of the run list: a RunInfo (path, adapter, checkpoints, status, best; its
+    sources and its resume decision) with what the history says. `status`: "running", "finished",
+    "stopped", "failed", "incomplete" (no outcome and no longer written to) or "corrupt" (see
+    `problem`)."""
 
-    path: Path
-    status: str
     problem: str = ""  # why the status is "corrupt", one sentence naming the file
     started: Optional[float] = None  # epoch seconds
     model: str = ""
@@ -63,22 +62,7 @@ class RunSummary:
     best_step: Optional[int] = None
     seconds: float = 0.0
     tokens_per_second: Optional[float] = None  # median over the steps
-    checkpoints: list[tuple[int, Path]] = field(default_factory=list)
-    adapter: Optional[Path] = None
     config: dict[str, Any] = field(default_factory=dict)  # config.yaml as plain data ({} unreadable)
-    best: Optional[dict] = None  # best.json: the checkpoint of the best eval loss
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-    @property
-    def resumable(self) -> bool:
-        """A stopped, failed or interrupted run with a checkpoint to continue from."""
-        return not resume_refusal(self.name, self.status, bool(self.checkpoints))
-
-    def sources(self) -> list[tuple[str, Path]]:
-        return RunInfo(self.path, self.adapter, self.checkpoints, self.status, self.best).sources()
 
 
 def read_history(folder: RunFolder, now: Optional[float] = None) -> RunHistory:

@@ -11,6 +11,7 @@ A run folder::
         optimizer.pt scheduler.pt rng.pt trainer_state.json
       adapter/                 the final adapter of a finished run (written as adapter.tmp)
       exports/<kind>.json      the report an export wrote about itself (kind: "adapter", "merged", ...)
+      export-report.json       the self-check's verdict of each kind's last export: {"exports": {kind: verdict}}
       best.json                the checkpoint of the best eval loss so far: {step, eval_loss, checkpoint}
       gallery.jsonl            the gallery's answers at each checkpoint: {step, prompt, answer} a line
       running.lock             {pid, host, started} while a process trains the run (removed at its end)
@@ -22,10 +23,12 @@ Names: ``CONFIG``, ``METRICS``, ``LOG``, ``CHECKPOINTS``, ``ADAPTER``, ``EXPORTS
 ``STATE_FILE`` (trainer_state.json), ``ADAPTER_FILES`` (what makes a folder a PEFT adapter),
 ``TMP_SUFFIX`` (".tmp"), ``BEST`` (best.json), ``GALLERY`` (gallery.jsonl), ``LOCK``
 (running.lock), ``TENSORBOARD``, ``CONTROL`` (the window's request to a run under torchrun),
-``OPTIMIZER_FILE`` ``SCHEDULER_FILE`` ``RNG_FILE`` (inside a checkpoint).
+``EXPORT_VERDICTS`` (export-report.json), ``OPTIMIZER_FILE`` ``SCHEDULER_FILE`` ``RNG_FILE``
+(inside a checkpoint). ``RUNNING_WINDOW_S``: a run whose files were written this recently is being
+written to. Nothing outside this module spells a file name of a run folder.
 
 ``RunFolder(path)`` -- paths and questions about one run folder:
-  ``.path .config .metrics .log .checkpoints_dir .adapter .adapter_tmp .exports_dir``
+  ``.path .config .metrics .log .checkpoints_dir .adapter .adapter_tmp .exports_dir .export_verdicts``
   ``.checkpoint(step)``         checkpoints/step-N (whether or not it exists)
   ``.checkpoint_tmp(step)``     checkpoints/step-N.tmp, the folder written before the rename
   ``.export_report(kind)``      exports/<kind>.json
@@ -36,8 +39,10 @@ Names: ``CONFIG``, ``METRICS``, ``LOG``, ``CHECKPOINTS``, ``ADAPTER``, ``EXPORTS
   ``.last_event()``             the last line of metrics.jsonl as a dict, or None
   ``.status()``                 "finished", "stopped", "failed" or "incomplete" (from the last event,
                                 by ``status_of``: the one rule, which the summary uses too)
-  ``.why_not_resumable()``      why the run cannot be resumed, one sentence ("" when it can): the
-                                one decision (``resume_refusal``), which RunSummary.resumable uses too
+  ``.why_not_resumable(ours)``  why the run cannot be resumed, one sentence ("" when it can): the
+                                one decision (``resume_refusal``), which RunInfo/RunSummary use too;
+                                ``ours``: the caller is training this run right now
+  ``.written_within(s, now)``   metrics.jsonl or log.txt was written in the last ``s`` seconds
   ``.best()``                   best.json as a dict ({step, eval_loss, checkpoint}), or None
   ``.write_best(d)``            replaces best.json (written whole, then renamed)
   ``.gallery()``                [{step, prompt, answer, ...}] from gallery.jsonl (unreadable lines skipped)
@@ -73,7 +78,11 @@ Functions:
 
 ``RunInfo(path, adapter, checkpoints, status, best)`` with ``.name`` and ``.sources()``: what can
 be exported or chatted with: the best checkpoint (by eval loss, when best.json names one that
-exists) first, then the final adapter, then checkpoints newest first.
+exists) first, then the final adapter, then checkpoints newest first; ``.why_not_resumable()`` and
+``.resumable`` (the one decision). The Runs page's RunSummary is a RunInfo with more fields.
+
+The status: ``status_of(outcome, running, problem)`` (the one rule) and ``shown_status(status, ours,
+busy)``: what a window shows for it (its own run in progress, a run something is still writing).
 
 Run history (the Runs page; never raises for a broken folder, it names the problem instead; the
 code is engine.run_history's, these names still import from here):
@@ -118,6 +127,11 @@ TENSORBOARD = "tensorboard"
 # The window's request to a run under torchrun ("pause", "resume" or "stop"), read by rank 0
 # between steps: torchrun forwards SIGINT/SIGTERM but has no pause.
 CONTROL = "control"
+# The self-check verdicts of a run's exports, beside config.yaml (engine.export writes it).
+EXPORT_VERDICTS = "export-report.json"
+# A run whose metrics.jsonl or log.txt changed this recently is being written to (a writer
+# mid-line, a run in another process).
+RUNNING_WINDOW_S = 300.0
 
 # Below this much free space a run's first checkpoint would not fit (a small model's adapter with
 # its optimizer state is tens of MB): refused before anything loads (write_problem).
@@ -253,6 +267,16 @@ class RunInfo:
         out += [(f"checkpoint step {s}", p) for s, p in reversed(self.checkpoints) if best is None or s != best[0]]
         return out
 
+    def why_not_resumable(self, ours: bool = False) -> str:
+        """Why this run cannot be resumed, one sentence ("" when it can): `resume_refusal`.
+        `ours`: the caller is training this run now, whatever its files say."""
+        return resume_refusal(self.name, "running" if ours else self.status, bool(self.checkpoints))
+
+    @property
+    def resumable(self) -> bool:
+        """A stopped, failed or interrupted run with a checkpoint to continue from."""
+        return not self.why_not_resumable()
+
 
 def status_of(outcome: Optional[dict], running: bool = False, problem: str = "") -> str:
     """A run's status from its last outcome event (the last Finished / Failed line of
@@ -267,6 +291,16 @@ def status_of(outcome: Optional[dict], running: bool = False, problem: str = "")
     if outcome.get("event") == "Failed":
         return "failed"
     return "running" if running else "incomplete"
+
+
+def shown_status(status: str, ours: bool = False, busy: bool = False) -> str:
+    """What a window shows for a run whose files say `status` (status_of's word): "running" for
+    the run it is training now (`ours`: until the new RunStarted lands, a resumed run's files end
+    with the earlier session's outcome), and for an incomplete run that something is still writing
+    (`busy`); `status` otherwise."""
+    if ours or (busy and status == "incomplete"):
+        return "running"
+    return status
 
 
 def resume_refusal(name: str, status: str, has_checkpoint: bool) -> str:
@@ -337,6 +371,10 @@ class RunFolder:
     def export_report(self, kind: str) -> Path:
         return self.exports_dir / f"{kind}.json"
 
+    @property
+    def export_verdicts(self) -> Path:
+        return self.path / EXPORT_VERDICTS
+
     # -- questions ------------------------------------------------------------------------------
     def is_run(self) -> bool:
         return self.config.is_file()
@@ -371,12 +409,13 @@ class RunFolder:
         also looks at the lock."""
         return status_of(self.last_event())
 
-    def why_not_resumable(self) -> str:
+    def why_not_resumable(self, ours: bool = False) -> str:
         """Why this run cannot be resumed, one sentence ("" when it can). Cheap: the last line of
-        metrics.jsonl, the lock and the checkpoints folder, never the whole history."""
+        metrics.jsonl, the lock and the checkpoints folder, never the whole history. `ours`: the
+        caller is training this run now (before its lock is written, or in a child process)."""
         if not self.is_run():
             return f"{self.path} is not a run folder (it has no config.yaml)."
-        status = "running" if self.is_running() else self.status()
+        status = "running" if ours or self.is_running() else self.status()
         return resume_refusal(self.path.name, status, self.latest_checkpoint() is not None)
 
     def info(self) -> RunInfo:
@@ -483,6 +522,11 @@ class RunFolder:
             except OSError:
                 pass
         return max(times) if times else None
+
+    def written_within(self, seconds: float, now: Optional[float] = None) -> bool:
+        """metrics.jsonl or log.txt was written in the last `seconds`."""
+        written = self.last_write()
+        return written is not None and (time.time() if now is None else now) - written < seconds
 
     def read_config(self) -> tuple[dict[str, Any], str]:
         """config.yaml as plain data and "" , or ({}, the problem in one sentence)."""
@@ -692,7 +736,6 @@ def _pid_alive(pid: int) -> bool:
 _HISTORY_NAMES = (
     "CURVES",
     "EVAL_CURVES",
-    "RUNNING_WINDOW_S",
     "RunHistory",
     "RunSummary",
     "summarize_runs",

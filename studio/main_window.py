@@ -70,6 +70,16 @@ def _warm_engine() -> float:
     return ensure_warm()
 
 
+def _step_list() -> StepList:
+    """The guided steps, then Runs and Hardware below a separator."""
+    steps = StepList()
+    for name, tip in STEPS:
+        steps.add_step(name, tip)
+    steps.add_step("Runs", "Every run: compare, resume, rename, delete", separated=True)
+    steps.add_step("Hardware", "What the engine detected")
+    return steps
+
+
 class MainWindow(QMainWindow):
     run_finished = Signal(object)  # the Finished or Failed event that ended a run
     warmed_up = Signal(float)  # the engine's heavy imports are done (seconds they took)
@@ -90,12 +100,21 @@ class MainWindow(QMainWindow):
         # Asked before closing during a run; tests replace it to answer without a dialog.
         self.confirm: Callable[[str, str], bool] = self._ask
 
-        self.steps = StepList()
-        for name, tip in STEPS:
-            self.steps.add_step(name, tip)
-        self.steps.add_step("Runs", "Every run: compare, resume, rename, delete", separated=True)
-        self.steps.add_step("Hardware", "What the engine detected")
+        self.steps = _step_list()
+        self._build_pages()
+        self._build_central()
+        self._build_menu()
+        self._wire()
+        self.update_train_gate()
+        # Ready to Train on the demo: its preset's hyperparameters suit the bundled tiny model.
+        self.training_panel.apply_preset("demo", quiet=True)
+        self.steps.select_step(MODEL)
+        self.sync_run_menu()
+        self._restore_geometry()
 
+    # -- construction -----------------------------------------------------------------------
+    def _build_pages(self) -> None:
+        """One panel per step, in the step list's order, on a stack."""
         self.model_panel = ModelPanel(self.state, self.settings)
         self.data_panel = DataPanel(self.state, self.settings)
         self.training_panel = TrainingPanel(self.state, self.settings)
@@ -117,8 +136,9 @@ class MainWindow(QMainWindow):
         ):
             page.setObjectName("page")
             self.pages.addWidget(page)
-        self.steps.step_selected.connect(self._show_step)
 
+    def _build_central(self) -> None:
+        """The step list beside the pages, and the status bar's hardware line."""
         central = QWidget()
         lay = QHBoxLayout(central)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -128,13 +148,9 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(central)
         self.device_label = QLabel("Detecting hardware…")
         self.statusBar().addPermanentWidget(self.device_label)
-        self._build_menu()
-        self._wire()
-        self.update_train_gate()
-        # Ready to Train on the demo: its preset's hyperparameters suit the bundled tiny model.
-        self.training_panel.apply_preset("demo", quiet=True)
-        self.steps.select_step(MODEL)
-        self.sync_run_menu()
+
+    def _restore_geometry(self) -> None:
+        """The size and layout the window had when it was last closed, within the screen."""
         self.resize(1200, 800)
         geometry = self.settings.geometry()
         if geometry is not None:
@@ -147,7 +163,6 @@ class MainWindow(QMainWindow):
         if screen is not None and (self.width() > screen.width() or self.height() > screen.height()):
             self.resize(min(self.width(), screen.width()), min(self.height(), screen.height()))
 
-    # -- construction -----------------------------------------------------------------------
     def _build_menu(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
         for text, slot, key in (
@@ -187,6 +202,8 @@ class MainWindow(QMainWindow):
         help_menu.addAction(about)
 
     def _wire(self) -> None:
+        """Every signal between the pages and the window, in one place."""
+        self.steps.step_selected.connect(self._show_step)
         self.model_panel.report_ready.connect(
             lambda rep: self.steps.set_state(MODEL, "done" if rep and not self.model_panel.problem else "failed")
         )
@@ -370,21 +387,13 @@ class MainWindow(QMainWindow):
         candidates = [self.state.last_run_dir, selected_dir]
         if self.pages.currentWidget() is self.runs_panel:
             candidates.reverse()
-        return next((c for c in candidates if c and not self.why_not_resumable(c)), None)
+        return next((c for c in candidates if c and not self._why_not_resumable(c)), None)
 
-    def why_not_resumable(self, run_dir: str) -> str:
-        """Why a run folder cannot be resumed, in one sentence ("" when it can). Cheap: the last
-        line of metrics.jsonl and the checkpoints folder, never the whole history."""
-        folder = api.RunFolder(run_dir)
-        if not folder.is_run():
-            return f"{run_dir} is not a run folder (it has no config.yaml)."
-        if self.is_training() and self._run_dir_now and Path(self._run_dir_now) == folder.path:
-            return f"{folder.path.name} is running."
-        if folder.status() == "finished":
-            return f"{folder.path.name} finished: there is nothing left to train."
-        if folder.latest_checkpoint() is None:
-            return f"{folder.path.name} has no checkpoint to resume from."
-        return ""
+    def _why_not_resumable(self, run_dir: str) -> str:
+        """The engine's one resume decision (cheap: never the whole history), told whether this
+        window is training the run now (its lock may not be written yet)."""
+        ours = self.is_training() and bool(self._run_dir_now) and Path(self._run_dir_now) == Path(run_dir)
+        return api.RunFolder(run_dir).why_not_resumable(ours=ours)
 
     def resume_run(self, run_dir: str) -> bool:
         """Continue a stopped or failed run from its latest checkpoint, with the config it was
@@ -393,7 +402,7 @@ class MainWindow(QMainWindow):
         if self.is_training():
             self.runs_panel.banner.show_message("A run is in progress: stop it before resuming another.", "warning")
             return False
-        why = self.why_not_resumable(run_dir)
+        why = self._why_not_resumable(run_dir)
         if not why:
             try:
                 config = api.RunConfig.load(api.RunFolder(run_dir).config)
@@ -513,7 +522,7 @@ class MainWindow(QMainWindow):
         run_dir = self._failed_run_dir()
         try:
             if run_dir is not None and run_dir.is_dir():
-                path = run_dir / "log.txt"
+                path = api.RunFolder(run_dir).log
             else:
                 folder = Path(self.state.get("output.dir")).expanduser()
                 folder.mkdir(parents=True, exist_ok=True)

@@ -93,7 +93,7 @@ class ProcessWorker(QObject):
             if request != "resume":
                 self._early = request  # before rank 0 made the folder: written when it exists
             return
-        target = self.run_dir / api.CONTROL_FILE
+        target = api.RunFolder(self.run_dir).control_file
         tmp = target.with_name(target.name + ".tmp")
         try:
             tmp.write_text(request, encoding="utf-8")

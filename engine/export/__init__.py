@@ -2,10 +2,13 @@
 
 `src` is a run folder (its final `adapter/`, else its latest checkpoint), a checkpoint folder or
 an adapter folder (engine.runs knows the layout). Each kind is an `ExportKind` in `EXPORTERS`:
-its name, how it writes into an empty folder, what it needs installed, and how the written
-folder is checked. `run_exports(src, {kind: destination})` is the whole flow, for the CLI
-(`tunesmith export RUN --adapter DIR --merged DIR --gguf OUT.gguf --quant q8_0`) and the Export
-page alike:
+its name, how it writes into an empty folder, its options (`ExportOption`: a GGUF's
+quantization), what it needs installed (and how to install it), how the written folder is
+checked and the self-check's limits it must reach (`thresholds`), which kind's output it can
+build on, and what to say after it (notes, a command to run next). `run_exports(src, {kind:
+destination})` is the whole flow, for the CLI (`tunesmith export RUN --adapter DIR --merged DIR
+--gguf OUT.gguf --quant q8_0`: one option per kind and per kind's option) and the Export page
+(one checkbox per kind, one list per option) alike; neither names a kind:
 
 1. resolve the source (its adapter, and the run's config when a kind needs the base model);
 2. before anything is written, refuse an unknown kind, a missing requirement, two kinds aimed at
@@ -14,12 +17,13 @@ page alike:
    then its self-check (engine/export/selfcheck.py: the artefact loaded in its own runtime and
    compared with the trained model), then rename it into place, so an interrupted or failed
    export never leaves something that looks complete; the run folder gets `exports/<kind>.json`
-   (what was written) and `export-report.json` (the self-check's verdict per kind, pass or fail).
+   (what was written) and the self-check's verdict per kind, pass or fail (runs.EXPORT_VERDICTS).
 
 Kinds today: "adapter" (adapter.py), "merged" (merged.py) and "gguf" (gguf.py, with an Ollama
-Modelfile from modelfile.py). A new kind is a module here with a `KIND` and one line in
-`_registry`. Before anything is written the flow also checks the disk (`check_disk`: one
-sentence naming the disk, the space needed and the space free).
+Modelfile from modelfile.py). A new kind is a module here with a `KIND` and its module in
+`_KIND_MODULES` (registry order: cheap kinds first, a kind after the one it builds on). Before
+anything is written the flow also checks the disk (`check_disk`: one sentence naming the disk,
+the space needed and the space free).
 """
 
 from __future__ import annotations
@@ -88,6 +92,21 @@ class ExportSource:
 
 # -- the registry ------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class ExportOption:
+    """A choice a kind takes: the keyword its write, verify, estimate and published get, the
+    CLI's --<name> and the Export page's list beside the kind's checkbox. The first choice is
+    the default."""
+
+    name: str
+    choices: tuple[str, ...]
+    help: str  # the CLI's help and the page's tooltip
+
+    @property
+    def default(self) -> str:
+        return self.choices[0]
+
+
+@dataclass(frozen=True)
 class ExportKind:
     name: str  # the registry key, the CLI option (--<name>) and the sub-folder when several go to one folder
     title: str  # "adapter", "merged model": "<title> written to DIR"
@@ -110,6 +129,24 @@ class ExportKind:
     # published(dst, source, extras, **options): fill in what is known once the artefact is in place
     # (the Modelfile's path and the `ollama create` command).
     published: Optional[Callable[..., None]] = None
+    options: tuple[ExportOption, ...] = ()
+    # What the self-check must reach (selfcheck.Thresholds), keyed by the value of the kind's first
+    # option ("" for a kind without options): a GGUF's limits depend on its quantization.
+    thresholds: Mapping[str, Any] = field(default_factory=dict)
+    # The kind whose output this one reads when both are asked for in one flow (the GGUF converts
+    # the checked merged folder instead of merging again): write and estimate get it as `built_on`.
+    builds_on: str = ""
+    pushable: bool = False  # its folder is what `tunesmith export --push` sends to the Hugging Face Hub
+    # After a successful export, from what write and published put in `extras`: sentences worth
+    # saying (notes) and a command to run next, introduced as "for <next_command_for>".
+    notes: Optional[Callable[[dict], list[str]]] = None
+    next_command: Optional[Callable[[dict], str]] = None
+    next_command_for: str = ""
+    # install(progress): installs what `missing()` names from within the app (None: cannot).
+    install: Optional[Callable[..., Any]] = None
+    install_label: str = ""  # the Export page's button
+    install_help: str = ""  # its tooltip
+    install_stage: str = ""  # the progress line while it runs
 
     def missing(self) -> list[str]:
         """The required modules (and other things) that are not installed."""
@@ -118,11 +155,31 @@ class ExportKind:
             out += self.also_missing()
         return out
 
+    def defaults(self) -> dict[str, str]:
+        """{option: its default choice}."""
+        return {o.name: o.default for o in self.options}
+
+    def limits(self, **options):
+        """The selfcheck.Thresholds an artefact written with `options` must reach."""
+        key = str(options.get(self.options[0].name, self.options[0].default)) if self.options else ""
+        if key not in self.thresholds:
+            raise ExportError(f"the {self.title} export has no self-check limits for {key or 'its artefact'}")
+        return self.thresholds[key]
+
+
+# The kind modules, in registry order: cheap kinds first, a kind after the one it builds on.
+_KIND_MODULES = ("adapter", "merged", "gguf")
+
 
 def _registry() -> dict[str, ExportKind]:
-    from engine.export import adapter, gguf, merged
+    import importlib
 
-    return {k.name: k for k in (adapter.KIND, merged.KIND, gguf.KIND)}
+    kinds = [importlib.import_module(f"engine.export.{m}").KIND for m in _KIND_MODULES]
+    out: dict[str, ExportKind] = {}
+    for kind in kinds:
+        assert not kind.builds_on or kind.builds_on in out, f"{kind.name} builds on a kind registered after it"
+        out[kind.name] = kind
+    return out
 
 
 EXPORTERS: dict[str, ExportKind] = {}  # filled below, once the kind modules can import this one
@@ -184,7 +241,6 @@ def _commit(tmp: Path, dst: Path, kind: Optional[ExportKind] = None) -> list[str
 
 
 # -- reports in the run folder -----------------------------------------------------------------
-REPORT = "export-report.json"  # the self-check verdicts, beside config.yaml: {"exports": {kind: verdict}}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -214,8 +270,9 @@ def _report(source: ExportSource, kind: ExportKind, dst: Path, files: list[str])
 
 
 def report_path(src: str | Path) -> Path:
-    """export-report.json of the run that `src` (a run, checkpoint or adapter folder) belongs to."""
-    return runs.RunFolder.of(src).path / REPORT
+    """The self-check verdicts (runs.EXPORT_VERDICTS) of the run that `src` (a run, checkpoint or
+    adapter folder) belongs to."""
+    return runs.RunFolder.of(src).export_verdicts
 
 
 def read_export_report(src: str | Path) -> dict:
@@ -230,7 +287,7 @@ def _record_verdict(source: ExportSource, verdict) -> None:
     run = runs.RunFolder.of(source.adapter)
     if not run.is_run():
         return
-    path = run.path / REPORT
+    path = run.export_verdicts
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -295,6 +352,16 @@ class ExportResult:
     extras: dict[str, dict] = field(default_factory=dict)  # per kind: e.g. the Modelfile and ollama command
 
 
+def _options_for(kind: ExportKind, requests: Mapping[str, Path], options: Optional[Mapping[str, dict]]) -> dict:
+    """The keyword arguments of one kind's calls: its options' defaults, what was asked, and the
+    destination of the kind it builds on when that is in the same flow (written and checked
+    before it: registry order)."""
+    opts = {**kind.defaults(), **dict((options or {}).get(kind.name, {}))}
+    if kind.builds_on in requests:
+        opts["built_on"] = requests[kind.builds_on]
+    return opts
+
+
 def _kinds(names) -> list[ExportKind]:
     unknown = [n for n in names if n not in EXPORTERS]
     if unknown:
@@ -322,9 +389,7 @@ def _preflight(
     if source is not None:
         needs = {}
         for kind in _kinds(list(requests)):
-            opts = dict((options or {}).get(kind.name, {}))
-            if kind.name == "gguf" and "merged" in requests:
-                opts["reuse_merged"] = True
+            opts = _options_for(kind, requests, options)
             size = kind.estimate(source, **opts) if kind.estimate else None
             if size:
                 needs[requests[kind.name]] = size
@@ -343,7 +408,7 @@ def _export_one(
 ) -> list[str]:
     """Write one kind into its .partial folder, check its files, run its self-check against
     `reference` (None: no self-check), then publish it. A failed check removes the partial folder
-    and raises; the verdict, pass or fail, goes to export-report.json."""
+    and raises; the verdict, pass or fail, goes to the run's runs.EXPORT_VERDICTS."""
     if progress:
         progress(kind.stage)
     tmp = _atomic_dir(dst, overwrite, kind)
@@ -428,9 +493,7 @@ def export_and_check(
         reference = Reference(source, progress)
     result = ExportResult({})
     for kind in kinds:
-        opts = dict(options.get(kind.name, {}))
-        if kind.name == "gguf" and "merged" in requests:
-            opts["merged_dir"] = requests["merged"]  # already written (and checked) in 16 bits
+        opts = _options_for(kind, requests, options)
         opts["extras"] = result.extras.setdefault(kind.name, {})
         dst = requests[kind.name]
         result.written[str(dst)] = _export_one(

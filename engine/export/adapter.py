@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine import runs
 from engine.export import ExportError, ExportKind, check_json, check_safetensors
+from engine.export.selfcheck import Thresholds
 
 
 def write(source, out: Path, progress=None, **_options) -> None:
@@ -70,6 +71,7 @@ def verify(folder: Path, source, ref, progress=None, **_options):
             ref,
             folder,
             "the base model",
+            KIND.limits(),
             eos_blocking=False,
         )
     finally:
@@ -88,4 +90,7 @@ KIND = ExportKind(
     check=check,
     verify=verify,
     estimate=estimate,
+    # The same adapter files on the same base in the same precision: equal up to summation order.
+    thresholds={"": Thresholds(0.999, 1e-4, 0.001, "the same as the trained model")},
+    pushable=True,
 )

@@ -35,12 +35,21 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from engine.export import ExportError, ExportKind
+from engine.export import ExportError, ExportKind, ExportOption
+from engine.export.selfcheck import SIXTEEN_BIT, Thresholds
 
 LLAMA_CPP_PYTHON = "0.3.36"  # keep in step with pyproject.toml's [gguf] extra
 GGUF = "0.19.0"
-QUANTS = ("q8_0", "q4_k_m", "f16", "bf16")
-DEFAULT_QUANT = "q8_0"
+# Each GGUF type with what its self-check must reach, the default first. The quantized types'
+# limits were set from the demo model with a wide margin (docs/ENGINE_API.md).
+LIMITS = {
+    "q8_0": Thresholds(0.93, 0.03, 0.05, "8-bit quantization: close"),
+    "q4_k_m": Thresholds(0.80, 0.30, 0.30, "4-bit quantization: at most a 30% perplexity rise"),
+    "f16": SIXTEEN_BIT,
+    "bf16": SIXTEEN_BIT,
+}
+QUANTS = tuple(LIMITS)
+DEFAULT_QUANT = QUANTS[0]
 # Bytes per parameter of each output, for the disk check (q4_k_m keeps some tensors in 6 bits).
 _BYTES_PER_PARAM = {"f16": 2.0, "bf16": 2.0, "q8_0": 1.07, "q4_k_m": 0.62}
 # Files of the llama.cpp source the converter needs.
@@ -167,10 +176,12 @@ def write(
     progress=None,
     quant: str = DEFAULT_QUANT,
     filename: Optional[str] = None,
-    merged_dir: Optional[Path] = None,
+    built_on: Optional[Path] = None,
     extras: Optional[dict] = None,
     **_options,
 ) -> None:
+    """`built_on`: the merged export of the same flow, already written and checked in 16 bits
+    (else a scratch merge is written here first)."""
     from engine.export import merged as merged_kind
     from engine.export import modelfile
     from engine.export.selfcheck import trained_tokenizer
@@ -179,6 +190,7 @@ def write(
         raise ExportError(f"unknown GGUF type '{quant}' (choose {', '.join(QUANTS)})")
     name = gguf_name(quant, filename)
     scratch = None
+    merged_dir = built_on
     if merged_dir is None:
         scratch = out / ".merged-16bit"
         scratch.mkdir()
@@ -250,7 +262,7 @@ def check(folder: Path) -> None:
         raise ExportError("the GGUF export has no Modelfile")
 
 
-def estimate(source, quant: str = DEFAULT_QUANT, reuse_merged: bool = False, **_options) -> Optional[int]:
+def estimate(source, quant: str = DEFAULT_QUANT, built_on: Optional[Path] = None, **_options) -> Optional[int]:
     """The peak: the 16-bit merged scratch copy (unless the merged export is reused), the 16-bit
     GGUF before quantizing, and the output."""
     from engine.export.merged import base_parameters
@@ -261,7 +273,7 @@ def estimate(source, quant: str = DEFAULT_QUANT, reuse_merged: bool = False, **_
     total = _BYTES_PER_PARAM.get(quant, 2.0) * params
     if quant not in ("f16", "bf16"):
         total += 2 * params
-    if not reuse_merged:
+    if built_on is None:
         total += 2 * params
     return int(total) + 50_000_000
 
@@ -425,8 +437,7 @@ def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT,
         metrics["quant"] = quant
     finally:
         llm.close()
-    key = f"gguf:{quant}"
-    return selfcheck.verdict("gguf", path, selfcheck.THRESHOLDS[key], metrics, lints, out, ref)
+    return selfcheck.verdict("gguf", path, KIND.limits(quant=quant), metrics, lints, out, ref)
 
 
 def _lint_prompt_tokens(llm, tok, ref, folder: Path):
@@ -473,6 +484,16 @@ def published(dst: Path, source, extras: dict, quant: str = DEFAULT_QUANT, **_op
     extras["ollama_command"] = modelfile.ollama_command(folder / "Modelfile", name)
 
 
+def notes(extras: dict) -> list[str]:
+    """What to say after a GGUF export besides its verdict: a Modelfile without a TEMPLATE."""
+    if extras.get("template_translated"):
+        return []
+    return [
+        f"Modelfile: no TEMPLATE, the chat template cannot be translated ({extras.get('template_reason')}); "
+        "Ollama falls back to the GGUF's own template."
+    ]
+
+
 KIND = ExportKind(
     name="gguf",
     title="GGUF",
@@ -488,6 +509,20 @@ KIND = ExportKind(
     file_suffix=".gguf",
     companions=("Modelfile",),
     published=published,
+    options=(
+        ExportOption(
+            "quant", QUANTS, "GGUF type: q8_0 is close to the 16-bit model, q4_k_m smaller with a stated drop"
+        ),
+    ),
+    thresholds=LIMITS,
+    builds_on="merged",
+    notes=notes,
+    next_command=lambda extras: extras.get("ollama_command", ""),
+    next_command_for="Ollama",
+    install=lambda progress=None: install_extra(progress),
+    install_label="Install GGUF support…",
+    install_help="pip install tunesmith[gguf] (builds llama-cpp-python: several minutes)",
+    install_stage="Installing GGUF support (llama-cpp-python builds from source: several minutes)…",
 )
 
 

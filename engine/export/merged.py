@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from engine.export import ExportError, ExportKind, check_json, check_safetensors
+from engine.export.selfcheck import SIXTEEN_BIT
 
 DTYPES = ("bfloat16", "float16")
 
@@ -240,7 +241,7 @@ def verify(folder: Path, source, ref, progress=None, **_options):
         return selfcheck.failed("merged", folder, f"transformers cannot load the merged model: {exc}")
     eos = selfcheck.generation_eos(model)
     runtime = selfcheck.HFRuntime(model, eos, tokenizer.pad_token_id)
-    return selfcheck.check_hf("merged", runtime, tokenizer, eos, ref, folder, "the merged folder")
+    return selfcheck.check_hf("merged", runtime, tokenizer, eos, ref, folder, "the merged folder", KIND.limits())
 
 
 KIND = ExportKind(
@@ -254,4 +255,6 @@ KIND = ExportKind(
     verify=verify,
     estimate=estimate,
     requires=("torch", "transformers", "peft", "safetensors"),
+    thresholds={"": SIXTEEN_BIT},
+    pushable=True,
 )

@@ -23,7 +23,7 @@ and it lints what makes an exported model "never stop" or "talk gibberish" elsew
   as a note, not the export's).
 
 The result is a `Verdict`: "verified", "verified with a drop of X", or "failed" with the reason.
-Thresholds are per kind (`THRESHOLDS`) and stated in the verdict."""
+The limits are the kind's own (`ExportKind.thresholds`, in its module) and stated in the verdict."""
 
 from __future__ import annotations
 
@@ -63,16 +63,8 @@ class Thresholds:
     note: str  # how the limit is worded in the verdict
 
 
-THRESHOLDS: dict[str, Thresholds] = {
-    # The same adapter files on the same base in the same precision: equal up to summation order.
-    "adapter": Thresholds(0.999, 1e-4, 0.001, "the same as the trained model"),
-    # bf16/fp16 weights: a rounding of every weight, nothing more.
-    "merged": Thresholds(0.95, 0.01, 0.02, "16-bit rounding"),
-    "gguf:f16": Thresholds(0.95, 0.01, 0.02, "16-bit rounding"),
-    "gguf:bf16": Thresholds(0.95, 0.01, 0.02, "16-bit rounding"),
-    "gguf:q8_0": Thresholds(0.93, 0.03, 0.05, "8-bit quantization: close"),
-    "gguf:q4_k_m": Thresholds(0.80, 0.30, 0.30, "4-bit quantization: at most a 30% perplexity rise"),
-}
+# A 16-bit copy of the weights (a merged model, a GGUF in f16/bf16): a rounding of every weight.
+SIXTEEN_BIT = Thresholds(0.95, 0.01, 0.02, "16-bit rounding")
 
 
 @dataclass
@@ -552,9 +544,11 @@ def check_hf(
     ref: Reference,
     artefact: Path,
     where: str,
+    thresholds: Thresholds,
     eos_blocking: bool = True,
 ):
-    """The comparison and lints for a transformers-loaded artefact (adapter or merged).
+    """The comparison and lints for a transformers-loaded artefact (adapter or merged), against
+    the kind's `thresholds`.
     `eos_blocking` False: the EOS lints are notes (an adapter cannot carry the base's
     generation_config, so a base that lacks the turn-end token is said, not failed)."""
     lints = lint_eos(tokenizer, gen_eos, where)
@@ -581,4 +575,4 @@ def check_hf(
     lints += lint_stops(replies, ref, "generation with transformers")
     same_replies = sum(r == ref.decode(i) for (r, _), (i, _) in zip(replies, ref.replies))
     metrics["same_replies"] = f"{same_replies}/{len(replies)}"
-    return verdict(kind, artefact, THRESHOLDS[kind], metrics, lints, out, ref)
+    return verdict(kind, artefact, thresholds, metrics, lints, out, ref)

@@ -1,15 +1,20 @@
-"""Export page: pick a run (its final adapter) or one of its checkpoints, and write the LoRA
-adapter, a merged 16-bit model and/or a GGUF (with an Ollama Modelfile) to a folder. One checkbox
-per kind in the engine's export registry (engine.api.EXPORTERS); the engine's `export_and_check`
-runs them off the GUI thread (the same flow as `tunesmith export`): each artefact is loaded in its
-own runtime and compared with the trained model before it is published, and the page shows the
+"""Export page: pick a run (its final adapter) or one of its checkpoints, and write any of the
+engine's export kinds (engine.api.EXPORTERS: today the LoRA adapter, a merged 16-bit model and a
+GGUF with an Ollama Modelfile) to a folder. The page names no kind: each kind's row (`KindRow`,
+built by `_kind_row`) is its checkbox, a list per option it takes (a GGUF's quantization), and,
+when what it needs is missing and the kind can install it, an install button (pip, in the
+background, its output shown as it comes). The engine's `export_and_check` runs the chosen kinds
+off the GUI thread (the same flow as `tunesmith export`): each artefact is loaded in its own
+runtime and compared with the trained model before it is published, and the page shows the
 verdict per artefact (verified, verified with a drop of X, or failed with the reason), the files
-written and, for a GGUF, the `ollama create` command with a copy button. When the GGUF extra is
-not installed, a button installs it (pip, in the background, its output shown as it comes)."""
+written, each kind's notes and, when a kind offers one, the command to run next (`ollama create`)
+with a copy button."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -31,21 +36,19 @@ from PySide6.QtWidgets import (
 
 from engine.api import (
     EXPORTERS,
-    GGUF_QUANTS,
+    RUNNING_WINDOW_S,
+    ExportKind,
+    RunFolder,
     SelfCheckFailed,
     destinations,
     export_and_check,
-    gguf_missing,
-    install_gguf_extra,
     list_runs,
     read_export_report,
     run_folder_of,
+    shown_status,
 )
 from studio.panels.common import Banner, caption, card, title
 from studio.tasks import run_task
-
-# A run with no outcome whose metrics.jsonl changed this recently is taken as still running.
-RUNNING_WINDOW_S = 300.0
 
 
 def do_export(src: str, dst: str, kinds: list[str], options=None, progress=None) -> dict:
@@ -69,20 +72,13 @@ def verdict_line(v: dict) -> str:
     return v.get("summary") or v.get("status", "")
 
 
-def shown_status(run, active: str | None) -> str:
-    """A run's status as the page shows it: "running" for the run being trained (or one whose
-    metrics are still being written), not "incomplete"."""
-    import time
-
-    if run.status != "incomplete":
-        return run.status
-    if active and Path(active) == Path(run.path):
-        return "running"
-    try:
-        recent = time.time() - (Path(run.path) / "metrics.jsonl").stat().st_mtime < RUNNING_WINDOW_S
-    except OSError:
-        recent = False
-    return "running" if recent else "incomplete"
+def run_status(run, active: str | None) -> str:
+    """A run's status as the page shows it (the engine's rule): an incomplete run is "running"
+    when it is the run this window trains, or when its files were written in the last
+    RUNNING_WINDOW_S (a run in another process)."""
+    ours = bool(active) and Path(active) == Path(run.path)
+    busy = ours or RunFolder(run.path).written_within(RUNNING_WINDOW_S)
+    return shown_status(run.status, busy=busy)
 
 
 def tick_message() -> str:
@@ -92,6 +88,73 @@ def tick_message() -> str:
     return "Tick at least one of: " + ", ".join(f"the {t}" for t in titles) + "."
 
 
+@dataclass
+class KindRow:
+    """One export kind's widgets: its checkbox, a list per option, the button that installs what
+    it lacks (None when it cannot install) and the line that says what it lacks."""
+
+    kind: ExportKind
+    box: QCheckBox
+    options: dict[str, QComboBox] = field(default_factory=dict)
+    install: Optional[QPushButton] = None
+    note: Optional[QLabel] = None
+
+    def chosen_options(self) -> dict[str, str]:
+        return {name: combo.currentText() for name, combo in self.options.items()}
+
+
+def _kind_row(kind: ExportKind, on_install) -> KindRow:
+    row = KindRow(kind, QCheckBox(kind.label), note=caption(""))
+    for option in kind.options:
+        combo = QComboBox()
+        combo.addItems(list(option.choices))
+        combo.setToolTip(option.help)
+        row.options[option.name] = combo
+    if kind.install is not None:
+        row.install = QPushButton(kind.install_label or f"Install {kind.title} support…")
+        row.install.setToolTip(kind.install_help)
+        row.install.clicked.connect(lambda: on_install(kind.name))
+    return row
+
+
+def _lay_out_kind(row: KindRow, lay: QVBoxLayout) -> None:
+    line = QHBoxLayout()
+    line.addWidget(row.box, 1)
+    for combo in row.options.values():
+        line.addWidget(combo)
+    if row.install is not None:
+        line.addWidget(row.install)
+    lay.addLayout(line)
+    lay.addWidget(row.note)
+
+
+def _verdicts_tree() -> QTreeWidget:
+    tree = QTreeWidget()
+    tree.setObjectName("exportVerdicts")
+    tree.setHeaderLabels(["Artefact", "Self-check"])
+    tree.setColumnWidth(0, 110)
+    tree.setRootIsDecorated(False)
+    tree.setWordWrap(True)
+    tree.setMaximumHeight(150)
+    return tree
+
+
+def _runs_tree() -> QTreeWidget:
+    tree = QTreeWidget()
+    tree.setObjectName("runsTree")
+    tree.setHeaderLabels(["Run / checkpoint", "Status", "Folder"])
+    tree.setColumnWidth(0, 260)
+    tree.setColumnWidth(1, 110)
+    return tree
+
+
+def _next_command_hint() -> str:
+    kinds = [k for k in EXPORTERS.values() if k.next_command is not None]
+    if not kinds:
+        return ""
+    return "; ".join(f"The command for {k.next_command_for} appears here after a {k.title} export." for k in kinds)
+
+
 class ExportPanel(QWidget):
     exported = Signal(dict)
     failed = Signal(str)
@@ -99,51 +162,25 @@ class ExportPanel(QWidget):
     def __init__(self, state, parent=None):
         super().__init__(parent)
         self.state = state
+        self.active_run: str | None = None
+        self.last_written: dict[str, list[str]] = {}
+        self.last_verdicts: list[dict] = []
         self.banner = Banner()
-        self.tree = QTreeWidget()
-        self.tree.setObjectName("runsTree")
-        self.tree.setHeaderLabels(["Run / checkpoint", "Status", "Folder"])
-        self.tree.setColumnWidth(0, 260)
-        self.tree.setColumnWidth(1, 110)
-        self.tree.currentItemChanged.connect(self._selected)
-        refresh = QPushButton("Refresh")
-        refresh.clicked.connect(self.refresh)
-        self.dest = QLineEdit()
-        self.dest.setPlaceholderText("Folder to write into")
-        browse = QPushButton("Browse…")
-        browse.clicked.connect(self._browse)
-        self.wants = {name: QCheckBox(kind.label) for name, kind in EXPORTERS.items()}
-        self.want_adapter = self.wants.get("adapter")
-        self.want_merged = self.wants.get("merged")
-        self.want_gguf = self.wants.get("gguf")
-        self.quant = QComboBox()
-        self.quant.addItems(list(GGUF_QUANTS))
-        self.quant.setToolTip("GGUF type: q8_0 is close to the 16-bit model, q4_k_m smaller with a stated drop")
-        self.install_button = QPushButton("Install GGUF support…")
-        self.install_button.setToolTip("pip install tunesmith[gguf] (builds llama-cpp-python: several minutes)")
-        self.install_button.clicked.connect(self.install_gguf)
-        self.gguf_note = caption("")
-        self.verdicts = QTreeWidget()
-        self.verdicts.setObjectName("exportVerdicts")
-        self.verdicts.setHeaderLabels(["Artefact", "Self-check"])
-        self.verdicts.setColumnWidth(0, 110)
-        self.verdicts.setRootIsDecorated(False)
-        self.verdicts.setWordWrap(True)
-        self.verdicts.setMaximumHeight(150)
-        self.ollama = QLineEdit()
-        self.ollama.setReadOnly(True)
-        self.ollama.setObjectName("ollamaCommand")
-        self.ollama.setPlaceholderText("The `ollama create` command appears here after a GGUF export.")
+        self.tree = _runs_tree()
+        self.rows = {name: _kind_row(kind, self.install) for name, kind in EXPORTERS.items()}
+        self.wants = {name: row.box for name, row in self.rows.items()}
+        self.wants[next(iter(self.wants))].setChecked(True)  # the first kind (the cheapest) by default
+        self.verdicts = _verdicts_tree()
+        self.next_command = QLineEdit()
+        self.next_command.setReadOnly(True)
+        self.next_command.setObjectName("nextCommand")
+        self.next_command.setPlaceholderText(_next_command_hint())
         self.copy_button = QPushButton("Copy")
         self.copy_button.setEnabled(False)
-        self.copy_button.clicked.connect(self.copy_ollama)
-        self.active_run: str | None = None
-        state.run_dir_changed.connect(self._run_started)
-        if self.want_adapter is not None:
-            self.want_adapter.setChecked(True)
+        self.dest = QLineEdit()
+        self.dest.setPlaceholderText("Folder to write into")
         self.export_button = QPushButton("Export")
         self.export_button.setObjectName("primary")
-        self.export_button.clicked.connect(self.start_export)
         self.progress = QProgressBar()
         self.progress.setRange(0, 1)
         self.progress.setValue(0)
@@ -152,13 +189,25 @@ class ExportPanel(QWidget):
         self.result.setReadOnly(True)
         self.result.setObjectName("exportResult")
         self.result.setPlaceholderText("The files written appear here.")
+        self.runs_dir_label = caption("")
+        self._lay_out()
+        self._connect()
+        self.update_availability()
 
+    def __getattr__(self, name: str):
+        """`want_<kind>`: a kind's checkbox (for tests and scripts that name a kind)."""
+        wants = self.__dict__.get("wants") or {}
+        if name.startswith("want_") and name[len("want_") :] in wants:
+            return wants[name[len("want_") :]]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _lay_out(self) -> None:
         runs, runs_lay = card()
         head = QHBoxLayout()
         head.addWidget(QLabel("<b>Runs</b>"))
-        self.runs_dir_label = caption("")
         head.addWidget(self.runs_dir_label, 1)
-        head.addWidget(refresh)
+        self.refresh_button = QPushButton("Refresh")
+        head.addWidget(self.refresh_button)
         runs_lay.addLayout(head)
         runs_lay.addWidget(self.tree, 1)
 
@@ -166,18 +215,11 @@ class ExportPanel(QWidget):
         out_lay.addWidget(QLabel("<b>Export to</b>"))
         row = QHBoxLayout()
         row.addWidget(self.dest, 1)
-        row.addWidget(browse)
+        self.browse_button = QPushButton("Browse…")
+        row.addWidget(self.browse_button)
         out_lay.addLayout(row)
-        for name, box in self.wants.items():
-            if name == "gguf":
-                row = QHBoxLayout()
-                row.addWidget(box, 1)
-                row.addWidget(self.quant)
-                row.addWidget(self.install_button)
-                out_lay.addLayout(row)
-                out_lay.addWidget(self.gguf_note)
-            else:
-                out_lay.addWidget(box)
+        for kind_row in self.rows.values():
+            _lay_out_kind(kind_row, out_lay)
         row = QHBoxLayout()
         row.addWidget(self.progress, 1)
         row.addWidget(self.export_button)
@@ -186,16 +228,18 @@ class ExportPanel(QWidget):
         out_lay.addWidget(QLabel("<b>Self-check</b> (each artefact against the trained model)"))
         out_lay.addWidget(self.verdicts)
         row = QHBoxLayout()
-        row.addWidget(self.ollama, 1)
+        row.addWidget(self.next_command, 1)
         row.addWidget(self.copy_button)
         out_lay.addLayout(row)
+        self.next_command.setVisible(bool(self.next_command.placeholderText()))
+        self.copy_button.setVisible(bool(self.next_command.placeholderText()))
         out_lay.addWidget(self.result, 1)
 
         lay = QVBoxLayout(self)
         lay.addWidget(
             title(
                 "Export",
-                "Write the adapter for PEFT, a merged model for transformers, or a GGUF for llama.cpp / Ollama; "
+                "Write what the run learned in the formats other tools load (one box per kind below); "
                 "each is checked against the trained model before it is called done.",
             )
         )
@@ -204,9 +248,15 @@ class ExportPanel(QWidget):
         cols.addWidget(runs, 3)
         cols.addWidget(out, 2)
         lay.addLayout(cols, 1)
-        self.last_written: dict[str, list[str]] = {}
-        self.last_verdicts: list[dict] = []
-        self.update_gguf_availability()
+
+    def _connect(self) -> None:
+        """Every signal the page listens to, in one place."""
+        self.tree.currentItemChanged.connect(self._selected)
+        self.refresh_button.clicked.connect(self.refresh)
+        self.browse_button.clicked.connect(self._browse)
+        self.export_button.clicked.connect(self.start_export)
+        self.copy_button.clicked.connect(self.copy_command)
+        self.state.run_dir_changed.connect(self._run_started)
 
     # -- runs -------------------------------------------------------------------------------
     def refresh(self, select: str | None = None) -> None:
@@ -216,7 +266,7 @@ class ExportPanel(QWidget):
         self.tree.clear()
         chosen = None
         for run in list_runs(runs_dir):
-            top = QTreeWidgetItem([run.name, shown_status(run, self.active_run), str(run.path)])
+            top = QTreeWidgetItem([run.name, run_status(run, self.active_run), str(run.path)])
             top.setData(0, Qt.ItemDataRole.UserRole, str(run.path) if (run.adapter or run.checkpoints) else None)
             if not (run.adapter or run.checkpoints):
                 top.setForeground(0, Qt.GlobalColor.gray)
@@ -282,12 +332,12 @@ class ExportPanel(QWidget):
         self.banner.clear()
         self.result.clear()
         self.verdicts.clear()
-        self.ollama.clear()
+        self.next_command.clear()
         self.copy_button.setEnabled(False)
         self.export_button.setEnabled(False)
         self.progress.setRange(0, 0)
         self.stage.setText("Starting…")
-        options = {"gguf": {"quant": self.quant.currentText()}} if "gguf" in kinds else {}
+        options = {name: self.rows[name].chosen_options() for name in kinds if self.rows[name].options}
         run_task(
             do_export,
             src,
@@ -321,16 +371,14 @@ class ExportPanel(QWidget):
         for folder, files in written.items():
             lines.append(f"{folder}:")
             lines += [f"  {f}" for f in files]
-        gguf = outcome["extras"].get("gguf")
-        if gguf:
-            self.ollama.setText(gguf.get("ollama_command", ""))
-            self.ollama.setCursorPosition(0)  # show "ollama create NAME" rather than the path's end
-            self.copy_button.setEnabled(bool(self.ollama.text()))
-            if not gguf.get("template_translated"):
-                lines.append(
-                    f"Modelfile: no TEMPLATE, the chat template cannot be translated ({gguf.get('template_reason')}); "
-                    "Ollama falls back to the GGUF's own template."
-                )
+        for name, extras in outcome["extras"].items():
+            kind = EXPORTERS[name]
+            command = kind.next_command(extras) if kind.next_command else ""
+            if command:
+                self.next_command.setText(command)
+                self.next_command.setCursorPosition(0)  # show "ollama create NAME" rather than the path's end
+                self.copy_button.setEnabled(True)
+            lines += kind.notes(extras) if kind.notes else []
         self.result.setPlainText("\n".join(lines))
         self.stage.setText("Done.")
         drops = [v for v in outcome["verdicts"] if v.get("status") == "verified with a drop"]
@@ -372,57 +420,60 @@ class ExportPanel(QWidget):
             out[item.text(0).split(" (")[0]] = item.text(1)
         return out
 
-    def copy_ollama(self) -> None:
-        QApplication.clipboard().setText(self.ollama.text())
-        self.stage.setText("Copied the ollama command.")
+    def copy_command(self) -> None:
+        QApplication.clipboard().setText(self.next_command.text())
+        self.stage.setText("Copied the command.")
 
-    # -- the GGUF extra ---------------------------------------------------------------------
-    def update_gguf_availability(self) -> None:
-        if self.want_gguf is None:
-            self.install_button.hide()
-            self.quant.hide()
-            return
-        missing = gguf_missing()
-        self.want_gguf.setEnabled(not missing)
-        self.quant.setEnabled(not missing)
-        self.install_button.setVisible(bool(missing))
-        if missing:
-            self.want_gguf.setChecked(False)
-            self.gguf_note.setText(f"GGUF needs {', '.join(missing)}.")
-        else:
-            self.gguf_note.setText("")
-        self.gguf_note.setVisible(bool(missing))
+    # -- what a kind needs installed ------------------------------------------------------------
+    def update_availability(self) -> None:
+        """Each kind's row is usable when what it needs is installed; otherwise its note says what
+        is missing and, when the kind can install it, its install button shows."""
+        for row in self.rows.values():
+            missing = row.kind.missing()
+            row.box.setEnabled(not missing)
+            for combo in row.options.values():
+                combo.setEnabled(not missing)
+            if row.install is not None:
+                row.install.setVisible(bool(missing))
+            if missing:
+                row.box.setChecked(False)
+            row.note.setText(f"{row.kind.title} needs {', '.join(missing)}." if missing else "")
+            row.note.setVisible(bool(missing))
 
-    def install_gguf(self) -> None:
-        self.install_button.setEnabled(False)
+    def install(self, name: str) -> None:
+        row = self.rows[name]
+        row.install.setEnabled(False)
         self.progress.setRange(0, 0)
         self.result.clear()
-        self.stage.setText("Installing GGUF support (llama-cpp-python builds from source: several minutes)…")
+        self.stage.setText(row.kind.install_stage or f"Installing {row.kind.title} support…")
         run_task(
-            install_gguf_extra,
+            row.kind.install,
             owner=self,
             lane="export",
-            on_done=self._installed,
-            on_error=self._install_failed,
+            on_done=lambda _path: self._installed(name),
+            on_error=lambda message, _detail: self._install_failed(name, message),
             on_progress=lambda line: self.result.appendPlainText(str(line)),
         )
 
-    def _installed(self, _path) -> None:
-        self.install_button.setEnabled(True)
+    def _installed(self, name: str) -> None:
+        row = self.rows[name]
+        row.install.setEnabled(True)
         self.progress.setRange(0, 1)
         import importlib
 
         importlib.invalidate_caches()  # the new packages must be found without a restart
-        self.update_gguf_availability()
-        self.stage.setText("GGUF support installed." if not gguf_missing() else "")
-        if gguf_missing():
-            self.banner.show_message(f"GGUF support still lacks {', '.join(gguf_missing())}.", "warning")
+        self.update_availability()
+        missing = row.kind.missing()
+        self.stage.setText(f"{row.kind.title} support installed." if not missing else "")
+        if missing:
+            self.banner.show_message(f"{row.kind.title} support still lacks {', '.join(missing)}.", "warning")
 
-    def _install_failed(self, message: str, detail: str) -> None:
-        self.install_button.setEnabled(True)
+    def _install_failed(self, name: str, message: str) -> None:
+        row = self.rows[name]
+        row.install.setEnabled(True)
         self.progress.setRange(0, 1)
         self.stage.setText("")
-        self.banner.show_message(f"Installing GGUF support failed: {message}", "error")
+        self.banner.show_message(f"Installing {row.kind.title} support failed: {message}", "error")
 
     # -- the run in progress ----------------------------------------------------------------
     def _run_started(self, run_dir: str) -> None:

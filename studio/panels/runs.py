@@ -38,7 +38,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.api import RunFolder, RunFolderError, config_differences, summarize_runs
+from engine.api import RunFolder, RunFolderError, config_differences, shown_status, summarize_runs
 from studio.panels.common import Banner, caption, fmt_seconds, title
 from studio.tasks import run_task
 from studio.widgets.history_chart import HistoryChart, color_for
@@ -99,6 +99,35 @@ def _short(source: str) -> str:
     return p.name if (p.is_absolute() or source.startswith((".", "~"))) else source
 
 
+def _runs_table() -> QTableWidget:
+    """One row per run, sortable, several selectable; newest first."""
+    table = QTableWidget(0, len(COLUMNS))
+    table.setObjectName("runsTable")
+    table.setHorizontalHeaderLabels(list(COLUMNS))
+    table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+    table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
+    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.verticalHeader().setVisible(False)
+    table.setSortingEnabled(True)
+    header = table.horizontalHeader()
+    header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+    header.setStretchLastSection(True)
+    header.setSortIndicator(DATE, Qt.SortOrder.DescendingOrder)  # newest first
+    table.setMinimumHeight(140)
+    return table
+
+
+def _diff_table() -> QTableWidget:
+    """The config keys that differ between the selected runs: a row per key, a column per run."""
+    diff = QTableWidget(0, 1)
+    diff.setObjectName("configDiff")
+    diff.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    diff.verticalHeader().setVisible(False)
+    diff.horizontalHeader().setStretchLastSection(True)
+    diff.setMinimumWidth(260)
+    return diff
+
+
 class RunsPanel(QWidget):
     resume_requested = Signal(str)  # a run folder to resume from its last checkpoint
     source_selected = Signal(str)  # the run or checkpoint folder Chat and Export should use
@@ -123,60 +152,40 @@ class RunsPanel(QWidget):
         self.banner = Banner()
         self.folder_label = caption("")
         self.refresh_button = QPushButton("Refresh")
-        self.refresh_button.clicked.connect(self.refresh)
         self.resume_button = QPushButton("Resume")
         self.resume_button.setObjectName("primary")
         self.resume_button.setToolTip("Continue a stopped or failed run from its last checkpoint")
-        self.resume_button.clicked.connect(self.resume_selected)
         self.rename_button = QPushButton("Rename…")
-        self.rename_button.clicked.connect(lambda: self.rename_selected())
         self.delete_button = QPushButton("Delete…")
         self.delete_button.setObjectName("danger")
-        self.delete_button.clicked.connect(self.delete_selected)
         self.open_button = QPushButton("Open folder")
-        self.open_button.clicked.connect(self.open_folder)
-
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setObjectName("runsTable")
-        self.table.setHorizontalHeaderLabels(list(COLUMNS))
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.verticalHeader().setVisible(False)
-        self.table.setSortingEnabled(True)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
-        header.setStretchLastSection(True)
-        header.setSortIndicator(DATE, Qt.SortOrder.DescendingOrder)  # newest first
-        self.table.setMinimumHeight(140)
-        self.table.itemSelectionChanged.connect(self._selection_changed)
-
+        self.table = _runs_table()
         self.source = QComboBox()
         self.source.setObjectName("runsSource")
         self.source.setToolTip("The adapter Chat and Export use: the final one, or a checkpoint")
-        self.source.currentIndexChanged.connect(self._source_changed)
         self.details = caption("Select a run to see its curves; select several to compare them.")
         self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-
         self.charts = {curve: HistoryChart(name, unit) for curve, name, unit in CHARTS}
+        # One metric picked from what the selected runs logged (any method: loss, reward margin, KL...).
+        self.overlay = MetricOverlay()
+        self.diff_title = QLabel("<b>Config differences</b>")
+        self.diff = _diff_table()
+        self.diff_note = caption("")
+        self._lay_out()
+        self._connect()
+        self._update_buttons()
+
+    def _lay_out(self) -> None:
+        """The tools row, the runs table above, the charts beside the source, details and config
+        differences below."""
         grid = QGridLayout()
         grid.setSpacing(6)
         for i, chart in enumerate(self.charts.values()):
             grid.addWidget(chart, i // 2, i % 2)
-        # One metric picked from what the selected runs logged (any method: loss, reward margin, KL...).
-        self.overlay = MetricOverlay()
         grid.addWidget(self.overlay, (len(self.charts) + 1) // 2, 0, 1, 2)
         charts = QWidget()
         charts.setLayout(grid)
 
-        self.diff_title = QLabel("<b>Config differences</b>")
-        self.diff = QTableWidget(0, 1)
-        self.diff.setObjectName("configDiff")
-        self.diff.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.diff.verticalHeader().setVisible(False)
-        self.diff.horizontalHeader().setStretchLastSection(True)
-        self.diff.setMinimumWidth(260)
-        self.diff_note = caption("")
         side = QWidget()
         side_lay = QVBoxLayout(side)
         side_lay.setContentsMargins(0, 0, 0, 0)
@@ -212,7 +221,16 @@ class RunsPanel(QWidget):
         lay.addWidget(self.banner)
         lay.addLayout(tools)
         lay.addWidget(split, 1)
-        self._update_buttons()
+
+    def _connect(self) -> None:
+        """Every signal the page listens to, in one place."""
+        self.refresh_button.clicked.connect(self.refresh)
+        self.resume_button.clicked.connect(self.resume_selected)
+        self.rename_button.clicked.connect(lambda: self.rename_selected())
+        self.delete_button.clicked.connect(self.delete_selected)
+        self.open_button.clicked.connect(self.open_folder)
+        self.table.itemSelectionChanged.connect(self._selection_changed)
+        self.source.currentIndexChanged.connect(self._source_changed)
 
     # -- the list ---------------------------------------------------------------------------
     def runs_dir(self) -> str:
@@ -232,12 +250,15 @@ class RunsPanel(QWidget):
             on_error=lambda m, _d: self.banner.show_message(f"Cannot read the runs folder {folder}: {m}", "error"),
         )
 
+    def is_ours(self, summary) -> bool:
+        """The run this window is training now."""
+        return bool(self.active_run) and Path(self.active_run) == summary.path
+
     def status_of(self, summary) -> str:
-        """The status shown: the window's own run in progress is "running" whatever its files say
-        (a resumed run's metrics end with the earlier stop until its new RunStarted lands)."""
-        if self.active_run and Path(self.active_run) == summary.path:
-            return "running"
-        return summary.status
+        """The status shown (the engine's rule): the window's own run in progress is "running"
+        whatever its files say (a resumed run's metrics end with the earlier stop until its new
+        RunStarted lands)."""
+        return shown_status(summary.status, ours=self.is_ours(summary))
 
     def _listed(self, summaries: list) -> None:
         keep = {str(s.path) for s in self.selected()}
@@ -380,19 +401,15 @@ class RunsPanel(QWidget):
     def _update_buttons(self) -> None:
         run = self.current()
         running = run is not None and self.status_of(run) == "running"
-        self.resume_button.setEnabled(run is not None and run.resumable and not running)
+        why = run.why_not_resumable(ours=self.is_ours(run)) if run is not None else ""
+        self.resume_button.setEnabled(run is not None and not why)
         self.rename_button.setEnabled(run is not None and not running)
         self.delete_button.setEnabled(
             bool(self.selected()) and not any(self.status_of(s) == "running" for s in self.selected())
         )
         self.open_button.setEnabled(run is not None)
-        if run is not None and not run.resumable:
-            why = {
-                "finished": "it finished: there is nothing left to train",
-                "running": "it is running",
-                "corrupt": "its files cannot be read",
-            }.get(self.status_of(run), "it has no checkpoint")
-            self.resume_button.setToolTip(f"{run.name} cannot be resumed: {why}.")
+        if why:
+            self.resume_button.setToolTip(f"Cannot resume: {why}")
         else:
             self.resume_button.setToolTip("Continue the run from its last checkpoint, exactly where it stopped")
 
@@ -513,8 +530,9 @@ class RunsPanel(QWidget):
         if run is None:
             self.banner.show_message("Select a stopped or failed run to resume.", "warning")
             return False
-        if not run.resumable or self.status_of(run) == "running":
-            self.banner.show_message(self.resume_button.toolTip(), "warning")
+        why = run.why_not_resumable(ours=self.is_ours(run))
+        if why:
+            self.banner.show_message(f"Cannot resume: {why}", "warning")
             return False
         self.banner.clear()
         self.resume_requested.emit(str(run.path))

@@ -96,10 +96,10 @@ def test_export_page_shows_the_verdicts_of_a_trained_run(window, qtbot, runs_dir
     ep.want_adapter.setChecked(True)
     ep.want_merged.setChecked(True)
     gguf = not gguf_missing()
-    assert ep.want_gguf.isEnabled() == gguf and ep.install_button.isVisibleTo(ep) != gguf
+    assert ep.want_gguf.isEnabled() == gguf and ep.rows["gguf"].install.isVisibleTo(ep) != gguf
     if gguf:
         ep.want_gguf.setChecked(True)
-        ep.quant.setCurrentText("q8_0")
+        ep.rows["gguf"].options["quant"].setCurrentText("q8_0")
     with qtbot.waitSignal(ep.exported, timeout=600_000) as exported:
         qtbot.mouseClick(ep.export_button, Qt.MouseButton.LeftButton)
     written = exported.args[0]
@@ -109,11 +109,11 @@ def test_export_page_shows_the_verdicts_of_a_trained_run(window, qtbot, runs_dir
     assert verdicts["merged"].startswith("verified")
     if gguf:
         assert verdicts["gguf"].startswith("verified"), verdicts["gguf"]
-        assert ep.ollama.text() == f'ollama create trained-q8_0 -f "{out / "gguf" / "Modelfile"}"'
+        assert ep.next_command.text() == f'ollama create trained-q8_0 -f "{out / "gguf" / "Modelfile"}"'
         qtbot.mouseClick(ep.copy_button, Qt.MouseButton.LeftButton)
         from PySide6.QtWidgets import QApplication
 
-        assert QApplication.clipboard().text() == ep.ollama.text()
+        assert QApplication.clipboard().text() == ep.next_command.text()
     screenshot(window, "export-verdicts")
 
 
@@ -150,7 +150,7 @@ def test_the_install_button_shows_only_when_the_gguf_extra_is_missing(window):
 
     ep = window.export_panel
     missing = bool(gguf_missing())
-    assert ep.install_button.isVisibleTo(ep) == missing
+    assert ep.rows["gguf"].install.isVisibleTo(ep) == missing
     assert ep.want_gguf.isEnabled() != missing
     installed = importlib.util.find_spec("llama_cpp") is not None
     assert missing or installed
