@@ -247,6 +247,8 @@ class MonitorPanel(QWidget):
         self.method.set_x_span(self.total_steps)
         self.progress.setRange(0, max(1, self.total_steps))
         self.progress.setValue(int(getattr(ev, "resumed_from_step", 0) or 0))
+        # The steps' count whoever started the run (Train sets it too; a run's replayed events may not).
+        self.progress.setFormat("%v / %m steps")
         hw = ev.hardware or {}
         device = hw.get("gpu_name") or hw.get("device_name") or hw.get("kind") or ""
         world = int(getattr(ev, "world_size", 1) or 1)

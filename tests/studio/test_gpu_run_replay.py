@@ -16,6 +16,7 @@ from studio_helpers import screenshot
 
 EVENTS = Path(__file__).parent / "data" / "h200-16gib-qwen3-14b-qlora.events.jsonl"
 TWO_GPUS = Path(__file__).parent / "data" / "h200x2-ddp-qwen3-8b.events.jsonl"
+HEALTH = Path(__file__).parent / "data" / "h200-demo-health.events.jsonl"
 
 
 def _recorded_events(run_dir: Path, path: Path = EVENTS) -> list:
@@ -90,3 +91,27 @@ def test_window_shows_a_two_gpu_run_recorded_on_two_h200s(window, qtbot, runs_di
     assert 18_000 < sorted(s.tokens_per_second for s in steps)[5] < 23_000  # the median step
     assert "NVIDIA H200" in m.status.text()
     screenshot(window, "monitor-two-gpus-h200")
+
+
+def test_monitor_shows_the_health_of_an_h200_from_a_recorded_run(window, qtbot, runs_dir):
+    """Issue 28 item 5: `tunesmith train resources/presets/demo.yaml --max-steps 60 --events-json` on
+    an H200 (commit d40fd91, docs/gpu-test-log.md): every step event carries NVML's utilisation,
+    temperature and power, and the Monitor shows the last step's beside the memory chart."""
+    from engine import api
+    from studio.main_window import MONITOR
+
+    run_dir = runs_dir / "h200-demo"
+    run_dir.mkdir()
+    events = _recorded_events(run_dir, HEALTH)
+    steps = [e for e in events if isinstance(e, api.StepMetrics)]
+    assert len(steps) == 60 and all(s.gpu_util is not None and s.gpu_power for s in steps)
+    window.go_to(MONITOR)
+    _replay(window, events)
+    m = window.monitor_panel
+    m.refresh()
+    last = steps[-1]
+    assert m.health.isVisibleTo(m)
+    assert m.health.text() == f"GPU {last.gpu_util}% busy · {last.gpu_temp} °C · {last.gpu_power:.0f} W"
+    assert "NVIDIA H200" in m.status.text()
+    assert m.progress.text() == "60 / 60 steps"
+    screenshot(window, "monitor-gpu-health-h200")
