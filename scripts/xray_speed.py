@@ -81,6 +81,15 @@ def _tokenizer(name: str):
     return load_tokenizer(RunConfig.from_dict({"model": {"name_or_path": str(build_family_folder(name))}}).model)
 
 
+def _rss_now() -> dict:
+    try:
+        status = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = {line.split(":")[0]: line.split()[1] for line in status if line.startswith(("RssAnon", "RssFile"))}
+    return {f"{k.lower()}_mb": round(int(v) / 1024, 1) for k, v in fields.items()}
+
+
 def scan(path: Path, tokenizer: str, rows: int, max_seq_len: int, profile: str | None) -> dict:
     from engine.api import RunConfig
     from engine.data.preview import _raw
@@ -116,6 +125,9 @@ def scan(path: Path, tokenizer: str, rows: int, max_seq_len: int, profile: str |
         "findings": {k: n for k, n in x.counts().items() if n},
         "lengths": len(x.lengths),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        # Now, after the scan: the process's own memory apart from the file pages it mapped (the Arrow
+        # table is a memory-mapped file the kernel may drop, yet counted in the peak above).
+        **_rss_now(),
         "load_before": [round(v, 2) for v in load_before],
         "load_after": [round(v, 2) for v in os.getloadavg()],
         "cpus": len(os.sched_getaffinity(0)),
