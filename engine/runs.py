@@ -105,7 +105,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -581,7 +581,7 @@ class RunFolder:
         shutil.rmtree(self.path)
 
     # -- starting a run -------------------------------------------------------------------------
-    def check_free(self, overwrite: bool = False) -> None:
+    def check_free(self, overwrite: bool = False, disk_free: Optional[Callable[[Path], int]] = None) -> None:
         """Refuse a folder that already holds a run (unless `overwrite`) or holds anything else,
         a path that is (or lies under) a file, and a place where nothing can be written."""
         for p in (self.path, *self.path.parents):
@@ -589,7 +589,7 @@ class RunFolder:
                 if not p.is_dir():
                     raise RunFolderError(f"the output must be a folder, but {p} is a file")
                 break
-        self.check_writable()
+        self.check_writable(disk_free)
         if self.path.exists() and any(self.path.iterdir()):
             if self.is_run() and not overwrite:
                 raise RunFolderError(
@@ -601,12 +601,26 @@ class RunFolder:
                     f"the output folder {self.path} is not empty and holds no run; choose an empty folder"
                 )
 
-    def check_writable(self) -> None:
+    def check_writable(self, disk_free: Optional[Callable[[Path], int]] = None) -> None:
         """Raise RunFolderError with `write_problem`'s sentence when this run cannot be written:
-        before anything loads, not as an OSError after the model and data did."""
-        problem = write_problem(self.path)
+        before anything loads, not as an OSError after the model and data did. What a write cut
+        short left here (`partials`) is removed before anything is written, so its room counts as
+        free: a resume after a full disk must not be refused for the space its own debris holds.
+        `disk_free`: a test's stand-in for the free-space reading (engine.train.faults)."""
+        reclaimable = sum(_size_of(p) for p in self.partials())
+        problem = write_problem(self.path, disk_free=disk_free, reclaimable=reclaimable)
         if problem:
             raise RunFolderError(problem)
+
+    def partials(self) -> list[Path]:
+        """What a write cut short left here (checkpoints/step-N.tmp, adapter.tmp): nothing reads
+        them, and the run removes them before it writes (engine.train.checkpoint.remove_partials)."""
+        found = []
+        if self.checkpoints_dir.is_dir():
+            found += [p for p in self.checkpoints_dir.iterdir() if p.name.endswith(TMP_SUFFIX)]
+        if self.adapter_tmp.exists():
+            found.append(self.adapter_tmp)
+        return found
 
     def create(self, fresh: bool) -> "RunFolder":
         """Make the folder and checkpoints/. `fresh`: a new run, so an old run here (only possible
@@ -618,7 +632,7 @@ class RunFolder:
         return self
 
 
-def write_problem(path: str | Path) -> str:
+def write_problem(path: str | Path, disk_free: Optional[Callable[[Path], int]] = None, reclaimable: int = 0) -> str:
     """Why no run can be written at `path` (a runs folder or a run folder, made when missing), one
     sentence naming the folder and what to do; "" when one can. Cheap and writes nothing: the
     nearest folder that exists must let this process make files in it (a read-only disk, or
@@ -635,15 +649,26 @@ def write_problem(path: str | Path) -> str:
             "that folder writable, then train again."
         )
     try:
-        free = shutil.disk_usage(existing).free
+        free = int(disk_free(existing)) if disk_free else shutil.disk_usage(existing).free
     except OSError:
         return ""
+    free += reclaimable  # room the run frees before it writes (RunFolder.partials)
     if free < MIN_FREE_BYTES:
         return (
             f"Runs cannot be saved: the disk holding {existing} is full ({free / 2**20:.0f} MB free). Free some "
             "space or choose a runs folder on another disk (output.dir), then train again."
         )
     return ""
+
+
+def _size_of(path: Path) -> int:
+    """Bytes under `path` (a file or a folder), 0 for what vanished meanwhile."""
+    try:
+        if path.is_file() or path.is_symlink():
+            return path.lstat().st_size
+        return sum(f.lstat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    except OSError:
+        return 0
 
 
 def _read_only(path: Path) -> bool:

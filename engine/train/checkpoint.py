@@ -26,7 +26,6 @@ from engine.runs import (
     RNG_FILE,
     SCHEDULER_FILE,
     STATE_FILE,
-    TMP_SUFFIX,
     RunFolder,
     publish,
     tmp_for,
@@ -86,11 +85,7 @@ def remove_partials(folder: RunFolder) -> list[Path]:
     """Remove what a write cut short left in a run folder (`checkpoints/step-N.tmp`,
     `adapter.tmp`): nothing reads them, and after a full disk they hold the space a resume
     needs. Returns what was removed."""
-    found = []
-    if folder.checkpoints_dir.is_dir():
-        found += [p for p in folder.checkpoints_dir.iterdir() if p.name.endswith(TMP_SUFFIX)]
-    if folder.adapter_tmp.exists():
-        found.append(folder.adapter_tmp)
+    found = folder.partials()
     for p in found:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)

@@ -257,7 +257,7 @@ class TrainingSession:
         if self._resume_from is not None:
             folder = RunFolder.of(self._resume_from)
             if self._dist.is_main:
-                folder.check_writable()
+                folder.check_writable(self._disk_free())
             return folder
         if self._run_dir is not None:
             folder = RunFolder(self._run_dir)
@@ -268,8 +268,12 @@ class TrainingSession:
                 path = str(folder.path)
             folder = RunFolder(share_from_main(self._dist, path))  # every rank takes it
         if self._dist.is_main:  # the others would see rank 0's new folder
-            folder.check_free(config.output.overwrite)
+            folder.check_free(config.output.overwrite, self._disk_free())
         return folder
+
+    def _disk_free(self):
+        """A test's stand-in for the free-space reading (engine.train.faults), or None."""
+        return self.faults.disk_free if self.faults else None
 
     def _setup_data(self) -> None:
         """Tokenizer, the objective's data and held-out examples; then the run folder opens (bad
@@ -459,7 +463,7 @@ class TrainingSession:
             self._control,
             rep.emit,
             rep.log,
-            self.faults.disk_free if self.faults else None,
+            self._disk_free(),
         )
         self._saver.poll_seconds = self.disk_poll_seconds
         row_tokens = self._data.packing.row_tokens

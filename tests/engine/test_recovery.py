@@ -213,13 +213,17 @@ def test_a_second_bad_loss_stops_with_the_last_good_state_saved(tmp_path):
 
 
 class FakeFree:
-    """Stands in for the disk's free space (Faults.disk_free): `free` bytes until set to None."""
+    """Stands in for the disk's free space (Faults.disk_free): `free` bytes until set to None. The
+    first reading, the check before the run starts (which refuses a full disk), sees the real disk:
+    these tests are about a disk that fills during the run."""
 
     def __init__(self, free):
         self.free = free
+        self.readings = 0
 
     def __call__(self, path):
-        return shutil.disk_usage(path).free if self.free is None else self.free
+        self.readings += 1
+        return shutil.disk_usage(path).free if self.free is None or self.readings == 1 else self.free
 
 
 def test_too_little_space_for_a_checkpoint_pauses_then_continues(tmp_path):
@@ -300,7 +304,9 @@ def cfg(steps):
     return c
 ballast = disk / "ballast"
 ballast.write_bytes(b"\\1" * (shutil.disk_usage(disk).free - 1024 * 1024))  # ~1 MiB left
-probes = [1 << 40]  # the free-space check is told there is room once: the real write then fails
+# The free-space checks are told there is room twice, before the run starts and before the checkpoint at
+# step 2: the real write then fails.
+probes = [1 << 40, 1 << 40]
 faults = Faults(disk_free=lambda p: probes.pop() if probes else shutil.disk_usage(p).free)
 out = {"events": []}
 session = TrainingSession(cfg(3), None, run_dir=disk / "run", faults=faults)
@@ -331,14 +337,15 @@ print("RESULT " + json.dumps(out))
 
 @pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs root and unshare to mount a private tmpfs")
 def test_a_real_full_disk_during_a_checkpoint(tmp_path):
-    """On a 12 MiB tmpfs: the checkpoint write really fails with ENOSPC (torch/safetensors), the
-    partial step-2.tmp is removed, the run pauses, and continues once space is freed; a stray
-    tmp that fills the disk does not stop `--resume`."""
+    """On an 80 MiB tmpfs (above the 64 MiB a run asks for at its start): the checkpoint write
+    really fails with ENOSPC (torch/safetensors), the partial step-2.tmp is removed, the run
+    pauses, and continues once space is freed; a stray tmp that fills the disk does not stop
+    `--resume` (its room counts as free: the run removes it before writing)."""
     disk = tmp_path / "disk"
     disk.mkdir()
     script = tmp_path / "tiny_disk.py"
     script.write_text(textwrap.dedent(TINY_DISK))
-    cmd = f"mount -t tmpfs -o size=12m tmpfs {disk} && {sys.executable} {script} {disk}"
+    cmd = f"mount -t tmpfs -o size=80m tmpfs {disk} && {sys.executable} {script} {disk}"
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     out = subprocess.run(
         ["unshare", "--mount", "sh", "-c", cmd],

@@ -269,7 +269,7 @@ def test_the_best_eval_gets_a_checkpoint_and_patience_runs_out(tmp_path, monkeyp
     ev = Evaluator(runner, held, training, 10, reporter, folder, 64)
     assert [s for s in range(1, 11) if ev.due(s)] == [2, 4, 6, 8, 10]
     losses = iter([3.0, 2.0, 2.5, 2.4])
-    monkeypatch.setattr(ev, "loss", lambda: (next(losses), 12, {}))
+    monkeypatch.setattr(ev, "loss", lambda step=0: (next(losses), 12, {}))
     written = []
 
     def save(step):
