@@ -207,13 +207,12 @@ def _render_all(tokenizer, conversations: list[list[dict]], fold_system: bool) -
     One apply_chat_template call renders them all (transformers renders a list of conversations one
     by one with the same code, without its per-call set-up); when a row raises, they are rendered
     one at a time, so each row gets its own answer or error."""
-    if not conversations:
-        return []
-    try:
-        texts = tokenizer.apply_chat_template(conversations, tokenize=False)
-        return [(text, conv, False) for text, conv in zip(texts, conversations)]
-    except _template_errors():
-        pass
+    if all(conversations):  # an empty one is refused alone (a batch would render it as nothing)
+        try:
+            texts = tokenizer.apply_chat_template(conversations, tokenize=False) if conversations else []
+            return [(text, conv, False) for text, conv in zip(texts, conversations)]
+        except _template_errors():
+            pass
     out = []
     for conv in conversations:
         try:
