@@ -23,6 +23,7 @@ from PySide6.QtGui import QBrush, QColor, QDesktopServices
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
+    QFrame,
     QGridLayout,
     QHBoxLayout,
     QHeaderView,
@@ -31,6 +32,7 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QMessageBox,
     QPushButton,
+    QScrollArea,
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
@@ -183,8 +185,14 @@ class RunsPanel(QWidget):
         for i, chart in enumerate(self.charts.values()):
             grid.addWidget(chart, i // 2, i % 2)
         grid.addWidget(self.overlay, (len(self.charts) + 1) // 2, 0, 1, 2)
-        charts = QWidget()
-        charts.setLayout(grid)
+        grid_host = QWidget()
+        grid_host.setLayout(grid)
+        # Five charts stacked three high ask for more height than a 768-px laptop screen gives the
+        # page: they scroll inside their pane instead of making the window taller than the screen.
+        charts = QScrollArea()
+        charts.setWidgetResizable(True)
+        charts.setFrameShape(QFrame.Shape.NoFrame)
+        charts.setWidget(grid_host)
 
         side = QWidget()
         side_lay = QVBoxLayout(side)

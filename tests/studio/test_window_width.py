@@ -32,3 +32,15 @@ def test_unknown_long_columns_do_not_widen_the_window(window, qtbot, tmp_path):
         ]
         raise AssertionError(f"the window asks for {hint} px; pages {pages}: {wide}")
     assert window.width() == 1100
+
+
+def test_every_page_fits_a_768_px_laptop_screen(window, qtbot):
+    """A 1366x768 laptop leaves about 700 px to a window under its title bar and panel: no page may
+    ask for more (the Runs page's fifth chart, the metric overlay, asked for 764 and made the
+    window 805 px tall, past the screen)."""
+    heights = {}
+    for page in range(window.pages.count()):
+        window.pages.setCurrentIndex(page)  # a hidden page lays itself out when it shows
+        qtbot.wait(0)  # one event turn for the layout, not a time
+        heights[type(window.pages.widget(page)).__name__] = window.pages.widget(page).minimumSizeHint().height()
+    assert window.minimumSizeHint().height() <= 700, heights
