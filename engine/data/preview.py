@@ -157,6 +157,9 @@ def load_preview(cfg: DataConfig, method: str = "sft") -> DataPreview:
         pref = _preference_spec(cfg, columns)
         if pref is not None:
             spec = FormatSpec(PREFERENCE_FORMATS[pref.kind], dict(pref.mapping))
+            if not method_problem and METHOD_DATA.get(method) is None:
+                # SFT chosen with a file only the preference methods read: say so before Train.
+                method_problem = _needs_a_preference_method(pref.kind)
             return DataPreview(columns, len(ds), spec, dict(pref.mapping), [], None, ds, method_problem=method_problem)
         if isinstance(exc, UnmatchedColumns) and not exc.hint and _prompts_only(cfg, columns):
             exc.hint = PROMPTS_ONLY
@@ -176,6 +179,17 @@ PROMPTS_ONLY = (
     "these are prompts without answers, GRPO's data: SFT learns from answers, so pick GRPO on the Train page "
     "(it samples answers and scores them with reward functions) or map an answer column"
 )
+
+
+def _needs_a_preference_method(kind: str) -> str:
+    """Why SFT cannot train a file of preference data `kind` (paired or unpaired), and what does."""
+    names = [{"simpo": "SimPO"}.get(m, m.upper()) for m, k in METHOD_DATA.items() if k == kind]
+    methods = " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+    verb = "train" if len(names) > 1 else "trains"
+    return (
+        f"these are {PREFERENCE_FORMATS[kind]}, which {methods} {verb}: SFT learns from one answer per prompt, "
+        f"so pick {methods} on the Train page or map SFT's columns"
+    )
 
 
 def _prompts_only(cfg: DataConfig, columns: list[str]) -> bool:

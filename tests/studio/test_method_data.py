@@ -141,3 +141,22 @@ def test_a_dpo_run_on_sft_data_says_what_dpo_reads(window, qtbot):
         _pick(window, "dpo")
     assert "DPO reads prompt / chosen / rejected pairs" in dp.problem
     qtbot.waitUntil(lambda: not window.training_panel.train.isEnabled(), timeout=60_000)
+
+
+def test_a_pairs_file_with_sft_chosen_says_which_methods_train_it(window, qtbot, tmp_path):
+    """SFT chosen with prompt/chosen/rejected rows: Train is off before it is pressed, and the
+    reason names the methods that read pairs (the run used to fail only once it started)."""
+    dp = window.data_panel
+    qtbot.waitUntil(lambda: dp.preview is not None and not dp.loading, timeout=60_000)
+    path = _write(
+        tmp_path / "pairs.jsonl",
+        [{"prompt": f"What is {i} plus 1?", "chosen": f"Answer: {i + 1}", "rejected": "Answer: 0"} for i in range(4)],
+    )
+    assert window.state.get("training.method") == "sft"
+    _ready(dp, qtbot, lambda: dp.load_source(str(path)), packed=False)
+    assert "preference pairs" in dp.problem and "DPO, ORPO or SimPO" in dp.problem
+    qtbot.waitUntil(lambda: not window.training_panel.train.isEnabled(), timeout=60_000)
+    assert "DPO, ORPO or SimPO" in window.train_blocker()
+    _ready(dp, qtbot, lambda: _pick(window, "dpo"), packed=False)
+    assert not dp.problem
+    qtbot.waitUntil(lambda: window.training_panel.train.isEnabled(), timeout=60_000)

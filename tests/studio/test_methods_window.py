@@ -122,8 +122,8 @@ def test_grpo_trains_from_the_window_with_the_users_reward_file(window, qtbot, r
 
 
 def test_the_data_page_reads_preference_pairs_and_xrays_them(window, qtbot, tmp_path):
-    """A pairs file on the Data page: its format is named (not 'match no known shape'), Train is
-    not blocked, an example shows the prompt with each answer trained, and the X-ray lists the
+    """A pairs file on the Data page with DPO chosen: its format is named (not 'match no known
+    shape'), Train is not blocked, an example shows the prompt with each answer trained, and the X-ray lists the
     pairs' own findings with their rows."""
     from PySide6.QtCore import Qt
 
@@ -136,6 +136,8 @@ def test_the_data_page_reads_preference_pairs_and_xrays_them(window, qtbot, tmp_
     ]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    box = window.training_panel.method.box  # DPO reads pairs (with SFT chosen, Train says which methods do)
+    box.setCurrentIndex(box.findData("dpo"))
     with qtbot.waitSignal(dp.xray_ready, timeout=120_000):
         dp.load_source(str(path))
     assert "preference pairs" in dp.summary.text() and not dp.problem
