@@ -329,8 +329,15 @@ class MonitorPanel(QWidget):
         """An EvalMetrics: a point on the eval curve; the status says the best so far."""
         self.evals.append((int(ev.step), float(ev.eval_loss)))
         self.loss.append("eval", float(ev.step), float(ev.eval_loss))
+        held_out = dict(getattr(ev, "metrics", None) or {})
+        # The method's own measures on the held-out examples (margins, accuracy, GRPO's reward of
+        # greedy answers) go beside its training ones in the Method tab, dashed.
+        self.method.add(int(ev.step), held_out, held_out=True)
         best = f" (best {ev.best_loss:.4f} at step {ev.best_step})" if ev.best_step else ""
-        self.append_log(f"eval loss {ev.eval_loss:.4f} at step {ev.step}{best}")
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in list(held_out.items())[:4])
+        self.append_log(
+            f"eval loss {ev.eval_loss:.4f} at step {ev.step}{best}" + (f"; held-out {shown}" if shown else "")
+        )
         if ev.stopping:
             self.append_log(
                 f"early stopping: {ev.evals_without_improvement} evals without a better eval loss; "

@@ -121,13 +121,17 @@ class MethodView(QWidget):
         for chart in self.charts.values():
             chart.set_x_span(steps)
 
-    def add(self, step: int, metrics: dict) -> None:
-        """One StepMetrics.metrics: a point per key on its chart."""
+    def add(self, step: int, metrics: dict, held_out: bool = False) -> None:
+        """One StepMetrics.metrics: a point per key on its chart. `held_out`: an EvalMetrics'
+        metrics (the same measures over the held-out examples), a dashed series beside the
+        training one ("held-out margins", "held-out total" reward...)."""
         for key, value in (metrics or {}).items():
             title, name = chart_of(key)
+            if held_out:
+                name = f"held-out {name}"
             chart = self.charts.get(title) or self._new_chart(title)
             if name not in chart._series:
-                chart.add_series(name, COLORS[len(chart._series) % len(COLORS)])
+                chart.add_series(name, COLORS[len(chart._series) % len(COLORS)], dashed=held_out)
             chart.append(name, float(step), float(value))
 
     def _new_chart(self, title: str) -> LiveChart:
