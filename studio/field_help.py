@@ -22,6 +22,10 @@ HELP = {
     "lora.target_modules": (
         "Which linear layers get adapters: all-linear, or a comma-separated list (q_proj, v_proj, ...)."
     ),
+    "lora.init_adapter": (
+        "Start the adapter from an earlier one: a PEFT adapter folder, or a run (its final adapter, else its "
+        "latest checkpoint). Its rank and layers must match. E.g. GRPO or DPO after an SFT run."
+    ),
     "data.split": "Which split of a Hub data set to train on.",
     "data.train_on_responses_only": "Mask prompt tokens so only the assistant's replies are learned.",
     "data.max_seq_len": "Tokens per packed row. Longer examples are truncated or dropped.",
