@@ -35,6 +35,7 @@ from engine.config import (
 
 # -- fast paths: what ran --------------------------------------------------------------------
 from engine.counters import requested_but_not_run
+from engine.data import shown_row
 from engine.data.preview import (
     METHOD_DATA,
     DataPreview,
@@ -300,6 +301,7 @@ __all__ = [
     "RenderedExample",
     "PackingLayout",
     "load_preview",
+    "shown_row",
     "render_example",
     "packing_layout",
     "XRay",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import DataConfig
-from engine.data import plural
+from engine.data import plural, shown_row
 from engine.data.formats import FormatSpec, detect_format, row_to_messages
 from engine.data.packing import PackingResult, pack_best_fit_decreasing
 from engine.data.render import ensure_chat_template, tokenize_row
@@ -73,7 +73,7 @@ def no_usable_rows(cfg: DataConfig, rows: int, skipped: list[tuple[int, str]]) -
     share = "every row" if same == len(skipped) == rows else f"{plural(same, 'row')}"
     return DataError(
         f"{cfg.source}: no usable examples out of {plural(rows, 'row')}, so the run cannot start; "
-        f"{share} failed with: {first} (first: row {skipped[0][0]})"
+        f"{share} failed with: {first} (first: row {shown_row(skipped[0][0])})"
     )
 
 

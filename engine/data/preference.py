@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.data import plural
+from engine.data import plural, shown_row
 from engine.data.formats import ROLE_NAMES
 from engine.data.packing import PackingResult, pack_best_fit_decreasing
 from engine.data.render import ensure_chat_template
@@ -244,7 +244,7 @@ def prepare_preference_data(cfg, tokenizer, kind: str, extra_tokens: int = 0, ra
         # KTO's KL estimate pairs each prompt with the previous example's completion (TRL's).
         examples, labels, row_ids, docs, truncated = _kl_twins(examples, labels, row_ids, skipped, limit, cfg.overlong)
     if not examples:
-        first = f"; first problem: row {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
+        first = f"; first problem: row {shown_row(skipped[0][0])}: {skipped[0][1]}" if skipped else ""
         raise DataError(f"{cfg.source}: no usable {kind} examples out of {plural(len(raw), 'row')}{first}")
     if kind == "prompts":
         packing = PackingResult(

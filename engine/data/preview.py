@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine.config import DataConfig
-from engine.data import plural
+from engine.data import plural, shown_row
 from engine.data.formats import FormatSpec, UnmatchedColumns, detect_format, row_to_messages
 from engine.data.render import ensure_chat_template, tokenize_example
 from engine.data.sources import DataError, load_raw, resolve_source
@@ -205,7 +205,7 @@ def _prompts_only(cfg: DataConfig, columns: list[str]) -> bool:
 def render_example(tokenizer, cfg: DataConfig, index: int, method: str = "sft") -> RenderedExample:
     ds = _raw(cfg)
     if not 0 <= index < len(ds):
-        raise DataError(f"row {index} does not exist ({plural(len(ds), 'row')})")
+        raise DataError(f"row {shown_row(index)} does not exist ({plural(len(ds), 'row')})")
     pref = _preference_spec(cfg, list(ds.column_names), method)
     if pref is not None:
         return _render_preference(tokenizer, cfg, ds, index, pref.kind)
@@ -214,13 +214,13 @@ def render_example(tokenizer, cfg: DataConfig, index: int, method: str = "sft") 
     try:
         example = row_to_messages(ds[index], spec)
     except ValueError as exc:
-        raise DataError(f"row {index}: {exc}") from exc
+        raise DataError(f"row {shown_row(index)}: {exc}") from exc
     try:
         tok = tokenize_example(
             tokenizer, example, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
         )
     except ValueError as exc:  # render.RowError: the template rejects the row (training drops it)
-        raise DataError(f"row {index}: {exc}") from exc
+        raise DataError(f"row {shown_row(index)}: {exc}") from exc
     truncated = len(tok.ids) > cfg.max_seq_len
     ids, trained = tok.ids[: cfg.max_seq_len], tok.trained[: cfg.max_seq_len]
     pieces = list(zip(token_pieces(tokenizer, tok.text, tok.ids)[: len(ids)], map(bool, trained)))
@@ -267,7 +267,7 @@ def _render_preference(tokenizer, cfg: DataConfig, ds, index: int, kind: str) ->
     try:
         data = prepare_preference_data(cfg, tokenizer, kind, raw=ds.select([index]))
     except DataError as exc:
-        raise DataError(f"row {index}: {str(exc).rsplit(': ', 1)[-1]}") from exc
+        raise DataError(f"row {shown_row(index)}: {str(exc).rsplit(': ', 1)[-1]}") from exc
     example = data.examples[0]
     if kind == "prompts":  # GRPO: the prompt as generation starts from it; the model writes the answers
         pieces = [(_piece_of(tokenizer, t), False) for t in example[0]]

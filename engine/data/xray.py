@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from engine.config import DataConfig
+from engine.data import shown_row
 from engine.data.formats import ROLE_NAMES, detect_format, row_to_messages
 from engine.data.render import RowError, ensure_chat_template, tokenize_examples
 from engine.data.sources import load_raw
@@ -251,7 +252,7 @@ class _RowChecks:
 
         key = hashlib.blake2b(repr(example).encode("utf-8"), digest_size=16).digest()
         if key in self.seen:
-            out.add("duplicate", i, f"same as row {self.seen[key]}")
+            out.add("duplicate", i, f"same as row {shown_row(self.seen[key])}")
         else:
             self.seen[key] = i
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine.data import shown_row
+
 
 class RewardError(ValueError):
     """A reward function that cannot be loaded or did not return a number."""
@@ -120,10 +122,10 @@ def score(rewards: list[Reward], prompts, completions, rows, row_ids, where: str
                 raise
             except Exception as exc:
                 raise RewardError(
-                    f"reward {r.name!r} failed on {where}row {row_id}: {type(exc).__name__}: {exc}"
+                    f"reward {r.name!r} failed on {where}row {shown_row(row_id)}: {type(exc).__name__}: {exc}"
                 ) from exc
             if not math.isfinite(v):
-                raise RewardError(f"reward {r.name!r} returned {v} on {where}row {row_id}")
+                raise RewardError(f"reward {r.name!r} returned {v} on {where}row {shown_row(row_id)}")
             values.append(v)
         table.append(values)
     return table

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 from engine.config import ConfigError, RunConfig
 from engine.counters import Counters, split_counts
-from engine.data import plural
+from engine.data import plural, shown_row
 from engine.events import CompletionSamples, Event, Failed, Finished, LogLine, RunStarted, StepMetrics
 from engine.hardware.vram import gpu_health_fields as _gpu_health_fields
 from engine.runs import RunFolder, RunFolderError, new_run_folder, resume_checkpoint, step_of
@@ -300,7 +300,7 @@ class TrainingSession:
         for note in data.notes:
             self.log(note, "warning")
         for idx, reason in data.skipped[:20]:
-            self.log(f"Row {idx} skipped: {reason}", "warning")
+            self.log(f"Row {shown_row(idx)} skipped: {reason}", "warning")
         if len(data.skipped) > 20:
             self.log(f"... and {plural(len(data.skipped) - 20, 'more row', 'more rows')} skipped", "warning")
         if data.truncated:

@@ -24,7 +24,6 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QRadioButton,
-    QSpinBox,
     QSplitter,
     QStackedWidget,
     QTableWidget,
@@ -34,7 +33,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.api import DATA_FINDINGS, METHOD_DATA, PACKING_SAMPLE
+from engine.api import DATA_FINDINGS, METHOD_DATA, PACKING_SAMPLE, shown_row
 from studio import data_bridge
 from studio.panels.common import Banner, caption, card, title
 from studio.tasks import cancel, run_task
@@ -42,7 +41,7 @@ from studio.widgets.column_mapping import ColumnMappingEditor
 from studio.widgets.data_xray import DataXRay
 from studio.widgets.packing_view import PackingView
 from studio.widgets.pair_view import PairView
-from studio.widgets.rows_model import RowsModel, RowsTable
+from studio.widgets.rows_model import RowsModel, RowSpinBox, RowsTable
 from studio.widgets.token_mask_view import TokenMaskView
 
 FILE_FILTER = "Data sets (*.jsonl *.json *.csv *.parquet);;All files (*)"
@@ -166,7 +165,7 @@ class DataPanel(QWidget):
         map_lay.addStretch(1)
 
         # Example tab.
-        self.example_index = QSpinBox()
+        self.example_index = RowSpinBox()  # the row's index; its number read from 1
         self.example_index.setRange(0, 0)
         self.example_index.setKeyboardTracking(False)
         self.example_index.valueChanged.connect(self.show_example)
@@ -413,7 +412,7 @@ class DataPanel(QWidget):
         elif n == 0:
             problem = "The data set has no rows."
         elif self.usable_examples == 0:
-            first = f" (row {problems[0][0]}: {problems[0][1]})" if problems else ""
+            first = f" (row {shown_row(problems[0][0])}: {problems[0][1]})" if problems else ""
             problem = f"None of the {n:,} rows can be used{first}; see the Problems tab."
         else:
             problem = ""
@@ -455,13 +454,15 @@ class DataPanel(QWidget):
         shown = problems[:MAX_PROBLEMS_SHOWN]
         self.problems.setRowCount(len(shown))
         for r, (idx, reason) in enumerate(shown):
-            self.problems.setItem(r, 0, QTableWidgetItem(str(idx)))
+            number = QTableWidgetItem(str(shown_row(idx)))
+            number.setData(Qt.ItemDataRole.UserRole, int(idx))  # the row's index, for the jump
+            self.problems.setItem(r, 0, number)
             self.problems.setItem(r, 1, QTableWidgetItem(str(reason)))
         label = f"Problems ({len(problems)})" if problems else "Problems"
         self.tabs.setTabText(3, label)
 
     def _jump_to_problem(self, r: int) -> None:
-        idx = int(self.problems.item(r, 0).text())
+        idx = int(self.problems.item(r, 0).data(Qt.ItemDataRole.UserRole))
         while self.rows_model.rowCount() <= idx and self.rows_model.canFetchMore():
             self.rows_model.fetchMore()
         self.tabs.setCurrentIndex(0)
@@ -661,7 +662,7 @@ class DataPanel(QWidget):
     def _example_failed(self, gen: int, index: int, message: str) -> None:
         if gen != self._gen:
             return
-        self._example_message(f"Row {index} cannot be rendered: {message}")
+        self._example_message(f"Row {shown_row(index)} cannot be rendered: {message}")
 
     def _packing_done(self, gen: int, lay, total_rows: int = 0) -> None:
         if gen != self._gen:

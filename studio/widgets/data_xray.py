@@ -12,6 +12,8 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QLabel, QSplitter, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget
 
+from engine.api import shown_row
+
 MAX_ROWS_PER_KIND = 500  # a tree of 100k rows helps nobody; the count says how many there are
 
 
@@ -65,7 +67,7 @@ class DataXRay(QWidget):
             node = QTreeWidgetItem([f"{sentence} ({rows})", "", ""])
             node.setData(0, Qt.ItemDataRole.UserRole, kind)
             for f in found[:MAX_ROWS_PER_KIND]:
-                child = QTreeWidgetItem(["", str(f.row), f.detail])
+                child = QTreeWidgetItem(["", str(shown_row(f.row)), f.detail])
                 child.setData(1, Qt.ItemDataRole.UserRole, f.row)
                 node.addChild(child)
             shown = min(len(found), MAX_ROWS_PER_KIND)

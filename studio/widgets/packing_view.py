@@ -82,12 +82,12 @@ class _Canvas(QWidget):
             if acc <= offset < acc + length:
                 QToolTip.showText(
                     event.globalPosition().toPoint(),
-                    f"row {r}, document {k + 1} of {len(self.rows[r])}: {length} tokens",
+                    f"packed row {r + 1}, document {k + 1} of {len(self.rows[r])}: {length} tokens",
                 )
                 return
             acc += length
         QToolTip.showText(
-            event.globalPosition().toPoint(), f"row {r}: padding ({self.row_len - sum(self.rows[r])} tokens)"
+            event.globalPosition().toPoint(), f"packed row {r + 1}: padding ({self.row_len - sum(self.rows[r])} tokens)"
         )
 
 

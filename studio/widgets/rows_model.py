@@ -14,8 +14,10 @@ from collections import OrderedDict
 from typing import Any, Optional
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt
-from PySide6.QtGui import QBrush, QColor
-from PySide6.QtWidgets import QAbstractItemView, QTableView
+from PySide6.QtGui import QBrush, QColor, QValidator
+from PySide6.QtWidgets import QAbstractItemView, QSpinBox, QTableView
+
+from engine.api import shown_row
 
 BATCH = 1000
 CACHE_ROWS = 2000
@@ -124,7 +126,7 @@ class RowsModel(QAbstractTableModel):
             return None
         if orientation == Qt.Orientation.Horizontal:
             return self._columns[section] if section < len(self._columns) else None
-        return str(section)
+        return str(shown_row(section))  # rows count from 1 where a person reads them
 
 
 class RowsTable(QTableView):
@@ -137,3 +139,21 @@ class RowsTable(QTableView):
         if action == QAbstractItemView.CursorAction.MoveEnd and isinstance(model, RowsModel):
             model.fetch_to_end()
         return super().moveCursor(action, modifiers)
+
+
+class RowSpinBox(QSpinBox):
+    """A row picker whose value is the row's 0-based index and whose text is the row's number as
+    a person reads it (from 1, engine.api.shown_row): the Data page's Example box."""
+
+    def textFromValue(self, value: int) -> str:
+        return str(shown_row(value))
+
+    def valueFromText(self, text: str) -> int:
+        return int(text) - shown_row(0) if text.strip().isdigit() else self.value()
+
+    def validate(self, text: str, pos: int):
+        # Qt's own check parses the typed number against the range of indices: "1" to "n" must pass.
+        typed = text.strip()
+        if typed.isdigit() and self.minimum() <= int(typed) - shown_row(0) <= self.maximum():
+            return QValidator.State.Acceptable, text, pos
+        return (QValidator.State.Intermediate if typed.isdigit() or not typed else QValidator.State.Invalid), text, pos

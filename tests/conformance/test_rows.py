@@ -72,7 +72,7 @@ def test_roles_not_alternating_is_one_rows_error(tmp_path, family_tokenizer):
     path.write_text(json.dumps({"messages": CONVERSATIONS["single"]}) + "\n" + json.dumps({"messages": bad}) + "\n")
     data = prepare_dataset(DataConfig(source=str(path)), tok)
     assert len(data.docs) == 1 and data.skipped[0][0] == 1 and "alternate" in data.skipped[0][1]
-    with pytest.raises(DataError, match="row 1: the chat template rejects this row"):
+    with pytest.raises(DataError, match="row 2: the chat template rejects this row"):
         render_example(tok, DataConfig(source=str(path)), 1)
 
 
@@ -100,7 +100,7 @@ def train_cli(tmp_path, folder, rows, **data):
 @pytest.mark.slow
 def test_gemma2_with_system_rows_trains_from_the_command_line(tmp_path, family_folder):
     log = train_cli(tmp_path, family_folder("gemma-2"), write_rows(tmp_path / "mixed.jsonl", MIXED * 3))
-    assert "Row 1 skipped: the chat template rejects this row: System role not supported" in log
+    assert "Row 2 skipped: the chat template rejects this row: System role not supported" in log
 
 
 @pytest.mark.slow

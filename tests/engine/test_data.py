@@ -112,7 +112,7 @@ def test_unusable_rows_are_skipped_with_reasons(tmp_path, tokenizer):
 
 def test_all_rows_unusable_is_an_error(tmp_path, tokenizer):
     p = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "q", "output": ""}])
-    with pytest.raises(DataError, match="no usable examples.*row 0"):
+    with pytest.raises(DataError, match="no usable examples.*row 1\\)"):
         prepare_dataset(DataConfig(source=str(p), max_seq_len=64), tokenizer)
 
 

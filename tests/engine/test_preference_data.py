@@ -141,11 +141,11 @@ def test_a_user_reward_file_is_called_and_its_errors_named(tmp_path):
     f.write_text("def reward(prompt, completion, **row):\n    return len(completion) / row['n']\n")
     (r,) = build_rewards([RewardConfig(kind="python", file=str(f))])
     assert r.name == "mine" and score([r], ["p"], ["abcd"], [{"n": 2}], [7]) == [[2.0]]
-    with pytest.raises(RewardError, match=r"reward 'mine' failed on row 7: ZeroDivisionError"):
+    with pytest.raises(RewardError, match=r"reward 'mine' failed on row 8: ZeroDivisionError"):
         score([r], ["p"], ["abcd"], [{"n": 0}], [7])
     f.write_text("def reward(prompt, completion, **row):\n    return float('nan')\n")
     (r,) = build_rewards([RewardConfig(kind="python", file=str(f))])
-    with pytest.raises(RewardError, match="returned nan on row 3"):
+    with pytest.raises(RewardError, match="returned nan on row 4"):
         score([r], ["p"], ["x"], [{}], [3])
     f.write_text("def scorer(): pass\n")
     with pytest.raises(RewardError, match=r"mine.py: defines no function `reward"):

@@ -52,7 +52,8 @@ def test_each_finding_names_its_row(tmp_path, tok):
         ("roles", 7),
     }, x.findings
     by = x.by_kind()
-    assert "row 0" in by["duplicate"][0].detail and "unknown role 'wizard'" in by["roles"][1].detail
+    # The duplicate names the row it repeats as a person reads it (from 1: index 0 is row 1).
+    assert "row 1" in by["duplicate"][0].detail and "unknown role 'wizard'" in by["roles"][1].detail
     assert set(by) == set(KINDS)
     assert x.over_limit() == 2 and len(x.lengths) == 7  # row 5 cannot be tokenized
 

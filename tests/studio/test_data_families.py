@@ -25,10 +25,11 @@ def test_gemma2_system_rows_are_listed_not_fatal(window, qtbot, tmp_path):
     top = [view.tree.topLevelItem(i) for i in range(view.tree.topLevelItemCount())]
     rejected = next(t for t in top if t.data(0, Qt.ItemDataRole.UserRole) == "rejected")
     rows = [rejected.child(i).text(1) for i in range(rejected.childCount())]
-    assert rows == ["1", "3"] and "System role not supported" in rejected.child(0).text(2)
+    # Indices 1 and 3, read from 1.
+    assert rows == ["2", "4"] and "System role not supported" in rejected.child(0).text(2)
     qtbot.waitUntil(lambda: dp.problems.rowCount() == 2, timeout=120_000)
     listed = {dp.problems.item(r, 0).text(): dp.problems.item(r, 1).text() for r in range(2)}
-    assert set(listed) == {"1", "3"} and all("fold_system_message" in why for why in listed.values())
+    assert set(listed) == {"2", "4"} and all("fold_system_message" in why for why in listed.values())
     with qtbot.waitSignal(dp.example_ready, timeout=60_000):
         dp.example_index.setValue(2)
     shown = dp.mask_view.text.toPlainText()

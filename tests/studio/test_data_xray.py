@@ -42,7 +42,7 @@ def test_xray_tab_lists_findings_and_opens_a_row(window, qtbot, tmp_path):
         if view.tree.topLevelItem(i).data(0, Qt.ItemDataRole.UserRole) == "duplicate"
     )
     child = dup.child(0)
-    assert child.text(1) == "6" and "row 0" in child.text(2)
+    assert child.text(1) == "7" and "row 1" in child.text(2)  # rows read from 1: index 6 is row 7
     with qtbot.waitSignal(dp.example_ready, timeout=60_000):
         view.tree.itemDoubleClicked.emit(child, 1)
     assert dp.tabs.currentIndex() == 1 and dp.example_index.value() == 6

@@ -146,7 +146,7 @@ def test_the_data_page_reads_preference_pairs_and_xrays_them(window, qtbot, tmp_
     items = [view.tree.topLevelItem(i) for i in range(view.tree.topLevelItemCount())]
     by_kind = {it.data(0, Qt.ItemDataRole.UserRole): it for it in items}
     assert set(by_kind) == {"identical_sides", "empty_side"}
-    assert by_kind["identical_sides"].child(0).text(1) == "1" and by_kind["empty_side"].child(0).text(1) == "2"
+    assert by_kind["identical_sides"].child(0).text(1) == "2" and by_kind["empty_side"].child(0).text(1) == "3"
     assert "chosen" in by_kind["empty_side"].child(0).text(2)
     assert dp.tabs.tabText(4) == "X-ray (2)"
     qtbot.waitUntil(lambda: dp.example is not None and dp.example.index == 0, timeout=60_000)

@@ -21,7 +21,8 @@ def test_xray_row_column_holds_row_numbers_only(qtbot):
     assert group.data(0, Qt.ItemDataRole.UserRole) == "duplicate"
     assert group.text(1) == ""  # a group is not a row: its count stays out of the Row column
     assert "3" in group.text(0)  # the count goes with the sentence
-    assert [group.child(i).text(1) for i in range(group.childCount())] == ["5", "9", "30"]
+    # Indices 5, 9 and 30, read from 1.
+    assert [group.child(i).text(1) for i in range(group.childCount())] == ["6", "10", "31"]
 
 
 def _train_page(qtbot, settings, runs_dir):

@@ -51,3 +51,26 @@ def test_data_page_table_is_the_rows_table(qtbot, settings, runs_dir):
     panel = DataPanel(StudioState(str(runs_dir)), settings)
     qtbot.addWidget(panel)
     assert isinstance(panel.table, RowsTable) and panel.table.model() is panel.rows_model
+
+
+def test_rows_are_numbered_from_1_where_a_person_reads_them(qtbot):
+    """Issue 28 item 10: rows counted from 0 while the file's lines count from 1. The table's row
+    headers and the Example box show 1..n; the indices behind them stay 0-based."""
+    from studio.widgets.rows_model import RowsModel, RowSpinBox
+
+    model = RowsModel()
+    model.set_source(_Source())
+    assert model.headerData(0, Qt.Orientation.Vertical) == "1"
+    box = RowSpinBox()
+    qtbot.addWidget(box)
+    box.setRange(0, 24_999)
+    box.setValue(0)
+    assert box.text() == "1"
+    box.lineEdit().selectAll()
+    QTest.keyClicks(box, "25000")
+    QTest.keyClick(box, Qt.Key.Key_Return)
+    assert box.value() == 24_999  # the last row, typed as a person counts it
+    box.lineEdit().selectAll()
+    QTest.keyClicks(box, "0")  # there is no row 0
+    QTest.keyClick(box, Qt.Key.Key_Return)
+    assert box.value() == 24_999

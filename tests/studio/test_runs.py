@@ -101,7 +101,7 @@ def test_unusable_rows_are_listed_and_100k_rows_stay_fast(window, qtbot, tmp_pat
     qtbot.wait(20)
     assert dp.rows_model.reads < 2_000
     problems = {int(dp.problems.item(r, 0).text()) for r in range(dp.problems.rowCount())}
-    assert {3, 70_000} <= problems
+    assert {4, 70_001} <= problems  # indices 3 and 70,000, read from 1
     assert dp.mapping.mapping() == {"instruction": "question", "output": "answer"}
 
 

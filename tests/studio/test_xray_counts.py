@@ -19,6 +19,7 @@ def test_xray_tab_counts_the_findings_not_kept(qtbot, monkeypatch):
     assert view.set_xray(x, {"duplicate": "duplicate rows"}) == 5
     group = view.tree.topLevelItem(0)
     assert "5 rows" in group.text(0)
-    assert [group.child(i).text(1) for i in range(group.childCount())] == ["1", "2", "…"]
+    # Indices 1 and 2, read from 1.
+    assert [group.child(i).text(1) for i in range(group.childCount())] == ["2", "3", "…"]
     assert "3 more" in group.child(2).text(2)
     assert "5</b> findings" in view.summary.text()
