@@ -371,6 +371,13 @@ class RunConfig:
             raise ConfigError("grpo.temperature", "temperature must be > 0 and top_p in (0, 1]")
         if g.beta < 0 or g.epsilon < 0 or g.epsilon_high < 0:
             raise ConfigError("grpo.beta", "beta, epsilon and epsilon_high must be >= 0")
+        if self.training.method.strip().lower() == "grpo" and not g.rewards:
+            raise ConfigError(
+                "grpo.rewards",
+                "GRPO needs at least one reward function: e.g. {kind: exact, column: answer} (a column of the "
+                "data), {kind: regex, pattern: ...} (a format), {kind: length, max_chars: ...} or {kind: python, "
+                "file: my_reward.py}",
+            )
         for i, r in enumerate(g.rewards):
             need = {"regex": "pattern", "exact": "column", "python": "file"}.get(r.kind)
             if need and not getattr(r, need).strip():

@@ -28,7 +28,7 @@ from typing import Optional
 from engine.data import plural, shown_row
 from engine.data.formats import ROLE_NAMES
 from engine.data.packing import PackingResult, pack_best_fit_decreasing
-from engine.data.render import ensure_chat_template
+from engine.data.render import ensure_chat_template, render
 from engine.data.sources import DataError, load_raw
 
 ALIASES = {
@@ -102,13 +102,16 @@ def _messages(value, what: str, role: str) -> list[dict]:
     return out
 
 
-def _ids(tokenizer, messages, generation_prompt=False) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _ids(tokenizer, messages, generation_prompt=False, fold_system=False) -> list[int]:
+    """The conversation's tokens through the one render (engine.data.render): a template that
+    rejects the row gives a RowError (a ValueError: the row is skipped with its reason), and
+    data.fold_system_message folds a system message the template has no turn for, as for SFT."""
+    text, _, _ = render(tokenizer, messages, fold_system, generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _answer_ids(tokenizer, prompt_msgs, prompt_ids, answer_msgs) -> list[int]:
-    full = _ids(tokenizer, prompt_msgs + answer_msgs)
+def _answer_ids(tokenizer, prompt_msgs, prompt_ids, answer_msgs, fold_system=False) -> list[int]:
+    full = _ids(tokenizer, prompt_msgs + answer_msgs, fold_system=fold_system)
     n = 0
     while n < min(len(full), len(prompt_ids)) and full[n] == prompt_ids[n]:
         n += 1
@@ -190,6 +193,7 @@ def prepare_preference_data(cfg, tokenizer, kind: str, extra_tokens: int = 0, ra
     fallback = ensure_chat_template(tokenizer)
     m = spec.mapping
     limit = cfg.max_seq_len
+    fold = bool(getattr(cfg, "fold_system_message", False))
     examples, docs, labels, rows, row_ids, skipped = [], [], [], [], [], []
     truncated = 0
     for i, row in enumerate(raw):
@@ -204,9 +208,9 @@ def prepare_preference_data(cfg, tokenizer, kind: str, extra_tokens: int = 0, ra
                         _messages(row.get(m["chosen"]), f"column '{m['chosen']}'", "assistant"),
                         _messages(row.get(m["rejected"]), f"column '{m['rejected']}'", "assistant"),
                     )
-                p = _ids(tokenizer, prompt, generation_prompt=True)
-                c = _answer_ids(tokenizer, prompt, p, chosen)
-                r = _answer_ids(tokenizer, prompt, p, rejected)
+                p = _ids(tokenizer, prompt, generation_prompt=True, fold_system=fold)
+                c = _answer_ids(tokenizer, prompt, p, chosen, fold)
+                r = _answer_ids(tokenizer, prompt, p, rejected, fold)
                 if c == r:
                     raise ValueError("chosen and rejected are the same answer (nothing to prefer)")
                 answers, cut = _fit(p, [c, r], limit, cfg.overlong)
@@ -224,13 +228,13 @@ def prepare_preference_data(cfg, tokenizer, kind: str, extra_tokens: int = 0, ra
                 label = row.get(m["label"])
                 if not isinstance(label, bool) and label not in (0, 1):
                     raise ValueError(f"column '{m['label']}' is {label!r}, not true/false")
-                p = _ids(tokenizer, prompt, generation_prompt=True)
-                c = _answer_ids(tokenizer, prompt, p, answer)
+                p = _ids(tokenizer, prompt, generation_prompt=True, fold_system=fold)
+                c = _answer_ids(tokenizer, prompt, p, answer, fold)
                 examples.append((p, c))
                 labels.append(bool(label))
             else:
                 prompt = _messages(row.get(m["prompt"]), f"column '{m['prompt']}'", "user")
-                p = _ids(tokenizer, prompt, generation_prompt=True)
+                p = _ids(tokenizer, prompt, generation_prompt=True, fold_system=fold)
                 if len(p) >= limit:
                     raise ValueError(f"the prompt takes {len(p)} tokens, more than a row's {limit}")
                 examples.append((p,))
@@ -268,8 +272,8 @@ def _kl_twins(examples, labels, row_ids, skipped, limit, overlong):
             skipped.append(
                 (
                     row_ids[j],
-                    f"prompt and answer take {len(p) + len(c)} tokens with the KL twin, "
-                    f"more than a row's {limit}; dropped",
+                    f"prompt and answer take {2 * len(p) + len(c) + len(kl)} tokens with the KL twin (the "
+                    f"prompt twice, its answer and the previous row's), more than a row's {limit}; dropped",
                 )
             )
             continue
@@ -295,6 +299,7 @@ def pair_findings(cfg, tokenizer, raw, spec: PreferenceSpec):
     - unreadable: anything else that stops the row (the sentence training would give)."""
     ensure_chat_template(tokenizer)
     m, limit = spec.mapping, cfg.max_seq_len
+    fold = bool(getattr(cfg, "fold_system_message", False))
     lengths, findings = [], []
     for i, row in enumerate(raw):
         sides = {}
@@ -327,9 +332,9 @@ def pair_findings(cfg, tokenizer, raw, spec: PreferenceSpec):
                 prompt = _messages(row.get(m["prompt"]), f"column '{m['prompt']}'", "user")
             else:
                 prompt, chosen, rejected = _shared_prompt(chosen, rejected)
-            p = _ids(tokenizer, prompt, generation_prompt=True)
-            c = _answer_ids(tokenizer, prompt, p, chosen)
-            r = _answer_ids(tokenizer, prompt, p, rejected)
+            p = _ids(tokenizer, prompt, generation_prompt=True, fold_system=fold)
+            c = _answer_ids(tokenizer, prompt, p, chosen, fold)
+            r = _answer_ids(tokenizer, prompt, p, rejected, fold)
         except ValueError as exc:
             if not (differs and "share no prompt" in str(exc)):  # said above: the prompts differ
                 findings.append(("unreadable", i, str(exc)))

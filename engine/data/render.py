@@ -94,23 +94,40 @@ def fold_system_message(messages: list[dict]) -> list[dict]:
     return rest
 
 
-def render(tokenizer, messages: list[dict], fold_system: bool = False) -> tuple[str, list[dict], bool]:
+def render(
+    tokenizer, messages: list[dict], fold_system: bool = False, generation_prompt: bool = False
+) -> tuple[str, list[dict], bool]:
     """(rendered text, the messages rendered, whether the system message was folded). RowError
-    when the template rejects the row."""
+    when the template rejects the row. `generation_prompt`: end with the assistant's opening (a
+    prompt that generation or a preference answer continues)."""
+
+    def apply(msgs):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False), messages, False
+        return apply(messages), messages, False
     except _template_errors() as exc:
         reason = str(exc) or type(exc).__name__
-        has_system = any(m["role"] == "system" for m in messages)
-        if has_system and fold_system and messages[0]["role"] == "system":
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        if has_system and fold_system:
             folded = fold_system_message(messages)
             try:
-                return tokenizer.apply_chat_template(folded, tokenize=False), folded, True
+                return apply(folded), folded, True
             except _template_errors() as again:
                 reason = f"{again or type(again).__name__} (after folding the system message into the first user turn)"
-        elif has_system and "system" in reason.lower():
+        elif has_system and _renders(apply, fold_system_message(messages)):
+            # The template has no system turn (Gemma-2's says so; Mistral v0.2's says the roles do
+            # not alternate): folding it into the first user turn renders, so offer that.
             reason += "; set data.fold_system_message: true to fold the system message into the first user turn"
         raise RowError(f"the chat template rejects this row: {reason}") from exc
+
+
+def _renders(apply, messages: list[dict]) -> bool:
+    try:
+        apply(messages)
+        return True
+    except _template_errors():
+        return False
 
 
 def _special_strings(tokenizer) -> list[str]:

@@ -154,3 +154,41 @@ def test_preview_pieces_keep_blanks_and_newlines(tmp_path, name, family_tokenize
     shown = "".join(p for p, _ in example.pieces)
     assert shown == tok.apply_chat_template(CONVERSATIONS["multi_turn"], tokenize=False)
     assert "Name a volcano in Italy." in shown and "Is it active?" in shown
+
+
+# -- the preference methods read rows through the same render --------------------------------------
+def _pairs(path, system: bool):
+    head = [{"role": "system", "content": "Answer with the number only."}] if system else []
+    rows = [
+        {
+            "prompt": head + [{"role": "user", "content": f"What is {i} plus 1?"}],
+            "chosen": [{"role": "assistant", "content": str(i + 1)}],
+            "rejected": [{"role": "assistant", "content": "I do not know."}],
+        }
+        for i in range(3)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["gemma-2", "mistral-v0.2"])
+def test_a_pair_the_template_rejects_is_a_rows_error_and_folding_trains_it(tmp_path, family_tokenizer, family):
+    """DPO's pairs on templates without a system turn (Gemma-2 says so, Mistral v0.2 says the roles
+    do not alternate): each row is dropped with its number, the template's reason and the option
+    that helps, never a crash of the run ('Training failed: TemplateError'); with
+    data.fold_system_message the system prompt goes into the first user turn and the pairs train,
+    each answer's tokens after the prompt's exactly as SFT renders them."""
+    from engine.data.preference import prepare_preference_data
+
+    tok = family_tokenizer(family)
+    source = _pairs(tmp_path / "pairs.jsonl", system=True)
+    with pytest.raises(DataError) as err:
+        prepare_preference_data(DataConfig(source=source, max_seq_len=256), tok, "paired")
+    text = str(err.value)
+    assert "row 1: the chat template rejects this row" in text and "data.fold_system_message: true" in text
+    data = prepare_preference_data(DataConfig(source=source, max_seq_len=256, fold_system_message=True), tok, "paired")
+    assert len(data.examples) == 3 and not data.skipped
+    prompt, chosen, _ = data.examples[0]
+    folded = [{"role": "user", "content": "Answer with the number only.\n\nWhat is 0 plus 1?"}]
+    whole = tok.apply_chat_template(folded + [{"role": "assistant", "content": "1"}], tokenize=False)
+    assert tok(whole, add_special_tokens=False)["input_ids"] == prompt + chosen

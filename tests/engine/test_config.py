@@ -48,3 +48,13 @@ def test_bad_yaml_names_the_file(tmp_path):
     p.write_text("training: [unclosed\n")
     with pytest.raises(ConfigError, match="broken.yaml"):
         RunConfig.load(p)
+
+
+def test_grpo_without_a_reward_is_refused_before_anything_loads():
+    """A GRPO config with no reward function is a config error naming grpo.rewards and what it may
+    hold (it failed after the model loaded, as 'Training failed: RewardError')."""
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({"training": {"method": "grpo"}}).validate()
+    assert err.value.path == "grpo.rewards" and "kind: exact, column: answer" in str(err.value)
+    RunConfig.from_dict({"training": {"method": "grpo"}, "grpo": {"rewards": [{"kind": "length"}]}}).validate()
+    RunConfig.from_dict({"training": {"method": "sft"}}).validate()  # other methods need none
