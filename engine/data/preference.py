@@ -102,6 +102,23 @@ def _messages(value, what: str, role: str) -> list[dict]:
     return out
 
 
+def reference_example(row: dict, spec: PreferenceSpec):
+    """A row of preference data as one example that other readers (the export's self-check)
+    score: a pair's prompt with its chosen answer, a KTO row's prompt with its completion, and a
+    GRPO prompt (no answer to score) as its text. ValueError for a row training would skip."""
+    m = spec.mapping
+    if spec.kind == "prompts":
+        prompt = _messages(row.get(m["prompt"]), f"column '{m['prompt']}'", "user")
+        return "\n".join(msg["content"] for msg in prompt)
+    if spec.kind == "unpaired":
+        prompt = _messages(row.get(m["prompt"]), f"column '{m['prompt']}'", "user")
+        return prompt + _messages(row.get(m["completion"]), f"column '{m['completion']}'", "assistant")
+    chosen = _messages(row.get(m["chosen"]), f"column '{m['chosen']}'", "assistant")
+    if "prompt" not in m:
+        return chosen  # the implicit-prompt format: the chosen conversation holds its prompt
+    return _messages(row.get(m["prompt"]), f"column '{m['prompt']}'", "user") + chosen
+
+
 def _ids(tokenizer, messages, generation_prompt=False, fold_system=False) -> list[int]:
     """The conversation's tokens through the one render (engine.data.render): a template that
     rejects the row gives a RowError (a ValueError: the row is skipped with its reason), and

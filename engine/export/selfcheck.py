@@ -120,7 +120,6 @@ def heldout_rows(cfg, limit: int) -> tuple[list, str]:
     """(messages per example, where they came from). The run's held-out file (data.eval_source)
     when it has one; the demo's held-out file for the demo data; otherwise the last rows of the
     training data, said as such."""
-    from engine.data.formats import detect_format, row_to_messages
     from engine.data.sources import load_raw
 
     eval_source = getattr(cfg.data, "eval_source", "")  # a run's own held-out file, when it names one
@@ -141,11 +140,11 @@ def heldout_rows(cfg, limit: int) -> tuple[list, str]:
         raw = load_raw(cfg.data)
         raw = raw.select(range(max(0, len(raw) - limit), len(raw)))
         origin = f"the last {min(limit, len(raw))} rows of the training data (the run has no held-out set)"
-    spec = detect_format(list(raw.column_names), cfg.data.format, cfg.data.columns)
+    to_example = _reader(cfg, list(raw.column_names))
     out = []
     for row in raw:
         try:
-            example = row_to_messages(row, spec)
+            example = to_example(row)
         except ValueError:
             continue  # a row training would skip as well
         out.append(example)
@@ -154,27 +153,48 @@ def heldout_rows(cfg, limit: int) -> tuple[list, str]:
     return out, origin
 
 
-def make_probes(tokenizer, examples: list) -> list[Probe]:
-    from engine.data.render import tokenize_example
+def _reader(cfg, columns: list[str]):
+    """row -> example, as the run's method reads its data: SFT's formats, or the preference kind of
+    DPO, ORPO, SimPO, KTO and GRPO (engine.data.preference.reference_example)."""
+    from engine.data.formats import detect_format, row_to_messages
+    from engine.data.preference import detect_preference_format, reference_example
+    from engine.data.preview import METHOD_DATA
 
+    kind = METHOD_DATA.get(str(getattr(cfg.training, "method", "sft")).lower())
+    if kind is not None:
+        spec = detect_preference_format(columns, kind, cfg.data.columns, cfg.data.source)
+        return lambda row: reference_example(row, spec)
+    spec = detect_format(columns, cfg.data.format, cfg.data.columns)
+    return lambda row: row_to_messages(row, spec)
+
+
+def make_probes(tokenizer, examples: list, data=None) -> list[Probe]:
+    """The examples as training renders them (`data`, the run's DataConfig: its
+    fold_system_message and earlier_reasoning); a row the template rejects is left out, as
+    training leaves it out."""
+    from engine.data.render import render, tokenize_example
+
+    fold = bool(getattr(data, "fold_system_message", False))
+    earlier = getattr(data, "earlier_reasoning", "drop") or "drop"
     probes = []
     for ex in examples:
-        tok = tokenize_example(tokenizer, ex, responses_only=True)
+        try:
+            tok = tokenize_example(tokenizer, ex, responses_only=True, fold_system=fold, earlier_reasoning=earlier)
+        except ValueError:
+            continue  # a row training would skip as well
         positions = [t for t in range(len(tok.ids) - 1) if tok.trained[t + 1]]
         if not positions:
             continue
         if isinstance(ex, str):  # a text row: score everything, generate from its first half
             prompt_ids, prompt = tok.ids[: max(1, len(tok.ids) // 2)], ex[:60]
+            text = ex + (tokenizer.eos_token or "")
         else:
             last_user = max(i for i, m in enumerate(ex) if m["role"] != "assistant")
             head = ex[: last_user + 1]
-            text = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
-            prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            head_text, _, _ = render(tokenizer, head, fold, generation_prompt=True)
+            prompt_ids = list(tokenizer(head_text, add_special_tokens=False)["input_ids"])
             prompt = head[-1]["content"]
-        if isinstance(ex, str):
-            text = ex + (tokenizer.eos_token or "")
-        else:
-            text = tokenizer.apply_chat_template(ex, tokenize=False)
+            text = tok.text or render(tokenizer, ex, fold)[0]
         probes.append(Probe(ex if not isinstance(ex, str) else [], tok.ids, positions, prompt_ids, prompt, text))
     return probes
 
@@ -358,8 +378,9 @@ class Reference:
         if self.built:
             return self
         self.tokenizer = trained_tokenizer(self.source)
-        examples, self.origin = heldout_rows(self.source.config(), MAX_EXAMPLES)
-        self.probes = make_probes(self.tokenizer, examples)
+        config = self.source.config()
+        examples, self.origin = heldout_rows(config, MAX_EXAMPLES)
+        self.probes = make_probes(self.tokenizer, examples, config.data)
         if not self.probes:
             raise RuntimeError(f"no held-out example to check with in {self.origin}")
         model = self.model()

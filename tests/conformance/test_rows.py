@@ -192,3 +192,19 @@ def test_a_pair_the_template_rejects_is_a_rows_error_and_folding_trains_it(tmp_p
     folded = [{"role": "user", "content": "Answer with the number only.\n\nWhat is 0 plus 1?"}]
     whole = tok.apply_chat_template(folded + [{"role": "assistant", "content": "1"}], tokenize=False)
     assert tok(whole, add_special_tokens=False)["input_ids"] == prompt + chosen
+
+
+def test_the_export_self_check_renders_rows_as_training_did(family_tokenizer):
+    """A Gemma-2 run trained with data.fold_system_message: the export's self-check renders its
+    held-out rows the same way (it raised 'System role not supported' and the export failed), and
+    a row the template rejects is left out, as training left it out."""
+    from engine.export.selfcheck import make_probes
+
+    tok = family_tokenizer("gemma-2")
+    rows = [CONVERSATIONS[n] for n in MIXED]
+    assert len(make_probes(tok, rows, DataConfig(source="x.jsonl"))) == 2  # the system rows are left out
+    probes = make_probes(tok, rows, DataConfig(source="x.jsonl", fold_system_message=True))
+    assert len(probes) == 4
+    folded = next(p for p in probes if p.messages[0]["role"] == "system")
+    assert tok(folded.text, add_special_tokens=False)["input_ids"] == folded.ids
+    assert "<start_of_turn>model" in tok.decode(folded.prompt_ids[-3:])
