@@ -33,6 +33,23 @@ from engine.api import (
     push_to_hub,
 )
 
+# The method's own figures a step line adds (StepMetrics.metrics, TRL's names), in this order.
+STEP_FIGURES = (
+    ("reward", "reward"),
+    ("reward_std", "±"),
+    ("kl", "kl"),
+    ("rewards/margins", "margin"),
+    ("rewards/accuracies", "acc"),
+    ("completion_length", "len"),
+)
+
+
+def _method_figures(metrics: dict | None) -> str:
+    """'  reward 0.41 ± 0.32  kl 0.002': what tells a DPO or GRPO run's progress (its loss alone
+    does not: GRPO's is beta x KL); nothing for SFT."""
+    shown = [f"{word} {metrics[key]:.3g}" for key, word in STEP_FIGURES if key in (metrics or {})]
+    return ("  " + "  ".join(shown)).replace("  ± ", " ± ") if shown else ""
+
 
 def _print_event(event) -> None:
     if isinstance(event, StepMetrics):
@@ -40,7 +57,7 @@ def _print_event(event) -> None:
         print(
             f"step {event.step}/{event.total_steps}  loss {event.loss:.4f}  lr {event.lr:.2e}  "
             f"grad {event.grad_norm:.3f}  {event.tokens_per_second:,.0f} tok/s  "
-            f"{event.step_seconds * 1000:.0f} ms  mem {mem:.2f} GiB",
+            f"{event.step_seconds * 1000:.0f} ms  mem {mem:.2f} GiB" + _method_figures(event.metrics),
             flush=True,
         )
     elif isinstance(event, LogLine):

@@ -4,6 +4,8 @@ that fails names itself and the row, and the run ends with that message (not a t
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
 from engine.resources import DEMO_PRESET
@@ -27,6 +29,8 @@ def test_dpo_from_the_command_line(tmp_path):
     out = cli("train", str(path), "--output", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "step 2/2" in out.stdout and "finished" in out.stdout
+    # Each step line shows what tells a DPO run's progress beside its loss.
+    assert re.search(r"step 2/2 .* margin -?[0-9.e-]+  acc [0-9.]+", out.stdout), out.stdout
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
 
@@ -40,6 +44,7 @@ def test_grpo_with_a_user_reward_file_from_the_command_line(tmp_path):
     out = cli("train", str(path), "--output", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "finished" in out.stdout
+    assert re.search(r"step 1/\d+ .* reward [0-9.e-]+ ± [0-9.e-]+ .* len [0-9.]+", out.stdout), out.stdout
 
     reward.write_text("def reward(prompt, completion, **row):\n    return row['no_such_column']\n")
     out = cli("train", str(path), "--output", str(tmp_path / "run2"))
