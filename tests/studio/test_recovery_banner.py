@@ -7,7 +7,6 @@ NaN, and for a full disk (with the pause it causes); the measured pre-flight on 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from studio_helpers import screenshot
@@ -15,6 +14,7 @@ from studio_helpers import screenshot
 from engine.api import RunConfig, event_from_dict
 from engine.resources import DEMO_PRESET
 from engine.train.session import Faults, TrainingSession
+from tests.engine.test_recovery import FakeFree
 
 
 def run_events(tmp_path, faults, steps=3, rows=4, save_every=0, on_event=None, preflight="on"):
@@ -91,14 +91,12 @@ def test_out_of_memory_and_the_preflight_show_on_the_monitor_and_train_pages(tmp
 
 
 def test_a_rollback_and_a_full_disk_show_as_banners(tmp_path, monitor):
-    free = {"bytes": 4096}
-
-    def disk_free(path):
-        return free["bytes"] if free["bytes"] is not None else shutil.disk_usage(path).free
+    # 4 KiB free from the first checkpoint on (the check before the run starts sees the real disk).
+    disk_free = FakeFree(4096)
 
     def make_room(session, e):
         if e.kind == "Paused" and e.reason:
-            free["bytes"] = None
+            disk_free.free = None  # the person freed some space
             session.request_resume()
 
     faults = Faults(nan_at_steps=[2], disk_free=disk_free)
