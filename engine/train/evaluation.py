@@ -54,24 +54,34 @@ class HeldOut:
         return [prompt_ids_of(d, t) for d, t in zip(self.docs[:n], self.trained[:n])]
 
 
-def split_heldout(data, fraction: float, seed: int):
-    """(training data, HeldOut or None, one sentence for the log). The held-out examples are
-    drawn with `seed` and removed from the training data, which is packed again."""
+def draw_heldout(n: int, fraction: float, seed: int, what: str = "the eval loss") -> tuple[list[int], str]:
+    """The held-out split's rule, for every method: (the indices held out, sorted, or [] for none;
+    one sentence for the log). At least EVAL_MIN_EXAMPLES examples, `fraction` of them, at most
+    EVAL_MAX_EXAMPLES, drawn with `seed`."""
     from engine.data import plural
-    from engine.data.packing import pack_best_fit_decreasing
 
-    n = len(data.docs)
     if fraction <= 0:
-        return data, None, ""
+        return [], ""
     if n < EVAL_MIN_EXAMPLES:
-        return (
-            data,
-            None,
+        return [], (
             f"No held-out split: {plural(n, 'example')} (it takes {EVAL_MIN_EXAMPLES} or more; "
-            "data.eval_source can name a separate file)",
+            "data.eval_source can name a separate file)"
         )
     k = max(1, min(EVAL_MAX_EXAMPLES, round(n * fraction)))
     held = sorted(random.Random(seed).sample(range(n), k))
+    note = f"Held out {plural(k, 'example')} of {n} for {what} ({k / n:.1%}, drawn with seed {seed}; never trained on)"
+    return held, note
+
+
+def split_heldout(data, fraction: float, seed: int):
+    """(training data, HeldOut or None, one sentence for the log). The held-out examples
+    (`draw_heldout`) are removed from the training data, which is packed again."""
+    from engine.data.packing import pack_best_fit_decreasing
+
+    n = len(data.docs)
+    held, note = draw_heldout(n, fraction, seed)
+    if not held:
+        return data, None, note
     chosen = set(held)
     keep = [i for i in range(n) if i not in chosen]
     docs = [data.docs[i] for i in keep]
@@ -79,10 +89,6 @@ def split_heldout(data, fraction: float, seed: int):
     packing = pack_best_fit_decreasing([len(d) for d in docs], data.packing.row_tokens)
     train = dataclasses.replace(data, docs=docs, trained=trained, packing=packing)
     heldout = HeldOut([data.docs[i] for i in held], [data.trained[i] for i in held], "split")
-    note = (
-        f"Held out {plural(k, 'example')} of {n} for the eval loss ({k / n:.1%}, drawn with seed {seed}; "
-        "never trained on)"
-    )
     return train, heldout, note
 
 

@@ -15,7 +15,6 @@ gallery's prompts (each example's prompt). The best checkpoint is the lowest hel
 from __future__ import annotations
 
 import dataclasses
-import random
 from dataclasses import dataclass
 
 import torch
@@ -166,28 +165,16 @@ def _subset(data, keep: list[int]):
 
 
 def split_pairs(data, fraction: float, seed: int):
-    """(training data, PairHeldOut or None, one sentence for the log): SFT's rule (at least
-    EVAL_MIN_EXAMPLES examples, this share of them, at most EVAL_MAX_EXAMPLES, drawn with
-    `seed`); the held-out examples are removed from the training data, which is packed again."""
-    from engine.data import plural
-    from engine.train.evaluation import EVAL_MAX_EXAMPLES, EVAL_MIN_EXAMPLES
+    """(training data, PairHeldOut or None, one sentence for the log): SFT's rule
+    (engine.train.evaluation.draw_heldout); the held-out examples are removed from the training
+    data, which is packed again."""
+    from engine.train.evaluation import draw_heldout
 
     n = len(data.examples)
-    if fraction <= 0:
-        return data, None, ""
-    if n < EVAL_MIN_EXAMPLES:
-        return (
-            data,
-            None,
-            f"No held-out split: {plural(n, 'example')} (it takes {EVAL_MIN_EXAMPLES} or more; "
-            "data.eval_source can name a separate file)",
-        )
-    k = max(1, min(EVAL_MAX_EXAMPLES, round(n * fraction)))
-    held = sorted(random.Random(seed).sample(range(n), k))
+    held, note = draw_heldout(n, fraction, seed, what="the eval")
+    if not held:
+        return data, None, note
     taken = set(held)
-    note = (
-        f"Held out {plural(k, 'example')} of {n} for the eval ({k / n:.1%}, drawn with seed {seed}; never trained on)"
-    )
     return _subset(data, [i for i in range(n) if i not in taken]), PairHeldOut(_subset(data, held), "split"), note
 
 
