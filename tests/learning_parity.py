@@ -1,4 +1,4 @@
-"""The learning-parity check shared by the CPU tier (tests/engine/test_learning.py) and the GPU
+"""The learning-parity check shared by the CPU tier (tests/engine/train/test_learning.py) and the GPU
 tier (tests/gpu/test_learning_gpu.py).
 
 A fast path is done when it learns like the stock path over many optimizer steps, not when one

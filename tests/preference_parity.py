@@ -6,7 +6,7 @@ can hold it against a TRL trainer run on the other copy.
 `trl_run(method, setting, dir)` trains TRL's trainer for DPO, ORPO, SimPO (CPOTrainer) or KTO on
 one twin and `our_run(method, setting, model, data)` the other twin through the engine; a
 `Setting` says where (CPU or CUDA), how many steps and in which dtype. The CPU suite
-(tests/engine/test_preference_parity.py) runs 6 fp32 steps, the GPU tier
+(tests/engine/train/test_preference_parity.py) runs 6 fp32 steps, the GPU tier
 (tests/gpu/test_preference_parity_gpu.py) 30 on CUDA: the same code.
 """
 

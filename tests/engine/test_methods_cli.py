@@ -10,7 +10,7 @@ import yaml
 
 from engine.resources import DEMO_PRESET
 from tests.engine.test_cli import cli
-from tests.engine.test_methods_session import write_pairs, write_prompts
+from tests.engine.train.test_methods_session import write_pairs, write_prompts
 
 
 def _config(tmp_path, method, source, **grpo):

@@ -347,7 +347,7 @@ GRPO_MIN_RISE = 0.05  # mean reward of the last 10 steps over the first 10 (the 
 
 
 def _method_data(root: Path, method: str) -> Path:
-    from tests.engine.test_methods_session import write_pairs, write_prompts, write_unpaired
+    from tests.engine.train.test_methods_session import write_pairs, write_prompts, write_unpaired
 
     write = {"kto": write_unpaired, "grpo": write_prompts}.get(method, write_pairs)
     path = root / f"{method}.jsonl"

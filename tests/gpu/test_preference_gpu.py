@@ -2,7 +2,7 @@
 (16,384 tokens, Qwen3's 151,936 vocabulary) against the full-logits reference, without the logits
 materialised; and each method trains the demo model through the session on the GPU, with the
 Triton log-prob kernel counted and no "adapters disabled" fallback in the reference pass. (The
-parity suites against TRL run on the CPU: tests/engine/test_preference_parity.py and
+parity suites against TRL run on the CPU: tests/engine/train/test_preference_parity.py and
 test_grpo_parity.py.)
 
 Run on the GPU host:  python -m pytest -m gpu tests/gpu/test_preference_gpu.py -q -s
@@ -60,7 +60,7 @@ def test_token_logp_at_real_shapes(hidden_size, vocab, dtype, tol):
 @pytest.mark.parametrize("method", ["dpo", "orpo", "simpo", "kto", "grpo"])
 def test_each_method_trains_a_tiny_qwen3_on_the_gpu(tmp_path, method):
     from engine.config import RewardConfig
-    from tests.engine.test_methods_session import config, run, write_pairs, write_prompts, write_unpaired
+    from tests.engine.train.test_methods_session import config, run, write_pairs, write_prompts, write_unpaired
 
     source = {"kto": write_unpaired, "grpo": write_prompts}.get(method, write_pairs)(tmp_path / "data.jsonl")
     cfg = config(tmp_path, method, source, steps=4)

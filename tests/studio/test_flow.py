@@ -47,7 +47,7 @@ def test_model_data_train_pause_resume_stop_export_chat(window, qtbot, runs_dir,
     assert m.lr.point_count() >= 3 and m.memory.point_count() >= 3 and m.tps.point_count() >= 3
     # The packing counters: metadata built once per micro-batch (one per step here). The only
     # host reads are the CPU reference attention's (one per layer call, counted as syncs),
-    # which a GPU does not make; tests/engine/test_fastpath_counters.py sniffs for any other.
+    # which a GPU does not make; tests/engine/fastpath/test_fastpath_counters.py sniffs for any other.
     last = m.last_metrics
     assert last.host_syncs == last.fast_path_calls.get("attention:reference", 0) > 0
     assert f"packing meta 1×, {last.host_syncs} syncs" in m.eta.text()

@@ -14,7 +14,7 @@ from studio_helpers import screenshot
 from test_runs_page import select, show_runs
 
 from engine.config import RewardConfig
-from tests.engine.test_methods_session import config, run, write_pairs, write_prompts
+from tests.engine.train.test_methods_session import config, run, write_pairs, write_prompts
 
 
 @pytest.fixture

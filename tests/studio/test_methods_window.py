@@ -13,7 +13,7 @@ import pytest
 from studio_helpers import screenshot
 from test_runs_page import configure, train
 
-from tests.engine.test_methods_session import write_pairs, write_prompts
+from tests.engine.train.test_methods_session import write_pairs, write_prompts
 
 
 def test_the_selector_names_every_engine_method():

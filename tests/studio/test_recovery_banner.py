@@ -14,7 +14,7 @@ from studio_helpers import screenshot
 from engine.api import RunConfig, event_from_dict
 from engine.resources import DEMO_PRESET
 from engine.train.session import Faults, TrainingSession
-from tests.engine.test_recovery import FakeFree
+from tests.engine.train.test_recovery import FakeFree
 
 
 def run_events(tmp_path, faults, steps=3, rows=4, save_every=0, on_event=None, preflight="on"):

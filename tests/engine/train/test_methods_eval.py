@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.events import EvalMetrics, GalleryAnswers
-from tests.engine.test_methods_session import config, demo_rows, write_pairs, write_unpaired
+from tests.engine.train.test_methods_session import config, demo_rows, write_pairs, write_unpaired
 
 
 def held_pairs(tmp_path, n=12):
@@ -109,7 +109,7 @@ def test_grpo_evaluates_greedy_answers_to_held_out_prompts(tmp_path):
     from engine.config import RewardConfig
     from engine.events import Failed
     from engine.train.session import TrainingSession
-    from tests.engine.test_methods_session import write_prompts
+    from tests.engine.train.test_methods_session import write_prompts
 
     held = tmp_path / "held_prompts.jsonl"
     rows = demo_rows(52)[40:]
@@ -149,7 +149,7 @@ def test_a_grpo_split_keeps_one_prompt_a_row(tmp_path):
     from engine.config import RewardConfig
     from engine.models.loading import load_tokenizer
     from engine.train.objectives import objective_for
-    from tests.engine.test_methods_session import write_prompts
+    from tests.engine.train.test_methods_session import write_prompts
 
     cfg = config(tmp_path, "grpo", write_prompts(tmp_path / "prompts.jsonl", n=400))
     cfg.data.eval_fraction = 0.05

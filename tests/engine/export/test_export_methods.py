@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import RewardConfig
 from engine.export import export_and_check
-from tests.engine.test_methods_session import config, run, write_pairs, write_prompts
+from tests.engine.train.test_methods_session import config, run, write_pairs, write_prompts
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import torch
 from engine.config import FastPathConfig
 from engine.counters import reset_counters
 from engine.models.patches import apply_fast_paths
-from tests.test_patches import packed_batch, tiny
+from tests.engine.models.test_patches import packed_batch, tiny
 
 
 def test_adapters_off_stays_on_the_fused_path_and_gives_the_base():

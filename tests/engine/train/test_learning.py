@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from learning_parity import compare, curve_table, learnable_jsonl, make_config, stock, train  # noqa: E402
 
 # Every fast path on (the CPU runs their torch references; the Triton kernels have their own

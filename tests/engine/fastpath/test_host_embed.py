@@ -16,8 +16,8 @@ from engine.fastpath import host_embed
 from engine.fastpath.host_embed import HostEmbedding, host_embedding, is_tied, move_to_host, why_not
 from engine.train.session import Faults
 from engine.train.step import forward_loss, prepare_model
+from tests.engine.models.test_patches import tiny
 from tests.learning_parity import learnable_jsonl, make_config, random_model_folder
-from tests.test_patches import tiny
 
 CPU = torch.device("cpu")
 
@@ -69,7 +69,7 @@ def test_who_may_move_the_table():
 
 def small_model_and_data(root, tied: bool):
     """(model folder, learnable data) of a 2-layer Qwen3 with or without a tied head, for runs
-    through the session (shared with tests/engine/test_host_head.py)."""
+    through the session (shared with tests/engine/fastpath/test_host_head.py)."""
     folder = random_model_folder(
         root / "model",
         "qwen3",
@@ -86,7 +86,7 @@ def small_model_and_data(root, tied: bool):
 
 def short_run(tmp_path, model_and_data, faults=None):
     """4 steps of 2 rows of 64 tokens in fp32, no pre-flight: (session, result, events)."""
-    from tests.engine.test_recovery import train
+    from tests.engine.train.test_recovery import train
 
     folder, data = model_and_data
     cfg = make_config(str(folder), data, tmp_path, steps=4, seq=64, rows=2, preflight="off")

@@ -100,7 +100,7 @@ def test_packed_matches_unpacked(kind, backend):
     got = _packed_run(model, ids, info)
     # Cached metadata: the layers built nothing. The Triton kernel never reads the device; the
     # reference (the CPU path) reads cu_seqlens once per layer, and says so. (Uncounted reads
-    # are caught by the sniffer in tests/engine/test_fastpath_counters.py.)
+    # are caught by the sniffer in tests/engine/fastpath/test_fastpath_counters.py.)
     counts = packed.reset_counters()
     layers = model.config.num_hidden_layers
     if backend == "triton":

@@ -28,7 +28,7 @@ from engine.config import RewardConfig, RunConfig
 from engine.events import Failed, LogLine, StepMetrics
 from engine.resources import DEMO_PRESET
 from engine.train.session import TrainingSession
-from tests.engine.test_methods_session import config, write_prompts
+from tests.engine.train.test_methods_session import config, write_prompts
 
 
 def cold_start(tmp_path, steps=16):

@@ -9,7 +9,7 @@ import torch
 from engine.config import FastPathConfig
 from engine.data.collate import PackedBatch
 from engine.train.step import forward_loss, prepare_model
-from tests.test_patches import tiny
+from tests.engine.models.test_patches import tiny
 
 LENGTHS = (7, 12, 5, 9)
 
@@ -88,7 +88,7 @@ def test_no_grad_forward_in_train_mode_skips_the_offload():
 
 def test_session_reports_the_offload_mode_per_step(tmp_path):
     from engine.events import StepMetrics
-    from tests.engine.test_session import run, tiny_config
+    from tests.engine.train.test_session import run, tiny_config
 
     cfg = tiny_config(tmp_path, steps=2, offload="single", gradient_checkpointing=True)
     result, events = run(cfg)
@@ -171,7 +171,7 @@ def test_out_of_memory_with_kept_attention_reruns_the_step_without_keeping(tmp_p
     from engine.events import StepMetrics
     from engine.fastpath import offload
     from engine.train import step as step_mod
-    from tests.engine.test_session import run, tiny_config
+    from tests.engine.train.test_session import run, tiny_config
 
     def losses(inject: bool):
         monkeypatch.setattr(offload, "ATTENTION_KEEP_MIN_SHARE", 0.0 if inject else float("inf"))

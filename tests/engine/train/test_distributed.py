@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from engine.resources import DEMO_PRESET
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _config(tmp_path: Path, steps: int = 6, save_every: int = 3) -> Path:

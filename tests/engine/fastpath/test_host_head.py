@@ -20,8 +20,8 @@ from engine.kernels.fused_ce import fused_linear_cross_entropy_reference
 from engine.peft_model import hf_model
 from engine.train.session import Faults
 from engine.train.step import forward_loss, prepare_model
-from tests.engine.test_host_embed import movable_on_the_cpu, short_run, small_model_and_data
-from tests.test_patches import tiny
+from tests.engine.fastpath.test_host_embed import movable_on_the_cpu, short_run, small_model_and_data
+from tests.engine.models.test_patches import tiny
 
 CPU = torch.device("cpu")
 

@@ -331,7 +331,7 @@ def test_fallback_on_a_gpu_is_a_warning():
     assert "lora_mlp: autocast" in logs[0].message and "lora_mlp" in logs[1].message
 
 
-# -- a real host-read sniffer (see also tests/engine/test_moe.py) ---------------------------------
+# -- a real host-read sniffer (see also tests/engine/fastpath/test_moe.py) ---------------------------------
 
 _READS_HOST = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy")
 

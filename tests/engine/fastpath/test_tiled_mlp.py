@@ -17,7 +17,7 @@ from engine.fastpath import tiled_mlp
 from engine.fastpath.tiled_mlp import tile_of, tile_tokens
 from engine.train.session import Faults
 from engine.train.step import forward_loss, prepare_model, tile_mlps
-from tests.test_patches import tiny
+from tests.engine.models.test_patches import tiny
 
 CPU = torch.device("cpu")
 TILE = 16
@@ -82,7 +82,7 @@ def test_tiles_are_sized_by_the_mlp_width():
 
 
 def test_out_of_memory_at_one_row_tiles_the_mlps_and_loses_nothing(tmp_path, small_tiles):
-    from tests.engine.test_recovery import config, train
+    from tests.engine.train.test_recovery import config, train
 
     def short_of_memory(attempt):  # from step 2 on, one row fits only with tiled MLPs
         return attempt["step"] >= 2 and not attempt["tiled_mlp"]

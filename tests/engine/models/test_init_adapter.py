@@ -10,7 +10,7 @@ import torch
 from engine.config import ConfigError
 from engine.events import Failed
 from engine.train.session import TrainingSession
-from tests.engine.test_session import run, tiny_config
+from tests.engine.train.test_session import run, tiny_config
 
 
 @pytest.fixture(scope="module")

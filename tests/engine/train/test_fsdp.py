@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from engine.config import FSDP_4BIT_REFUSAL, ConfigError, RunConfig
 from engine.resources import DEMO_PRESET
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _config(tmp_path: Path, name: str, distributed: str, fast: bool = False, accum: int = 2) -> Path:

@@ -39,7 +39,7 @@ from engine.events import (
 from engine.resources import DEMO_PRESET
 from engine.train.session import Faults, TrainingSession
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def config(tmp_path, steps=5, rows=2, accum=2, **training) -> RunConfig:
