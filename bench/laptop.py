@@ -83,26 +83,38 @@ OVERRIDES = {
     "rows": ("training", "rows_per_micro_batch"),
     "accum": ("training", "grad_accum"),
     "host": ("fast_paths", "host_embeddings"),  # 1: the table in host memory from the start; 0: never
+    "method": ("training", "method"),  # dpo, orpo, simpo: trains on pairs (write_pairs_jsonl); sft: on text
 }
+# The methods a case may name, each with the data file it reads: SFT the text documents, the
+# paired methods a pairs file written from the same chain (write_pairs_jsonl).
+CASE_METHODS = {"sft": "data.jsonl", "dpo": "pairs.jsonl", "orpo": "pairs.jsonl", "simpo": "pairs.jsonl"}
 
 
 def parse_case(text: str) -> tuple[float, str, bool, dict]:
     """ "8:qwen3-4b-qlora" -> (8, "qwen3-4b", True, {}); "7.5:qwen3-8b-qlora+seq=8192+rows=1"
-    -> (7.5, "qwen3-8b", True, {"seq": 8192, "rows": 1}). A cap between the cards' sizes is
-    the next larger card with part of its memory taken (a desktop on the same GPU)."""
+    -> (7.5, "qwen3-8b", True, {"seq": 8192, "rows": 1}); "+method=dpo" keeps its name. A cap
+    between the cards' sizes is the next larger card with part of its memory taken (a desktop on
+    the same GPU)."""
     cap_text, _, rest = text.partition(":")
     model, *extra = rest.split("+")
     qlora = model.endswith("-qlora")
     model = model.removesuffix("-qlora")
     try:
         cap = float(cap_text)
-        overrides = {k: int(v) for k, _, v in (e.partition("=") for e in extra)}
+        overrides = {k: v if k == "method" else int(v) for k, _, v in (e.partition("=") for e in extra)}
     except ValueError:
-        raise SystemExit(f"bad case {text!r}: CAP:MODEL[-qlora][+seq=N][+rows=N][+accum=N][+host=0|1]") from None
-    if model not in MODELS or not any(cap <= c for c in CARDS) or set(overrides) - set(OVERRIDES):
+        raise SystemExit(
+            f"bad case {text!r}: CAP:MODEL[-qlora][+seq=N][+rows=N][+accum=N][+host=0|1][+method=NAME]"
+        ) from None
+    if (
+        model not in MODELS
+        or not any(cap <= c for c in CARDS)
+        or set(overrides) - set(OVERRIDES)
+        or overrides.get("method", "sft") not in CASE_METHODS
+    ):
         raise SystemExit(
             f"unknown case {text!r}: caps up to {max(CARDS)} GiB, models {sorted(MODELS)} (+ '-qlora'), "
-            f"overrides {sorted(OVERRIDES)}"
+            f"overrides {sorted(OVERRIDES)}, methods {sorted(CASE_METHODS)}"
         )
     return (int(cap) if cap.is_integer() else cap), model, qlora, overrides
 
@@ -139,6 +151,45 @@ def model_folder(root: Path, name: str) -> Path:
     torch.cuda.empty_cache()
     tmp.rename(folder)
     return folder
+
+
+def write_pairs_jsonl(path: Path, n_pairs: int, seed: int = 0, words: tuple[int, int] = (250, 550)) -> Path:
+    """A JSONL file of {"prompt", "chosen", "rejected"} rows a paired method (DPO) reads, learnable
+    like the SFT data: one document of the chain (engine.data.synthetic) split about 2:3 into the
+    prompt and the chosen answer, which continues it; the rejected answer is the chosen one's words
+    shuffled (same length and words, the chain broken), so the chosen answer is the one a model
+    of the chain prefers. With the demo tokenizer's few pieces per word, `words` makes a prompt
+    and one answer ~1,024 tokens (W10's pairs), both sides of a pair ~2,048 (`+seq=2048`)."""
+    import numpy as np
+
+    from engine.data.synthetic import text_documents
+
+    rng = np.random.default_rng(seed + 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for doc in text_documents(n_pairs, seed, words_per_doc=words):
+            w = doc.split()
+            cut = len(w) * 2 // 5
+            answer = w[cut:]
+            shuffled = [answer[i] for i in rng.permutation(len(answer))]
+            row = {"prompt": " ".join(w[:cut]), "chosen": " ".join(answer), "rejected": " ".join(shuffled)}
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def case_data(work: Path, overrides: dict) -> Path:
+    """The data file of a case's method (CASE_METHODS), written once in `work`."""
+    path = work / CASE_METHODS[overrides.get("method", "sft")]
+    if not path.exists():
+        from engine.data.synthetic import write_text_jsonl
+
+        if path.name == "pairs.jsonl":
+            write_pairs_jsonl(path, 1500)
+        else:
+            write_text_jsonl(path, 3000, seed=0, words_per_doc=(200, 700))
+    return path
 
 
 def run_config(
@@ -186,6 +237,8 @@ def summarize_run(run: Path, cap_gib: int) -> dict:
             loss_last=steps[-1]["loss"],
             offload=steps[-1].get("offload", ""),
         )
+        if steps[-1].get("metrics"):  # a method's own measures (DPO: margins, accuracy), first and last step
+            rec["method_metrics"] = {"first": steps[0].get("metrics"), "last": steps[-1]["metrics"]}
     cfg_file = RunFolder(run).config
     if cfg_file.exists():
         import yaml
@@ -237,15 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         print(table(args.table) if Path(args.table).exists() else f"no records in {args.table}")
         return 0
 
-    from engine.data.synthetic import write_text_jsonl
-
     t0 = time.monotonic()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    data = work / "data.jsonl"
-    if not data.exists():
-        write_text_jsonl(data, 3000, seed=0, words_per_doc=(200, 700))
     cases = [parse_case(c) for c in args.cases.split(",")]
+    data = {CASE_METHODS[o.get("method", "sft")]: case_data(work, o) for *_, o in cases}
     # Model folders are written in the background, in case order, while earlier cases train:
     # writing an 8B or 14B folder takes longer than a case, and a call's time is short.
     builder = ThreadPoolExecutor(max_workers=1)
@@ -267,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         folder, build_s = folders[name].result()
         run = work / "runs" / case.replace(":", "g-").replace("+", "-").replace("=", "")
         shutil.rmtree(run, ignore_errors=True)
-        cfg = run_config(folder, data, qlora, args.steps, run, overrides, args.grad_accum)
+        source = data[CASE_METHODS[overrides.get("method", "sft")]]
+        cfg = run_config(folder, source, qlora, args.steps, run, overrides, args.grad_accum)
         env = dict(os.environ, TUNESMITH_EMULATE_GPU=f"{card_for(cap)}:{cap}")
         start = time.monotonic()
         # A case that runs past its time is stopped, and what it measured so far is still
