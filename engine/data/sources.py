@@ -6,8 +6,11 @@ its file and line number instead of an Arrow stack trace.
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from pathlib import Path
+from typing import Iterator
 
 from engine.config import DataConfig
 from engine.resources import DEMO_DATA_FILE
@@ -43,28 +46,33 @@ def _nul_error(path: Path, lineno: int) -> DataError:
     return DataError(f"{path} line {lineno} contains NUL bytes (\\x00): the file may be binary or UTF-16")
 
 
-def _check_text(path: Path, nul: bool = True) -> None:
-    """Raise a DataError naming the line and column of the first bytes of a text file that are not
-    UTF-8 (and, with `nul`, the first line holding NUL bytes). Reads line by line: a UTF-8
-    character never spans a newline byte, so each line decodes on its own."""
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of a text file, read one line at a time; a DataError names
+    the line and column of the first bytes that are not UTF-8, or the first line holding NUL bytes.
+    A UTF-8 character never spans a newline byte, so each line decodes on its own."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                column = len(raw[: exc.start].decode("utf-8", errors="replace")) + 1
+                hint = (
+                    " (it starts with a UTF-16 byte order mark)" if lineno == 1 and raw.startswith(_UTF16_BOMS) else ""
+                )
+                raise DataError(
+                    f"{path} is not UTF-8 text{hint}: line {lineno}, column {column} holds the byte "
+                    f"0x{raw[exc.start]:02x}, which UTF-8 cannot decode; save the file as UTF-8"
+                ) from exc
+            if "\x00" in line:
+                raise _nul_error(path, lineno)
+            yield lineno, line
+
+
+def _check_text(path: Path) -> None:
+    """Raise a DataError naming the first line of a text file that is not UTF-8 or holds NUL bytes."""
     try:
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    column = len(raw[: exc.start].decode("utf-8", errors="replace")) + 1
-                    hint = (
-                        " (it starts with a UTF-16 byte order mark)"
-                        if lineno == 1 and raw.startswith(_UTF16_BOMS)
-                        else ""
-                    )
-                    raise DataError(
-                        f"{path} is not UTF-8 text{hint}: line {lineno}, column {column} holds the byte "
-                        f"0x{raw[exc.start]:02x}, which UTF-8 cannot decode; save the file as UTF-8"
-                    ) from exc
-                if nul and "\x00" in line:
-                    raise _nul_error(path, lineno)
+        for _ in _text_lines(path):
+            pass
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
@@ -83,36 +91,95 @@ def _check_parquet(path: Path) -> None:
 
 
 def _check_json(path: Path) -> None:
-    """Raise a DataError naming the first malformed line of a JSON or JSON Lines file."""
+    """Raise a DataError naming the first malformed line of a JSON or JSON Lines file. The file is
+    read a line (a JSON list: a chunk of lines) at a time: reading it whole was most of the X-ray's
+    peak memory on a big file (a 300 MB file held as text and again as a list of lines)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        _check_text(path, nul=False)  # raises, naming the line and column
-        raise  # pragma: no cover - the line scan always finds what the whole-file decode found
+        lines = _text_lines(path)
+        for lineno, line in lines:
+            if line.strip():
+                break
+        else:
+            raise DataError(f"{path} is empty: it holds no examples")
+        if line.lstrip().startswith("[") and path.suffix.lower() == ".json":
+            _check_json_list(path, lineno, line, lines)
+            return
+        for lineno, line in itertools.chain([(lineno, line)], lines):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from exc
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if "\x00" in text:
-        raise _nul_error(path, text.count("\n", 0, text.index("\x00")) + 1)
-    stripped = text.lstrip()
-    if not stripped:
-        raise DataError(f"{path} is empty: it holds no examples")
-    if stripped.startswith("[") and path.suffix.lower() == ".json":
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path} line {exc.lineno}: malformed JSON ({exc.msg})") from exc
-        if not all(isinstance(r, dict) for r in rows):
-            raise DataError(f"{path}: every item of the JSON list must be an object with fields")
-        return
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
+
+
+_CHUNK = 1 << 20  # characters of whole lines a JSON list's check reads at a time (more for a longer item)
+_BLANK = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
+
+
+def _check_json_list(path: Path, lineno: int, first: str, lines: Iterator[tuple[int, str]]) -> None:
+    """Check a JSON list item by item, holding whole lines of the file from the item being read on:
+    an item the buffer cuts short is read again with more lines (at least as many characters as it
+    already holds, so a long item is parsed a bounded number of times). `first` is line `lineno`,
+    the first that is not blank, and opens the list."""
+    decoder = json.JSONDecoder()
+    buf, base = first, lineno  # the text held, and the line number of its first character
+    pos = buf.index("[") + 1
+    state, items = "first", 0  # what comes next: "first" (an item or "]"), "item", "delimiter", "end"
+
+    def refill() -> bool:
+        nonlocal buf, base, pos
+        base += buf.count("\n", 0, pos)
+        held, want = [buf[pos:]], max(_CHUNK, len(buf) - pos)
+        size = 0
+        for _, line in lines:
+            held.append(line)
+            size += len(line)
+            if size >= want:
+                break
+        buf, pos = "".join(held), 0
+        return size > 0
+
+    def malformed(at: int, msg: str) -> DataError:
+        return DataError(f"{path} line {base + buf.count(chr(10), 0, at)}: malformed JSON ({msg})")
+
+    while True:
+        pos = _BLANK.match(buf, pos).end()
+        if pos == len(buf):
+            if refill():
+                continue
+            if state != "end":
+                raise malformed(pos, "Expecting value" if state in ("first", "item") else "Expecting ',' delimiter")
+            return
+        if state == "end":
+            raise malformed(pos, "Extra data")
+        if state == "delimiter":
+            if buf[pos] not in ",]":
+                raise malformed(pos, "Expecting ',' delimiter")
+            state = "item" if buf[pos] == "," else "end"
+            pos += 1
+            continue
+        if state == "first" and buf[pos] == "]":
+            state, pos = "end", pos + 1
             continue
         try:
-            row = json.loads(line)
+            row, end = decoder.raw_decode(buf, pos)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path} line {lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from exc
+            # Nothing but blanks after where it stopped: the item goes on past the lines held.
+            if not buf[exc.pos :].strip() and refill():
+                continue
+            raise malformed(exc.pos, exc.msg) from exc
+        items += 1
         if not isinstance(row, dict):
-            raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+            raise DataError(
+                f"{path} line {base + buf.count(chr(10), 0, pos)}: every item of the JSON list must be an object "
+                f"with fields; item {items} is {type(row).__name__}"
+            )
+        state, pos = "delimiter", end
 
 
 def load_raw(cfg: DataConfig):
