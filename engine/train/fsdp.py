@@ -102,8 +102,14 @@ def shard(model: nn.Module, loss_fn: Callable, device: torch.device, world_size:
 def root_gathered(root):
     """The root's own weights (embeddings, final norm, LM head) gathered whole for a while: a
     generation calls the decoder and the head directly, not through the root's forward, whose
-    hooks would gather them. The decoder layers still gather themselves in their own forwards,
-    so every rank must make the same calls (collectives)."""
+    hooks would gather them. The decoder layers still gather themselves in their own forwards
+    (one layer whole at a time, as in training), so every rank must make the same calls
+    (collectives): the gallery agrees on each token, `generate` takes synced_gpus.
+
+    GRPO samples its first groups before any training forward: FSDP2 names as its root the first
+    unit whose forward runs, so the root is initialised here first (else the first decoder layer
+    called would become it, and the real root's first forward fails)."""
+    root._get_fsdp_state()._lazy_init()  # a no-op once a forward has run
     root.unshard()
     try:
         yield

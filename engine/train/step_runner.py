@@ -70,7 +70,8 @@ class StepRunner:
         ]
 
     def context(self, step: int, rehearsal: bool = False) -> StepContext:
-        return StepContext(self.model, self.device, self.tokenizer, self.forward, step, rehearsal)
+        sharded = self.ddp if self.fsdp else None  # the FSDP2 root: generation gathers its weights
+        return StepContext(self.model, self.device, self.tokenizer, self.forward, step, rehearsal, sharded)
 
     # -- forwards and backwards ------------------------------------------------------------------
     def loss(self, model, batch, normalizer):

@@ -101,6 +101,28 @@ class StepContext:
     forward: Forward
     step: int  # 1-based, as StepMetrics numbers it
     rehearsal: bool = False  # the pre-flight's forward + backward, not a training step
+    # The FSDP2 root when the base is sharded (engine.train.fsdp), else None: a generation or a
+    # reference pass calls `model` directly, not through the root, so the root's weights must be
+    # gathered around it (`gathered`) and every rank must make as many forwards (`synced`).
+    sharded: Any = None
+
+    @property
+    def synced(self) -> bool:
+        """Every rank must run the same forwards (FSDP): transformers' generate(synced_gpus=...)
+        keeps a rank whose sequences ended stepping until every rank's have."""
+        return self.sharded is not None
+
+    @contextmanager
+    def gathered(self):
+        """The root's weights gathered whole under FSDP (engine.train.fsdp.root_gathered); nothing
+        to do with one process or DDP."""
+        if self.sharded is None:
+            yield
+            return
+        from engine.train.fsdp import root_gathered
+
+        with root_gathered(self.sharded):
+            yield
 
     @contextmanager
     def adapters_off(self):
@@ -108,7 +130,7 @@ class StepContext:
         reference pass, on the same weights in the same process (no second copy)."""
         import torch
 
-        with self.model.disable_adapter(), torch.no_grad():
+        with self.gathered(), self.model.disable_adapter(), torch.no_grad():
             yield
 
     @contextmanager
@@ -127,7 +149,7 @@ class StepContext:
         was_training = self.model.training
         self.model.eval()
         try:
-            with current().set_aside(), torch.no_grad():
+            with self.gathered(), current().set_aside(), torch.no_grad():
                 yield
         finally:
             if was_training:

@@ -53,10 +53,12 @@ class PromptBatch(PackedBatch):
 
 
 def sample_completions(
-    model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy=False
+    model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy=False, synced=False
 ):
     """[len(prompts) * group_size] completion id lists (each group's consecutive), each cut
     after its first token in `eos_ids`; `greedy`: the most likely token each time (the eval).
+    `synced`: a sharded (FSDP) model, whose every forward gathers each layer from all ranks: a
+    rank whose sequences have ended keeps stepping until every rank's have (synced_gpus).
     Call with the model in eval mode and no autograd."""
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
@@ -71,6 +73,7 @@ def sample_completions(
         eos_token_id=list(eos_ids),
         pad_token_id=pad_id,
         use_cache=True,
+        synced_gpus=synced,
         **sampling,
     )
     completions = []
@@ -138,7 +141,16 @@ class GRPO(Objective):
             prompts = [data.examples[i][0] for i in ids]
             with ctx.generating():
                 completions = sample_completions(
-                    ctx.model, prompts, g.group_size, g.max_new_tokens, g.temperature, g.top_p, eos, pad, ctx.device
+                    ctx.model,
+                    prompts,
+                    g.group_size,
+                    g.max_new_tokens,
+                    g.temperature,
+                    g.top_p,
+                    eos,
+                    pad,
+                    ctx.device,
+                    synced=ctx.synced,
                 )
             batch, batch_samples = self._score(data, tok, ids, prompts, completions)
             if g.beta:
@@ -189,16 +201,19 @@ class GRPO(Objective):
 
     def prepare_eval(self, ctx, batches):
         """The held-out prompts answered greedily (one answer each) and scored: batches whose
-        `loss` is minus their rewards (see the module's docstring)."""
+        `loss` is minus their rewards (see the module's docstring). Under FSDP every rank
+        answers every prompt with the root's weights gathered (each layer gathers itself), and
+        the evaluator sums each rank's share of the scored batches."""
         g = self.config.grpo
         eos, pad = self._eos_pad(ctx.tokenizer)
         out = []
         for placeholder in batches:
             ids, data = placeholder.example_ids, placeholder.data
             prompts = [data.examples[i][0] for i in ids]
-            completions = sample_completions(
-                ctx.model, prompts, 1, g.max_new_tokens, 1.0, 1.0, eos, pad, ctx.device, greedy=True
-            )
+            with ctx.gathered():
+                completions = sample_completions(
+                    ctx.model, prompts, 1, g.max_new_tokens, 1.0, 1.0, eos, pad, ctx.device, True, ctx.synced
+                )
             batch, _ = self._score(data, ctx.tokenizer, ids, prompts, completions, group_size=1)
             batch.extra["eval"] = True
             out.append(batch)
