@@ -1,7 +1,9 @@
 """Model size and training-memory estimates from a transformers config alone (no weights).
 
 `model_info(config)` counts parameters from the config's shapes (embeddings, attention with
-GQA, gated MLP, MoE experts, norms, tied or untied head). `estimate_vram(...)` adds up what a
+GQA, gated MLP, MoE experts, norms, tied or untied head), with each family's facts (gated or
+plain MLP, q/k/v biases, q/k norms, norms per layer, sinks, expert biases) from its file under
+engine/models/arch/ (unknown families: engine.models.arch.GENERIC). `estimate_vram(...)` adds up what a
 LoRA / QLoRA run keeps on the device: base weights, LoRA parameters with their gradients and
 AdamW state, activations (with or without checkpointing, with or without offload), the
 cross-entropy chunk and a fixed overhead. `fit_verdict` turns an estimate and a device size
@@ -20,20 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.models.arch import GENERIC, arch_for
+
 GiB = 1024**3
 MiB = 1024**2
 
 Mode = Literal["lora16", "qlora4", "lora32"]
 MODES = ("lora16", "qlora4", "lora32")
-
-# Families whose MLP is a plain up -> act -> down (no gate); every other decoder is gated.
-_UNGATED_MLP = {"gpt2", "gpt_neox", "gptj", "phi", "opt", "bloom", "falcon", "starcoder2", "gpt_bigcode"}
-# Families that always carry q/k/v biases whatever `attention_bias` says.
-_QKV_BIAS = {"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"}
-# Families with per-head RMSNorm on q and k (weights of size head_dim each).
-_QK_NORM = {"qwen3", "qwen3_moe", "olmo2", "gemma3", "gemma3_text", "qwen3_next"}
-# Families with four norms per layer (pre/post attention and pre/post feed-forward).
-_FOUR_NORMS = {"gemma2", "gemma3", "gemma3_text", "olmo2"}
 
 # NF4 with double quantization (bitsandbytes, blocksize 64): 4 bits per weight, plus an 8-bit
 # absmax per 64 weights, plus an fp32 scale per 256 absmax blocks.
@@ -100,7 +95,7 @@ class ModelInfo:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = (h + q) + 2 * (h + kv) + (q + h)
         dense_layers = self.num_layers - self.num_moe_layers
-        mlp_factor = 2 if self.model_type in _UNGATED_MLP else 3  # (in + out) per projection
+        mlp_factor = 3 if (arch_for(self.model_type) or GENERIC).gated_mlp else 2  # (in + out) per projection
         dense = mlp_factor * (h + self.intermediate_size) if self.intermediate_size else 0
         shared = 3 * (h + self.shared_intermediate_size) if self.shared_intermediate_size else 0
         per_token_total = self.num_layers * attn + dense_layers * dense + self.num_moe_layers * shared
@@ -156,6 +151,7 @@ def model_info(config: Any) -> ModelInfo:
     dict). No weights are read; vision towers of multimodal models are not counted."""
     get = _reader(config)
     model_type = str(get("model_type", default="unknown"))
+    arch = arch_for(model_type) or GENERIC  # the family's facts: engine/models/arch/<model_type>.py
     archs = get("architectures")
     hidden = int(get("hidden_size", "n_embd", "d_model"))
     layers = int(get("num_hidden_layers", "n_layer", "num_layers"))
@@ -168,18 +164,18 @@ def model_info(config: Any) -> ModelInfo:
     context = get("max_position_embeddings", "n_positions", "max_sequence_length")
 
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-    attn_bias = bool(get("attention_bias", default=False)) or model_type in _QKV_BIAS
+    attn_bias = bool(get("attention_bias", default=False)) or arch.qkv_bias
     attn = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
     if attn_bias:
         attn += q_dim + 2 * kv_dim
-        if model_type not in _QKV_BIAS:  # attention_bias=True also biases o_proj
+        if not arch.qkv_bias:  # attention_bias=True also biases o_proj
             attn += hidden
-    if model_type in _QK_NORM:
+    if arch.qk_norm:
         attn += 2 * head_dim
-    if model_type == "gpt_oss":  # one learned attention-sink logit per head
+    if arch.attention_sinks:  # one learned attention-sink logit per head
         attn += heads
 
-    gated = model_type not in _UNGATED_MLP
+    gated = arch.gated_mlp
     mlp_bias = bool(get("mlp_bias", default=False))
 
     def mlp(width: int, bias: bool = mlp_bias) -> int:
@@ -205,17 +201,17 @@ def model_info(config: Any) -> ModelInfo:
             1 for i in range(layers) if i not in mlp_only and i >= first_dense and (i + 1) % sparse_step == 0
         )
 
-    expert_bias = model_type == "gpt_oss"  # GPT-OSS experts and router carry biases
+    expert_bias = arch.moe is not None and arch.moe.expert_bias  # GPT-OSS experts and router carry biases
     per_expert = mlp(expert_inter, bias=expert_bias)
     router = hidden * n_experts + (n_experts if expert_bias else 0)
-    shared_gate = hidden if shared_inter and model_type == "qwen2_moe" else 0  # sigmoid gate
+    shared_gate = hidden if shared_inter and arch.moe is not None and arch.moe.shared_expert_gate else 0
     dense_layers = layers - moe_layers
     mlp_params = dense_layers * mlp(inter) + moe_layers * ((mlp(shared_inter) if shared_inter else 0) + shared_gate)
     expert_params = moe_layers * (n_experts * per_expert + router)
     active_expert_params = moe_layers * (top_k * per_expert + router)
 
-    norms_per_layer = 4 if model_type in _FOUR_NORMS else 2
-    norm_width = hidden * (2 if model_type in _UNGATED_MLP else 1)  # LayerNorm: weight + bias
+    norms_per_layer = arch.norms_per_layer
+    norm_width = hidden * (2 if arch.norm == "layer" else 1)  # LayerNorm: weight + bias
     norm_params = layers * norms_per_layer * norm_width + norm_width
     embedding = vocab * hidden
     lm_head = 0 if tied else vocab * hidden

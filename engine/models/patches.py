@@ -13,12 +13,12 @@ checkpointing, masks and kwargs plumbing stay as they are):
   packing kwargs cu_seq_lens_q/k, max_length_q/k, position_ids pass through untouched), then
   fused LoRA O.
 
-The registry is keyed by `config.model_type`; unknown types keep the stock path. Each patched
-forward checks, per call, the state it was planned for (adapters enabled and unmerged, dtypes,
-no autocast, no KV cache) and otherwise calls the stock forward, so generation with a cache and
-`disable_adapter()` keep working; each such call is counted with its reason
-(engine.counters, "fallback:<module kind>: <reason>"), so a step reports what actually ran. Nothing
-unsupported raises: it keeps the stock path and the report says why.
+The registry is keyed by `config.model_type` (engine.models.arch: one file per architecture);
+unknown types keep the stock path. Each patched forward checks, per call, the state it was planned
+for (adapters enabled and unmerged, dtypes, no autocast, no KV cache) and otherwise calls the stock
+forward, so generation with a cache and `disable_adapter()` keep working; each such call is counted
+with its reason (engine.counters, "fallback:<module kind>: <reason>"), so a step reports what
+actually ran. Nothing unsupported raises: it keeps the stock path and the report says why.
 
 The report maps each fast path (rmsnorm, rope, activations, lora_qkv, lora_o, lora_mlp) to
 "on" (every module of that kind patched), "partial k/n: <reason for the rest>", or
@@ -51,6 +51,8 @@ from engine.fastpath import patching
 from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp
 from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason
 from engine.kernels.rope import rope_reference
+from engine.models.arch import arch_for
+from engine.models.arch import patched as patched_archs
 from engine.peft_model import hf_model
 
 FAST_PATHS = ("rmsnorm", "rope", "activations", "lora_qkv", "lora_o", "lora_mlp")
@@ -59,57 +61,10 @@ _KIND = "patches"  # engine.fastpath.patching kind of the forwards installed her
 
 # -- the registry ----------------------------------------------------------------------------------
 
-
-def _no_attn_kwargs(module: nn.Module) -> dict:
-    return {}
-
-
-def _window_kwargs(module: nn.Module) -> dict:
-    # Qwen2/Qwen3 layers carry their own window (None on full-attention layers).
-    return {"sliding_window": getattr(module, "sliding_window", None)}
-
-
-def _mistral_kwargs(module: nn.Module) -> dict:
-    # Mistral reads the window from the config rather than from the module.
-    window = getattr(module, "sliding_window", None)
-    if window is None:
-        window = getattr(module.config, "sliding_window", None)
-    return {"sliding_window": window}
-
-
-def _gemma2_kwargs(module: nn.Module) -> dict:
-    return {
-        "sliding_window": getattr(module, "sliding_window", None),
-        "softcap": getattr(module, "attn_logit_softcapping", None),
-    }
-
-
-@dataclass(frozen=True)
-class ArchPatch:
-    """What differs between architectures; module classes are f"{prefix}RMSNorm" etc."""
-
-    prefix: str
-    norm_offset: float = 0.0  # Gemma scales by (1 + w)
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    attn_kwargs: Callable[[nn.Module], dict] = _no_attn_kwargs  # extra args the stock passes
-
-    def classes(self) -> tuple[str, str, str]:
-        return f"{self.prefix}RMSNorm", f"{self.prefix}Attention", f"{self.prefix}MLP"
-
-
-REGISTRY: dict[str, ArchPatch] = {
-    "llama": ArchPatch("Llama"),
-    "mistral": ArchPatch("Mistral", attn_kwargs=_mistral_kwargs),
-    "qwen2": ArchPatch("Qwen2", attn_kwargs=_window_kwargs),
-    "qwen3": ArchPatch("Qwen3", qk_norm=True, attn_kwargs=_window_kwargs),
-    # Qwen3-MoE: the attention and norms are Qwen3's; its sparse blocks are engine.fastpath.moe's, and
-    # only dense layers (mlp_only_layers) are Qwen3MoeMLP modules.
-    "qwen3_moe": ArchPatch("Qwen3Moe", qk_norm=True, attn_kwargs=_window_kwargs),
-    "gemma": ArchPatch("Gemma", norm_offset=1.0),
-    # Gemma2's pre/post feed-forward norms are RMSNorm modules too; softcapping and the sliding
-    # window travel to the attention function as kwargs, as in the stock forward.
-    "gemma2": ArchPatch("Gemma2", norm_offset=1.0, attn_kwargs=_gemma2_kwargs),
-}
+# The architectures patched here, {model_type: engine.models.arch.Arch}: each one's class names
+# (f"{prefix}RMSNorm", ...), its norm offset (Gemma's 1 + w), q/k norms and the attention kwargs
+# (sliding window, softcapping) live in its own file under engine/models/arch/.
+REGISTRY = patched_archs()
 
 
 def describe_fast_paths(model_type: str) -> dict[str, str]:
@@ -127,9 +82,8 @@ def describe_fast_paths(model_type: str) -> dict[str, str]:
         report = {name: f"off: model_type '{model_type}' has no patch (patched: {known})" for name in FAST_PATHS}
     report["packed_attention"] = "on"
     report["fused_ce"] = "on"
-    from engine.fastpath.moe import MOE_MODEL_TYPES
-
-    if model_type in MOE_MODEL_TYPES:
+    arch = arch_for(model_type)
+    if arch is not None and arch.moe is not None and arch.moe.grouped:
         # Experts stay frozen (LoRA trains attention); their blocks take the grouped path.
         for name in ("activations", "lora_mlp"):
             report[name] = "off: the MoE experts stay frozen; engine.fastpath.moe groups them instead"

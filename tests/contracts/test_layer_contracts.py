@@ -66,6 +66,7 @@ def test_the_tree_keeps_every_contract(tree):
         ("engine/train/objectives/sft.py", "import engine.train.session", "Training objectives are parts"),
         ("engine/runs.py", "import engine.train.checkpoint", "Leaves: config, events, runs and counters"),
         ("engine/counters.py", "import engine.fastpath.lora_group", "Leaves: config, events, runs and counters"),
+        ("engine/models/arch/llama.py", "import torch", "Architecture files are plain data"),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(tree, module, line, contract):

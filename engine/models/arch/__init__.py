@@ -1,0 +1,93 @@
+"""One module per model architecture: what the engine needs to know about it, in one place.
+
+`arch_for(model_type)` gives an architecture's `Arch` (engine.models.arch.spec): its transformers
+classes, norms, attention shape facts, MoE block and a tiny test config. engine.models.patches
+patches the architectures with `fast_paths`; engine.models.estimate counts parameters with the
+facts; tests build tiny models from `Arch.tiny_config` (tests/tiny_models.py).
+
+A new architecture is a new module here with an `ARCH`, listed in `_MODULES` below.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from engine.models.arch import (
+    bloom,
+    falcon,
+    gemma,
+    gemma2,
+    gemma3,
+    gpt2,
+    gpt_bigcode,
+    gpt_neox,
+    gpt_oss,
+    gptj,
+    granite,
+    llama,
+    mistral,
+    olmo2,
+    opt,
+    phi,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen2_vl,
+    qwen3,
+    qwen3_moe,
+    qwen3_next,
+    starcoder2,
+)
+from engine.models.arch.spec import GENERIC, TINY_BASE, Arch, HFClasses, MoE
+
+__all__ = ["ARCHS", "GENERIC", "TINY_BASE", "Arch", "HFClasses", "MoE", "arch_for", "patched", "tiny_archs"]
+
+_MODULES = (
+    llama,
+    mistral,
+    qwen2,
+    qwen2_moe,
+    qwen2_vl,
+    qwen3,
+    qwen3_moe,
+    qwen3_next,
+    gemma,
+    gemma2,
+    gemma3,
+    olmo2,
+    phi3,
+    granite,
+    gpt_oss,
+    gpt2,
+    gpt_neox,
+    gptj,
+    phi,
+    opt,
+    bloom,
+    falcon,
+    starcoder2,
+    gpt_bigcode,
+)
+
+# model_type (and each alias) -> its Arch.
+ARCHS: dict[str, Arch] = {}
+for _module in _MODULES:
+    for _name in (_module.ARCH.model_type, *_module.ARCH.aliases):
+        if _name in ARCHS:  # two files claiming one model_type: the second would silently win
+            raise RuntimeError(f"model_type {_name!r} is claimed by two architecture modules")
+        ARCHS[_name] = _module.ARCH
+
+
+def arch_for(model_type: Optional[str]) -> Optional[Arch]:
+    """The Arch of `model_type`, or None for an architecture the engine has no file for."""
+    return ARCHS.get(model_type) if model_type else None
+
+
+def patched() -> dict[str, Arch]:
+    """{model_type: Arch} of the architectures engine.models.patches patches."""
+    return {name: arch for name, arch in ARCHS.items() if arch.fast_paths}
+
+
+def tiny_archs() -> list[str]:
+    """model_types with a tiny test config."""
+    return [name for name, arch in ARCHS.items() if arch.tiny is not None and name == arch.model_type]
