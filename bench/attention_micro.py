@@ -3,16 +3,19 @@
 Times one layer's packed attention forward and forward + backward at the workloads' shapes
 (the same document lengths as the bench's first batch) for each backend that can run here:
 ours ("triton") and torch's flash varlen kernel ("torch_flash", torch.nn.attention.varlen),
-or any other engine.fastpath.attention backend named in --backends. It also reports each backend's
+or any other engine.fastpath.attention backend named in --backends. Ours runs once per backward named
+in --backwards ("split": dK/dV then dQ, the reference; "onepass": engine.kernels.varlen_attention_bwd;
+set through TUNESMITH_ATTN_BWD for the call), so before and after land in one run. It also reports each backend's
 largest difference from ours in the output and in dq/dk/dv, so a fast backend that is wrong
 shows up here. It is the evidence behind engine.fastpath.attention's backend choice; one JSON line per
-(workload, backend) goes to --results.
+(workload, backend, backward) goes to --results.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -40,8 +43,11 @@ def _time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def run(workloads: list[str], backends: list[str], reps: int, results: Path | None) -> list[dict]:
+def run(
+    workloads: list[str], backends: list[str], reps: int, results: Path | None, backwards: tuple[str, ...] = ("auto",)
+) -> list[dict]:
     from engine.fastpath import attention, packed
+    from engine.kernels.varlen_attention_bwd import BACKWARD_ENV
 
     dev = torch.device("cuda")
     rows = []
@@ -61,19 +67,24 @@ def run(workloads: list[str], backends: list[str], reps: int, results: Path | No
         # Causal attention FLOPs: 4 * d * hq * sum(L^2) / 2 forward, 2.5x that backward.
         fwd_flops = 2.0 * d * hq * sum(n * n for n in info.lengths)
         ref = None
-        for backend in backends:
+        variants = [(b, w) for b in backends for w in (backwards if b == "triton" else (None,))]
+        for backend, backward in variants:
             row = {
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "gpu": torch.cuda.get_device_name(),
                 "torch": torch.__version__,
                 "workload": wid,
                 "backend": backend,
+                "attn_backward": backward,
                 "tokens": t,
                 "docs": len(info.lengths),
                 "hq": hq,
                 "hkv": hkv,
                 "head_dim": d,
             }
+            before = os.environ.get(BACKWARD_ENV)
+            if backward is not None:
+                os.environ[BACKWARD_ENV] = backward
             try:
                 if not attention.backend_available(backend, q):
                     row["status"] = "not available here"
@@ -104,12 +115,18 @@ def run(workloads: list[str], backends: list[str], reps: int, results: Path | No
                     status="ok",
                     fwd_ms=round(ms_f, 3),
                     fwd_bwd_ms=round(ms_fb, 3),
+                    bwd_ms=round(ms_fb - ms_f, 3),
                     fwd_tflops=round(fwd_flops / ms_f / 1e9, 1),
                     fwd_bwd_tflops=round(3.5 * fwd_flops / ms_fb / 1e9, 1),
                     max_diff_vs_first={"o": diffs[0], "dq": diffs[1], "dk": diffs[2], "dv": diffs[3]},
                 )
             except Exception as exc:  # one backend failing must not hide the others
                 row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                if before is None:
+                    os.environ.pop(BACKWARD_ENV, None)
+                else:
+                    os.environ[BACKWARD_ENV] = before
             rows.append(row)
             print(json.dumps(row), flush=True)
     if results is not None:
@@ -123,17 +140,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="W1,W2,W3,W6")
     p.add_argument("--backends", default="triton,torch_flash")
+    p.add_argument("--backwards", default="split,onepass", help="our backward(s): split, onepass, auto")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--results", type=Path, default=HERE / "results" / "attention_results.jsonl")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("attention_micro needs a CUDA device")
         return 2
-    rows = run(args.workloads.split(","), args.backends.split(","), args.reps, args.results)
-    print(f"\n{'workload':8} {'backend':12} {'fwd ms':>8} {'fwd+bwd ms':>11} {'fwd TF/s':>9} {'f+b TF/s':>9}  status")
+    rows = run(
+        args.workloads.split(","), args.backends.split(","), args.reps, args.results, tuple(args.backwards.split(","))
+    )
+    print(
+        f"\n{'workload':8} {'backend':12} {'backward':9} {'fwd ms':>8} {'bwd ms':>8} {'fwd+bwd ms':>11} "
+        f"{'fwd TF/s':>9} {'f+b TF/s':>9}  status"
+    )
     for r in rows:
         print(
-            f"{r['workload']:8} {r['backend']:12} {r.get('fwd_ms', '-'):>8} {r.get('fwd_bwd_ms', '-'):>11} "
+            f"{r['workload']:8} {r['backend']:12} {str(r['attn_backward'] or '-'):9} {r.get('fwd_ms', '-'):>8} "
+            f"{r.get('bwd_ms', '-'):>8} {r.get('fwd_bwd_ms', '-'):>11} "
             f"{r.get('fwd_tflops', '-'):>9} {r.get('fwd_bwd_tflops', '-'):>9}  {r['status']}"
         )
     return 0

@@ -133,12 +133,14 @@ def varlen_attention(
     tables = info.block_table if info is not None and info.cu_seqlens.device == q.device else None
     covers = info is not None and info.total_tokens == q.shape[0]
     count("attention:varlen_triton")
+    # The longest document as a host int picks the backward (one-pass for long documents, see
+    # engine.kernels.varlen_attention_bwd; TUNESMITH_ATTN_BWD=split|onepass|auto overrides).
     return varlen_attention_triton(
         q,
         k,
         v,
         cu_seqlens,
-        max_seqlen,
+        info.max_seqlen if info is not None else max_seqlen,
         scale=scale,
         causal=causal,
         sliding_window=sliding_window,

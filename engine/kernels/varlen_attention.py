@@ -14,7 +14,9 @@ them on the host from the lengths it already knows (heaviest blocks first, for l
 
 Forward keeps the softmax statistics (log-sum-exp, base 2) for backward, which runs three kernels:
 delta = rowsum(dO * O), then dK/dV per key block (looping over the whole query-head group, so GQA
-gradients accumulate in registers with no atomics), then dQ per query block.
+gradients accumulate in registers with no atomics), then dQ per query block. That split backward
+is the reference path; engine.kernels.varlen_attention_bwd holds the one-pass backward (dQ, dK, dV
+in one kernel, dQ by atomic adds) that long documents take (`backward=` / TUNESMITH_ATTN_BWD).
 """
 
 from __future__ import annotations
@@ -851,13 +853,16 @@ def _short_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
-def _tuned(kernel, table):
+def _tuned(kernel, table, key=_ALL_KEY, reset_to_zero=None):
+    # reset_to_zero: buffers a kernel adds into (atomics), zeroed before each timed config.
     every = [c for cs in table.values() for c in cs]
-    prune = {"early_config_prune": _prune(table)}
+    opts = dict(configs=every, key=key, prune_configs_by={"early_config_prune": _prune(table)})
+    if reset_to_zero:
+        opts["reset_to_zero"] = reset_to_zero
     try:
-        return triton.autotune(configs=every, key=_ALL_KEY, prune_configs_by=prune, do_bench=_short_bench)(kernel)
+        return triton.autotune(**opts, do_bench=_short_bench)(kernel)
     except TypeError:  # a Triton without the do_bench hook
-        return triton.autotune(configs=every, key=_ALL_KEY, prune_configs_by=prune)(kernel)
+        return triton.autotune(**opts)(kernel)
 
 
 _attn_fwd_tuned = _tuned(_attn_fwd, _FWD_CONFIGS)
@@ -878,11 +883,16 @@ def _use_autotune() -> bool:
     return not INTERPRET and os.environ.get("TUNESMITH_ATTN_AUTOTUNE", "1") != "0"
 
 
-def _fixed(kind: str, d: int, blocks: Optional[tuple[int, int]], fp32: bool = False):
+# Kernels whose programs own key blocks (their table is indexed by BLOCK_N); the others own query blocks.
+_KEY_BLOCK_KINDS = ("dkdv", "onepass")
+
+
+def _fixed(kind: str, d: int, blocks: Optional[tuple[int, int]], fp32: bool = False, defaults=None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Pinned `blocks` are (table block, step block):
-    the table block is BLOCK_M for fwd/dq and BLOCK_N (key block) for dkdv."""
+    the table block is BLOCK_M for fwd/dq and BLOCK_N (key block) for dkdv and onepass.
+    `defaults` ({head_dim: config}) replaces _DEFAULTS[kind] (the one-pass backward's own table)."""
     if blocks is not None:
-        if kind == "dkdv":
+        if kind in _KEY_BLOCK_KINDS:
             return blocks[1], blocks[0], 4, 2
         return blocks[0], blocks[1], 4, 2
     if INTERPRET:
@@ -890,14 +900,28 @@ def _fixed(kind: str, d: int, blocks: Optional[tuple[int, int]], fp32: bool = Fa
     if fp32:
         # fp32 on a GPU is for exact checks, not speed: small tiles fit shared memory at D=256.
         return 32, 32, 4, 1
-    table = _DEFAULTS[kind]
+    table = defaults if defaults is not None else _DEFAULTS[kind]
     return table[d] if d in table else table[min(table, key=lambda x: abs(x - d))]
 
 
 class _Launch:
     """Shared arguments of one attention call (shapes, flags, tables)."""
 
-    def __init__(self, q, k, cu_seqlens, tables: TableFn, scale, causal, sliding_window, softcap, blocks, covers_all):
+    def __init__(
+        self,
+        q,
+        k,
+        cu_seqlens,
+        tables: TableFn,
+        scale,
+        causal,
+        sliding_window,
+        softcap,
+        blocks,
+        covers_all,
+        longest: Optional[int] = None,
+        backward: str = "split",
+    ):
         t, hq, d = q.shape
         hkv = k.shape[1]
         if hq % hkv:
@@ -923,6 +947,8 @@ class _Launch:
         self.tables = tables
         self.covers_all = bool(covers_all)
         self.blocks = blocks  # pinned (table block, step block) for tests, else None
+        self.longest = longest  # the longest document's length when the caller knows it, else None
+        self.backward = backward  # "split" or "onepass" (engine.kernels.varlen_attention_bwd)
         # fp32 inputs get exact fp32 products (the point of fp32 is a tight check); 16-bit inputs
         # use Triton's default.
         self.fp32 = q.dtype == torch.float32
@@ -936,11 +962,13 @@ class _Launch:
             DOT_PREC=self.dot_prec,
         )
 
-    def run(self, kind, tuned, plain, heads, head_args, tail_args):
-        """Launch one kernel: `tuned` (autotuned) or `plain` with a fixed config. The block table
-        is indexed by BLOCK_M for fwd/dq (query blocks) and by BLOCK_N for dkdv (key blocks)."""
-        table_key = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
-        table_kind = "k" if kind == "dkdv" else "q"
+    def run(self, kind, tuned, plain, heads, head_args, tail_args, defaults=None):
+        """Launch one kernel: `tuned` (autotuned) or `plain` with a fixed config (`defaults`, see
+        _fixed). The block table is indexed by BLOCK_M for fwd/dq (query blocks) and by BLOCK_N
+        for dkdv and onepass (key blocks)."""
+        key_blocks = kind in _KEY_BLOCK_KINDS
+        table_key = "BLOCK_N" if key_blocks else "BLOCK_M"
+        table_kind = "k" if key_blocks else "q"
         if self.blocks is None and _use_autotune() and not self.fp32:
             ta, na = self.tables(table_kind, TABLE_BLOCKS[0])
             tb, nb = self.tables(table_kind, TABLE_BLOCKS[1])
@@ -948,8 +976,8 @@ class _Launch:
             grid = lambda meta: (heads, max(counts[meta[table_key]], 1))  # noqa: E731
             tuned[grid](*head_args, ta, tb, *tail_args, BLOCK_A=TABLE_BLOCKS[0], **self.flags)
             return
-        bm, bn, warps, stages = _fixed(kind, self.d, self.blocks, self.fp32)
-        tblock = bn if kind == "dkdv" else bm
+        bm, bn, warps, stages = _fixed(kind, self.d, self.blocks, self.fp32, defaults)
+        tblock = bn if key_blocks else bm
         ta, na = self.tables(table_kind, tblock)
         plain[(heads, max(na, 1))](
             *head_args,
@@ -1079,6 +1107,12 @@ class _VarlenAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         if do.stride(-1) != 1:
             do = do.contiguous()
+        if ctx.launch.backward == "onepass":
+            from engine.kernels import varlen_attention_bwd  # it builds on this module's kernels
+
+            if varlen_attention_bwd.onepass_allowed():
+                dq, dk, dv = varlen_attention_bwd.onepass_backward(do, q, k, v, o, lse, ctx.launch)
+                return dq, dk, dv, None, None
         dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.launch)
         return dq, dk, dv, None, None
 
@@ -1114,15 +1148,23 @@ def varlen_attention_triton(
     blocks: Optional[tuple[int, int]] = None,
     covers_all_tokens: bool = False,
     kept: Optional[KeptAttention] = None,
+    backward: Optional[str] = None,
 ):
     """Triton varlen attention (differentiable). `tables` supplies block tables (see module
     doc); without it they are built on the device from `cu_seqlens` (sync-free, a few tiny
     launches per call). `blocks` pins (table block, step block) for every kernel (tests).
     `covers_all_tokens`: the caller knows cu_seqlens[-1] == T (skips zeroing dK/dV); otherwise
     outputs of tokens outside every document are unspecified and their dK/dV are zero.
-    `max_seqlen` is accepted for API symmetry; the block tables make it unnecessary.
-    `kept`: a layer's KeptAttention while the offloader keeps attention outputs (else None)."""
+    `max_seqlen` (a host int, else ignored) only chooses the backward; the block tables size the grids.
+    `kept`: a layer's KeptAttention while the offloader keeps attention outputs (else None).
+    `backward`: "split" (dK/dV then dQ, the reference path), "onepass" (engine.kernels.varlen_attention_bwd)
+    or "auto" (one-pass when `max_seqlen`, a host int, reaches its LONG_DOCUMENT and its fp32 dQ
+    buffer fits DQ_BUFFER_BYTES); None reads the environment variable TUNESMITH_ATTN_BWD (default "auto")."""
     _check(q, k, v, cu_seqlens)
+    from engine.kernels.varlen_attention_bwd import resolve_backward
+
+    longest = max_seqlen if isinstance(max_seqlen, int) else None
+    bwd = resolve_backward(backward, longest, q.shape[0] * q.shape[1] * q.shape[2] * 4)
     if tables is None:
         t = q.shape[0]
         cache: dict = {}
@@ -1132,5 +1174,7 @@ def varlen_attention_triton(
                 cache[block] = device_block_table(cu_seqlens, t, block)
             return cache[block]
 
-    launch = _Launch(q, k, cu_seqlens, tables, scale, causal, sliding_window, softcap, blocks, covers_all_tokens)
+    launch = _Launch(
+        q, k, cu_seqlens, tables, scale, causal, sliding_window, softcap, blocks, covers_all_tokens, longest, bwd
+    )
     return _VarlenAttention.apply(q, k, v, launch, kept)
