@@ -1,11 +1,11 @@
-"""Quit ends the process within a few seconds, always (issue 28: Ctrl+Q hid the window while an
+"""Quit ends the process, always (issue 28: Ctrl+Q hid the window while an
 X-ray or an offline Hub lookup kept the process alive for minutes at 40% CPU).
 
 Run in a child process: what is measured is the process itself ending."""
 
 from __future__ import annotations
 
-from child_process import seconds_to_end_after_quit
+from child_process import end_after_quit
 
 # A child that opens the window, starts a task that will not listen (a stand-in for a Hub lookup
 # retrying offline: it ignores `cancelled`) and one that does, waits until both run, then quits
@@ -37,8 +37,8 @@ raise SystemExit(studio_app.finish(0, grace_ms=2000))
 """
 
 
-def test_quit_ends_the_process_within_5_s_with_a_task_that_does_not_listen(tmp_path):
-    code, took, err = seconds_to_end_after_quit(CHILD, [str(tmp_path / "s.ini"), str(tmp_path / "runs")], tmp_path)
+def test_quit_ends_the_process_with_a_task_that_does_not_listen(tmp_path):
+    code, err, tore_down = end_after_quit(CHILD, [str(tmp_path / "s.ini"), str(tmp_path / "runs")], tmp_path)
     assert code == 0, err
-    assert took < 5, f"the process lived {took:.1f} s after Quit"
-    assert "abandoned" in err  # it said what it left behind
+    assert "abandoned" in err  # it left the deaf task behind and said so, rather than wait for it
+    assert not tore_down, "the process ended through Python's teardown (seconds with torch loaded), not finish's exit"

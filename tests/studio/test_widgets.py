@@ -4,7 +4,6 @@ rows, the packing and token-mask views, the step list, settings persistence, the
 from __future__ import annotations
 
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -38,17 +37,18 @@ def test_live_chart_takes_20000_points_without_rebuilding(qtbot):
     chart.add_series("loss", "#000")
     chart.resize(600, 300)
     chart.show()
-    t0 = time.perf_counter()
+    curve = chart._curves["loss"]
     for i in range(20_000):
         chart.append("loss", i, np.sin(i / 100))
         if i % 1000 == 0:
             chart.refresh()
+    # An append only marks the series; the curve is redrawn once per refresh (the last at i = 19,000).
+    assert chart.dirty and len(curve.xData) == 19_001
     chart.refresh()
-    elapsed = time.perf_counter() - t0
+    assert not chart.dirty
     assert chart.point_count("loss") == 20_000
-    curve = chart._curves["loss"]
+    assert chart._curves["loss"] is curve  # the same curve item throughout, never rebuilt
     assert len(curve.xData) == 20_000
-    assert elapsed < 5.0
 
 
 class _BigSource:
@@ -59,9 +59,11 @@ class _BigSource:
 
     def __init__(self):
         self.reads = 0
+        self.highest = -1
 
     def row(self, i):
         self.reads += 1
+        self.highest = max(self.highest, i)
         return {"instruction": f"question {i}", "output": f"answer {i}"}
 
 
@@ -72,7 +74,6 @@ def test_rows_model_is_lazy_at_100k_rows(qtbot):
 
     src = _BigSource()
     model = RowsModel()
-    t0 = time.perf_counter()
     model.set_source(src, {5: "no output"})
     view = QTableView()
     qtbot.addWidget(view)
@@ -83,15 +84,13 @@ def test_rows_model_is_lazy_at_100k_rows(qtbot):
     assert model.rowCount() == BATCH  # only the first batch is known to the view
     assert src.reads < 100  # only visible rows were read
     view.scrollToBottom()
-    qtbot.wait(10)
-    assert model.rowCount() > BATCH  # scrolling fetched more
+    qtbot.waitUntil(lambda: model.rowCount() > BATCH)  # scrolling fetched more
     while model.canFetchMore():
         model.fetchMore()
     view.scrollToBottom()
-    qtbot.wait(10)
+    qtbot.waitUntil(lambda: src.highest > 99_000)  # the view has drawn the last rows
     assert model.rowCount() == 100_000
-    assert src.reads < 500
-    assert time.perf_counter() - t0 < 5.0
+    assert src.reads < 500  # lazy: the rows a view shows, not 100,000
     assert model.data(model.index(99_999, 1)) == "answer 99999"
     assert "no output" in model.data(model.index(5, 0), role=3)  # tooltip names the problem
 
