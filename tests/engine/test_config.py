@@ -36,8 +36,9 @@ def test_choice_lists_allowed_values():
 
 
 def test_range_checked_and_scientific_strings_read(tmp_path):
-    with pytest.raises(ConfigError, match="training.lr"):
+    with pytest.raises(ConfigError) as err:
         RunConfig.from_dict({"training": {"lr": -1.0}})
+    assert err.value.path == "training.lr"
     p = tmp_path / "c.yaml"
     p.write_text("training:\n  lr: 2e-4\n")  # YAML 1.1 reads this as a string
     assert RunConfig.load(p).training.lr == pytest.approx(2e-4)

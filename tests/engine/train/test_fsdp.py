@@ -170,8 +170,9 @@ def test_a_4bit_base_under_fsdp_is_refused_in_one_sentence(tmp_path):
     assert err.value.path == "training.distributed"
     assert "a 4-bit base is not sharded across GPUs here: use DDP" in str(err.value)
     assert FSDP_4BIT_REFUSAL in str(err.value)
-    with pytest.raises(ConfigError, match="must be one of 'auto', 'ddp', 'fsdp'"):
+    with pytest.raises(ConfigError) as err:
         RunConfig.from_dict({"training": {"distributed": "zero3"}})
+    assert err.value.path == "training.distributed" and "'fsdp'" in str(err.value)  # the field, and the choices
     # The command line says it before anything starts (the window gets it as a Failed/validation error).
     cfg = yaml.safe_load(_config(tmp_path, "q", "fsdp").read_text())
     cfg["model"]["load_in_4bit"] = True
