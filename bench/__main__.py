@@ -7,6 +7,7 @@
     python -m bench --memcap                                   # W7, longest sequence at 16 GiB
     python -m bench --memcap --memcap-impls ours:offload-single,liger_varlen,trl_liger_varlen,unsloth
     python -m bench --workloads W9 --impls ours,hf --max-seconds 540  # whole MoE model vs HF grouped_mm
+    python -m bench --workloads W11 --impls ours,trl_grpo --tokenizer .gpu/qwen-tokenizer  # GRPO vs TRL
     python -m bench --cpu-smoke --results /tmp/r.jsonl         # tiny end-to-end run on a CPU
     python -m bench --summarize [--merge more.jsonl]           # RESULTS.md from results.jsonl
     python -m bench --dry-run                                  # the plan, nothing built
@@ -162,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny model on the CPU: ours + hf_sdpa for 2 steps, fp32 one-step parity, and a 30-step learning check",
     )
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="W11: a folder with Qwen3's tokenizer.json, tokenizer_config.json and chat_template.jinja (the "
+        "rewards read the completions as text); default .gpu/qwen-tokenizer, then the conformance cache",
+    )
     p.add_argument(
         "--unsloth-site",
         default=None,

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from bench.runner import Context, NotYetSupported, Prepared, make_ours_optimizer
+from bench.runner import Context, Prepared, make_ours_optimizer
 
 
 def _run_config(wl):
     """The RunConfig an objective reads: its method and the workload's method settings."""
-    from engine.config import RewardConfig, RunConfig
+    from engine.config import RunConfig
 
     cfg = RunConfig()
     cfg.training.method = wl.kind
@@ -25,15 +25,33 @@ def _run_config(wl):
     if wl.kind == "dpo":
         cfg.preference.beta = float(x["beta"])
     else:
+        from bench.grpo_bench import reward_configs
+
         g = cfg.grpo
         g.group_size, g.max_new_tokens, g.beta = int(x["group"]), int(x["max_new_tokens"]), float(x["beta"])
-        g.rewards = [RewardConfig(kind="regex", pattern=x.get("reward_pattern", REWARD_PATTERN))]
+        g.rewards = reward_configs(wl)  # W11's rewards (bench.grpo_bench: why these)
+        # A row holds one prompt and its group's room; the prompts are ~64 tokens (max_tokens at most).
+        cfg.data.max_seq_len = int(x["max_tokens"]) + 64
     return cfg
 
 
-# W11's reward: a completion whose text holds a digit (on the bench's random-weight models some
-# completions of a group do and some do not, so the advantages are not all zero).
-REWARD_PATTERN = r"(?s).*\d.*"
+def grpo_prompts(wl, objective, tok, batches) -> list:
+    """Each PromptStep as the objective's micro-batch: its prompts' text (bench.grpo_bench) read,
+    rendered and tokenized as a run's data is (engine.data.preference, kind "prompts"), collated."""
+    from datasets import Dataset
+
+    from bench.grpo_bench import prompt_texts
+    from engine.data.preference import prepare_preference_data
+
+    cfg = objective.config
+    out = []
+    for step in batches:
+        raw = Dataset.from_list([{"prompt": t} for t in prompt_texts(step, tok)])
+        data = prepare_preference_data(cfg.data, tok, "prompts", extra_tokens=cfg.grpo.max_new_tokens, raw=raw)
+        if len(data.examples) != step.num_prompts:
+            raise RuntimeError(f"W11 prompts dropped: {data.skipped[:2]}")
+        out.append(objective.collate(data, list(range(len(data.examples)))))
+    return out
 
 
 def setup_ours_method(variant: str, fields: dict):
@@ -70,24 +88,38 @@ def setup_ours_method(variant: str, fields: dict):
                 SequenceBatch.from_sequences([s for p, c, r in b.pairs for s in ((p, c), (p, r))]) for b in ctx.batches
             ]
         else:
-            raise NotYetSupported(
-                "W11 (GRPO) has no bench harness yet: the objective samples through a tokenizer, and the "
-                "random-weight workloads have none for Qwen3's vocabulary"
-            )
-        extra: dict = {}
+            from bench.grpo_bench import describe_rewards, load_tokenizer
+            from engine.train.objectives.grpo import GRPO
+
+            tok = load_tokenizer(ctx.args, wl)
+            objective = GRPO(cfg)
+            host = grpo_prompts(wl, objective, tok, ctx.batches)
+        # GRPO: each step's reward, its spread, the KL and the completions' length (the learning
+        # check reads them, bench.grpo_bench.grpo_check); filled in step by step.
+        extra: dict = {"reward_curve": [], "reward_std_curve": [], "kl_curve": [], "completion_length_curve": []}
+        if wl.kind != "grpo":
+            extra, tok = {}, None
 
         def step(i):
-            micro = objective.prepare_step(StepContext(peft, ctx.device, None, forward, i + 1), [(1, host[i])])
+            micro = objective.prepare_step(StepContext(peft, ctx.device, tok, forward, i + 1), [(1, host[i])])
             normalizer = objective.normalizer([b for _, b in micro])
-            total = 0.0
+            total, sums = 0.0, {}
             for _, batch in micro:
                 dev = batch.to(ctx.device)
                 out = objective.loss(forward, peft, dev, normalizer)
                 out.loss.backward()
                 total = total + out.loss.detach()
+                for k, v in out.metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
                 dev.info.free()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if extra:
+                m = objective.step_metrics(sums)
+                extra["reward_curve"].append(m["reward"])
+                extra["reward_std_curve"].append(m["reward_std"])
+                extra["kl_curve"].append(m.get("kl", 0.0))
+                extra["completion_length_curve"].append(m["completion_length"])
             return total
 
         options = {
@@ -101,6 +133,12 @@ def setup_ours_method(variant: str, fields: dict):
             "lora_params": sum(p.numel() for p in peft.parameters() if p.requires_grad),
             "optimizer": opt_options,
         }
+        if wl.kind == "grpo":
+            options.update(
+                rewards=describe_rewards(wl),
+                generation="transformers generate, KV cache, adapters on (engine.train.objectives.grpo)",
+                tokenizer=tok.name_or_path,
+            )
         return Prepared(step, options, extra, keep=[peft, opt, host, objective])
 
     return setup

@@ -355,6 +355,10 @@ def setup_for(impl: str, options: dict):
         from bench.peers.trl_dpo import setup_trl_dpo
 
         return setup_trl_dpo(liger=impl == "trl_dpo_liger")
+    if impl == "trl_grpo":  # W11's peer (bench.peers.trl_grpo)
+        from bench.peers.trl_grpo import setup_trl_grpo
+
+        return setup_trl_grpo()
     if impl.startswith("hf_moe_"):
         return setup_moe_block(impl[len("hf_moe_") :])
     if impl == "hf_experts_eager" or (impl == "hf_sdpa" and options.get("experts_implementation")):

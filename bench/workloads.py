@@ -307,8 +307,12 @@ def tiny_moe(w: Workload, layers: int = 2, experts: int = 8, top_k: int = 2, tok
 
 def tiny_method(w: Workload, **extra) -> Workload:
     """A training-method workload (W10, W11) at CPU-tiny's shape, with smaller steps (`extra`
-    overrides): for CPU tests of the harness; speed means nothing here."""
-    return w.with_changes(id=f"{w.id}-tiny", config=dict(CPU_TINY.config), extra=dict(w.extra, lr=1e-2, **extra))
+    overrides): for CPU tests of the harness; speed means nothing here. GRPO (W11) keeps its
+    vocabulary: its completions are read as text through Qwen3's tokenizer (bench.grpo_bench)."""
+    cfg = dict(CPU_TINY.config)
+    if w.kind == "grpo":
+        cfg["vocab_size"] = w.config["vocab_size"]
+    return w.with_changes(id=f"{w.id}-tiny", config=cfg, extra=dict(w.extra, lr=1e-2, **extra))
 
 
 def get_workload(wid: str) -> Workload:
