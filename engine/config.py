@@ -161,6 +161,9 @@ class FastPathConfig:
     """Switches for each fast path; "auto" means on where it applies (CUDA, supported arch)."""
 
     kernels: Union[bool, Literal["auto"]] = "auto"  # RMSNorm, RoPE, gated MLP activations
+    # The residual add after attention fused with the norm after it (engine.kernels.add_rmsnorm):
+    # one launch each way instead of two forward and three backward; needs kernels on.
+    add_rmsnorm: Union[bool, Literal["auto"]] = "auto"
     lora_autograd: Union[bool, Literal["auto"]] = "auto"  # fused LoRA MLP / QKV / O
     fused_ce: Union[bool, Literal["auto"]] = "auto"  # fused linear cross-entropy
     packed_attention: Union[bool, Literal["auto"]] = "auto"  # varlen attention kernel

@@ -39,7 +39,9 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
   q/k/v and o, LoRAMLP for the gated MLP).
 - ``<op>:triton`` / ``<op>:torch`` for op in rmsnorm, rope, activations, fused_ce, token_logp: forward
   computations of each kernel op by the path that ran (the Triton kernel or its torch
-  reference; on a CPU the reference is the engine's path); ``fused_ce:streamed``: the loss
+  reference; on a CPU the reference is the engine's path); ``add_rmsnorm:<path>``: those of the
+  rmsnorm computations fused with the residual add before them (counted under both keys);
+  ``fused_ce:streamed``: the loss
   streamed over a tied table in host memory (engine.fastpath.host_head).
 - ``attention:<backend>``: packed attention calls by backend (varlen_triton, torch_flash,
   flash_attn, reference) and ``attention:dense``, the dense path of the packed attention
@@ -67,6 +69,8 @@ CALL_KEYS = (
     "lora_mlp",
     "rmsnorm:triton",
     "rmsnorm:torch",
+    "add_rmsnorm:triton",
+    "add_rmsnorm:torch",
     "rope:triton",
     "rope:torch",
     "activations:triton",
@@ -214,6 +218,7 @@ def split_counts(snapshot: Mapping[str, int]) -> tuple[dict[str, int], dict[str,
 # run as planned.
 _RAN_BY: dict[str, tuple[str, ...]] = {
     "rmsnorm": ("rmsnorm:triton", "rmsnorm:torch"),
+    "add_rmsnorm": ("add_rmsnorm:triton", "add_rmsnorm:torch"),
     "rope": ("rope:triton", "rope:torch"),
     "activations": ("activations:triton", "activations:torch"),
     "lora_qkv": ("lora_linears",),
@@ -228,11 +233,19 @@ _RAN_BY: dict[str, tuple[str, ...]] = {
     "fused_ce": ("fused_ce:triton", "fused_ce:torch", "fused_ce:streamed"),
     "moe_grouping": ("moe_calls",),
 }
-_REFERENCE_ONLY = {"rmsnorm:torch", "rope:torch", "activations:torch", "fused_ce:torch", "attention:reference"}
+_REFERENCE_ONLY = {
+    "rmsnorm:torch",
+    "add_rmsnorm:torch",
+    "rope:torch",
+    "activations:torch",
+    "fused_ce:torch",
+    "attention:reference",
+}
 
 # Module kind of a fallback -> the fast paths that module's stock forward skipped.
 FALLBACK_KINDS: dict[str, tuple[str, ...]] = {
     "rmsnorm": ("rmsnorm",),
+    "add_rmsnorm": ("add_rmsnorm",),
     "attention": ("lora_qkv", "lora_o", "rope"),
     "lora_qkv": ("lora_qkv",),
     "lora_o": ("lora_o",),

@@ -1,8 +1,8 @@
 """Per-architecture patch registry: swap module forwards for the fast paths.
 
 `apply_fast_paths(model, fast, device)` takes a PEFT-wrapped transformers causal LM and replaces
-the forwards of three kinds of module (never the decoder layers, so HF's gradient
-checkpointing, masks and kwargs plumbing stay as they are):
+the forwards of three kinds of module, and of the decoder layers only to fuse a residual add
+with the norm after it (HF's gradient checkpointing, masks and kwargs plumbing stay as they are):
 
 - RMSNorm modules -> `engine.kernels.rmsnorm.rms_norm` (Gemma's ``1 + w`` via offset=1).
 - the gated MLP -> `engine.fastpath.lora.lora_mlp` (fused LoRA gate/up/down with the gated
@@ -12,6 +12,11 @@ checkpointing, masks and kwargs plumbing stay as they are):
   registry (so the packed varlen function of engine.fastpath.attention, sdpa or eager all work, and the
   packing kwargs cu_seq_lens_q/k, max_length_q/k, position_ids pass through untouched), then
   fused LoRA O.
+- the decoder layer -> the stock layer's steps, op for op, except that the residual add after
+  attention and the norm after it (post_attention_layernorm; Gemma-2's pre_feedforward_layernorm)
+  are one `engine.kernels.add_rmsnorm` launch each way (fast_paths.add_rmsnorm). The add after
+  the MLP stays a torch add: fusing it with the next layer's input norm would move work across
+  the layer boundary that gradient checkpointing and offload recompute per layer.
 
 The registry is keyed by `config.model_type` (engine.models.arch: one file per architecture);
 unknown types keep the stock path. Each patched forward checks, per call, the state it was planned
@@ -41,6 +46,7 @@ import inspect
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -55,7 +61,7 @@ from engine.models.arch import arch_for
 from engine.models.arch import patched as patched_archs
 from engine.peft_model import hf_model
 
-FAST_PATHS = ("rmsnorm", "rope", "activations", "lora_qkv", "lora_o", "lora_mlp")
+FAST_PATHS = ("rmsnorm", "add_rmsnorm", "rope", "activations", "lora_qkv", "lora_o", "lora_mlp")
 _KIND = "patches"  # engine.fastpath.patching kind of the forwards installed here
 
 
@@ -100,6 +106,7 @@ class _Kernels:
 
     impl: str  # "auto": the kernels' own dispatch (Triton on CUDA); "triton": always Triton
     rms_norm: Optional[Callable] = None
+    add_rms_norm: Optional[Callable] = None
     apply_rope: Optional[Callable] = None
     activations: bool = False
     missing: dict = field(default_factory=dict)
@@ -109,6 +116,7 @@ class _Kernels:
         k = cls(impl)
         for key, mod_name, fn_name in (
             ("rmsnorm", "engine.kernels.rmsnorm", "rms_norm"),
+            ("add_rmsnorm", "engine.kernels.add_rmsnorm", "add_rms_norm"),
             ("rope", "engine.kernels.rope", "apply_rope"),
             ("activations", "engine.kernels.activations", "swiglu"),
         ):
@@ -120,6 +128,8 @@ class _Kernels:
                 continue
             if key == "rmsnorm":
                 k.rms_norm = fn
+            elif key == "add_rmsnorm":
+                k.add_rms_norm = fn
             elif key == "rope":
                 k.apply_rope = fn
             else:
@@ -291,6 +301,79 @@ def _attention_forward(
     return attn_output, attn_weights
 
 
+@dataclass
+class _LayerPlan:
+    stock: Callable
+    fn: Callable  # engine.kernels.add_rmsnorm's add_rms_norm (or its _triton form)
+    offset: float
+    eps_attr: str  # the fused norm's epsilon attribute
+    sandwich: bool  # Gemma-2: attention output normed before the add, the MLP's after it
+    # transformers >= 5.2x checkpoints inside the class's forward (GradientCheckpointingLayer wraps
+    # it), which an instance forward bypasses, so this forward checkpoints itself; older versions
+    # checkpoint in __call__, around whatever forward the instance has.
+    checkpoints_in_forward: bool
+
+
+def _layer_plan(layer: nn.Module, fn: Optional[Callable], offset: float) -> tuple[Optional[_LayerPlan], Optional[str]]:
+    """The plan for a decoder layer of the usual shape, or (None, why it keeps the stock forward)."""
+    if fn is None:
+        return None, "no add_rmsnorm kernel"
+    sandwich = hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
+    needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    missing = [name for name in needed if not hasattr(layer, name)]
+    if missing:
+        return None, f"{type(layer).__name__} has no {', '.join(missing)}"
+    norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+    eps_attr = "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps"
+    if not hasattr(norm, eps_attr) or getattr(norm, "weight", None) is None:
+        return None, f"{type(norm).__name__} has no weight or epsilon"
+    class_forward = getattr(type(layer), "forward", None)
+    in_forward = getattr(getattr(class_forward, "__code__", None), "co_name", "") == "forward_with_checkpointing"
+    return _LayerPlan(layer.forward, fn, offset, eps_attr, sandwich, in_forward), None
+
+
+def _decoder_layer_forward(self, plan: _LayerPlan, hidden_states, *args, **kwargs):
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if args or cache is not None:  # generation, or a call shape this forward was not planned for
+        count_fallback("add_rmsnorm", "positional arguments" if args else "KV cache")
+        return plan.stock(hidden_states, *args, **kwargs)
+    if plan.checkpoints_in_forward and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        # What the class's checkpointing wrapper does (with no cache, nothing of it to switch off);
+        # engine.fastpath.offload's function, when installed, is this _gradient_checkpointing_func.
+        kwargs.pop("use_cache", None)
+        return self._gradient_checkpointing_func(partial(_fused_layer, self, plan, **kwargs), hidden_states)
+    return _fused_layer(self, plan, hidden_states, **kwargs)
+
+
+def _fused_layer(self, plan: _LayerPlan, hidden_states, **kwargs):
+    # The stock layer's steps with the add after attention fused into the norm that follows it.
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    if plan.sandwich:  # Gemma-2's layer does not pass use_cache on to its attention
+        kwargs.pop("use_cache", None)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    if plan.sandwich:
+        hidden_states = self.post_attention_layernorm(hidden_states)
+    norm = self.pre_feedforward_layernorm if plan.sandwich else self.post_attention_layernorm
+    reason = None
+    if hidden_states.dtype != residual.dtype:  # under autocast, the attention's output is the cast dtype
+        reason = "autocast" if torch.is_autocast_enabled(residual.device.type) else "dtype differs from the residual's"
+    elif plan.offset == 0.0 and norm.weight.dtype != hidden_states.dtype:
+        reason = "weight dtype differs from the activations"  # as _rmsnorm_forward: promotes in the stock
+    if reason is None:
+        hidden_states, residual = plan.fn(
+            hidden_states, residual, norm.weight, getattr(norm, plan.eps_attr), plan.offset
+        )
+    else:
+        count_fallback("add_rmsnorm", reason)
+        residual = residual + hidden_states
+        hidden_states = norm(residual)
+    hidden_states = self.mlp(hidden_states)
+    if plan.sandwich:
+        hidden_states = self.post_feedforward_layernorm(hidden_states)
+    return residual + hidden_states
+
+
 # -- planning -------------------------------------------------------------------------------------
 
 
@@ -405,13 +488,25 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
         "rope": kernels_off or (k.missing.get("rope") if k.apply_rope is None else None),
         "activations": kernels_off or (k.missing.get("activations") if not k.activations else None),
     }
+    add_norm_off = (
+        kernels_off
+        or _switch(getattr(fast, "add_rmsnorm", "auto"), "add_rmsnorm", device)
+        or (k.missing.get("add_rmsnorm") if k.add_rms_norm is None else None)
+    )
     act_impl = "triton" if kernel_impl == "triton" else "kernels"
     norm_cls, attn_cls, mlp_cls = arch.classes()
+    layer_cls = norm_cls.removesuffix("RMSNorm") + "DecoderLayer"
     tally = _Tally()
 
     for module in list(hf.modules()):
         cls = type(module).__name__
-        if cls == norm_cls:
+        if cls == layer_cls:
+            layer_plan, why = _layer_plan(module, k.add_rms_norm, arch.norm_offset)
+            tally.add("add_rmsnorm", add_norm_off or why)
+            if add_norm_off is None and layer_plan is not None:
+                _install(module, _decoder_layer_forward, layer_plan)
+
+        elif cls == norm_cls:
             tally.add("rmsnorm", kernel_off["rmsnorm"])
             eps_attr = "variance_epsilon" if hasattr(module, "variance_epsilon") else "eps"
             if kernel_off["rmsnorm"] is None and hasattr(module, eps_attr):
@@ -471,6 +566,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
 
     return {
         "rmsnorm": tally.report("rmsnorm", kernel_off["rmsnorm"] or f"no {norm_cls} modules found"),
+        "add_rmsnorm": tally.report("add_rmsnorm", add_norm_off or f"no {layer_cls} modules found"),
         "rope": tally.report("rope", kernel_off["rope"] or f"no {attn_cls} modules found"),
         "activations": tally.report("activations", kernel_off["activations"] or f"no {mlp_cls} modules found"),
         "lora_qkv": tally.report("lora_qkv", lora_off or f"no {attn_cls} modules found"),
