@@ -444,6 +444,13 @@ def dry_run(args, workloads, impls, variants) -> int:
         if wl.kind in METHOD_KINDS:  # W10, W11: pairs or prompts (bench.method_batches)
             print(f"{wl.id} {wl.title} [{wl.kind}]: N={matmul_params(wl):,}; target: {wl.target}", flush=True)
             print(f"  data: {describe_method(wl)}; AdamW lr {lr_for(wl, args):g}", flush=True)
+            if wl.kind == "grpo":  # W11 reads its completions through Qwen3's tokenizer (bench.grpo_bench)
+                from bench.grpo_bench import describe_rewards, tokenizer_dir
+
+                found = tokenizer_dir(args, wl)
+                ok = found is not None and (found / "tokenizer.json").is_file()
+                print(f"  tokenizer: {found if ok else 'MISSING (docs/GPU.md, W11)'}", flush=True)
+                print(f"  rewards: {'; '.join(describe_rewards(wl))}", flush=True)
             print("  impls: " + ", ".join(i for i, _ in plan_impls(wl, impls, variants)), flush=True)
             continue
         batches = make_batches(args.warmup + args.steps, wl.tokens, wl.config["vocab_size"], wl.packing)

@@ -101,3 +101,14 @@ def test_w11_without_a_tokenizer_says_how_to_provide_one(tmp_path):
     batches = make_method_batches(TINY, 2)
     rec = _run("ours", batches, SimpleNamespace(tokenizer=str(tmp_path)), steps=1)
     assert rec["status"].startswith("not supported") and ".gpu/qwen-tokenizer" in rec["status"], rec["status"]
+
+
+def test_w11_dry_run_names_its_tokenizer_and_rewards(args, tmp_path, capsys):
+    from bench.__main__ import main
+
+    common = ["--workloads", "W11", "--impls", "ours,trl_grpo", "--dry-run", "--results", str(tmp_path / "r.jsonl")]
+    assert main([*common, "--tokenizer", args.tokenizer]) == 0
+    out = capsys.readouterr().out
+    assert f"tokenizer: {args.tokenizer}" in out and "rewards: length" in out and "impls: ours, trl_grpo" in out
+    assert main([*common, "--tokenizer", str(tmp_path)]) == 0
+    assert "tokenizer: MISSING" in capsys.readouterr().out
