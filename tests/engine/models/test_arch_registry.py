@@ -116,5 +116,5 @@ def test_unknown_families_count_as_the_generic_decoder():
 def test_tiny_config_layers_base_arch_and_overrides():
     cfg = tiny_config("qwen2", hidden_size=32, sliding_window=4)
     assert (cfg.hidden_size, cfg.sliding_window, cfg.attention_bias, cfg.num_key_value_heads) == (32, 4, True, 2)
-    with pytest.raises(ValueError, match="qwen2_moe"):
-        tiny_config("qwen2_moe")
+    with pytest.raises(ValueError, match="qwen2_vl"):
+        tiny_config("qwen2_vl")
