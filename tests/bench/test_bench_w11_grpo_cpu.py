@@ -54,12 +54,13 @@ def test_w11_rewards_vary_on_random_text_and_prompts_render_as_trl_renders(args)
     objective = GRPO(_run_config(TINY))
     (batch,) = grpo_prompts(TINY, objective, tok, [step])
     ours_ids = [batch.data.examples[i][0] for i in batch.example_ids]
-    trl_ids = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-        for t in texts
-    ]
-    trl_ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in trl_ids]
-    assert ours_ids == trl_ids
+    from bench.peers.trl_grpo import TrlGrpoPeer
+
+    peer = TrlGrpoPeer(TINY, torch.device("cpu"), 1e-2, tok)
+    inputs = peer.inputs(texts)
+    assert [x["prompt"][0]["content"] for x in inputs] == [t for t in texts for _ in range(4)]  # each prompt x group
+    trl_ids, _, _ = peer.trainer._tokenize_prompts([x["prompt"] for x in inputs[::4]])  # TRL's own rendering
+    assert ours_ids == [list(x) for x in trl_ids]
     assert max(max(ids) for ids in ours_ids) < W11.config["vocab_size"]
 
 
