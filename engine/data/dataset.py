@@ -15,7 +15,7 @@ from engine.config import DataConfig
 from engine.data import plural, shown_row
 from engine.data.formats import FormatSpec, detect_format, row_to_messages
 from engine.data.packing import PackingResult, pack_best_fit_decreasing
-from engine.data.render import ensure_chat_template, tokenize_row
+from engine.data.render import ensure_chat_template, tokenize_rows
 from engine.data.sources import DataError, load_raw
 
 
@@ -77,6 +77,14 @@ def no_usable_rows(cfg: DataConfig, rows: int, skipped: list[tuple[int, str]]) -
     )
 
 
+def _row_batches(raw):
+    """(index of the first row, [rows]) in batches: engine.data.scan.Rows' own (the packing view's,
+    with its progress and stop check) or, for a plain data set, the same batches without them."""
+    from engine.data.scan import Rows  # here: scan imports the modules that import this one
+
+    return (raw if isinstance(raw, Rows) else Rows(raw)).batches()
+
+
 def prepare_dataset(cfg: DataConfig, tokenizer, raw=None) -> PreparedData:
     raw = load_raw(cfg) if raw is None else raw
     spec = detect_format(list(raw.column_names), cfg.format, cfg.columns, cfg.source)
@@ -84,30 +92,41 @@ def prepare_dataset(cfg: DataConfig, tokenizer, raw=None) -> PreparedData:
     docs, masks, skipped = [], [], []
     truncated = dropped = dropped_reasoning = 0
     limit = cfg.max_seq_len
-    for i, row in enumerate(raw):
-        try:
-            example = row_to_messages(row, spec)
-            toks = tokenize_row(
-                tokenizer, example, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
+    for start, batch in _row_batches(raw):
+        # A batch's rows rendered and tokenized together (as the X-ray does): one fast-tokenizer
+        # call for the batch instead of one per row.
+        examples: list = []  # each row's messages or text, or the ValueError that says why not
+        for row in batch:
+            try:
+                examples.append(row_to_messages(row, spec))
+            except ValueError as exc:
+                examples.append(exc)
+        readable = [ex for ex in examples if not isinstance(ex, ValueError)]
+        toks = iter(
+            tokenize_rows(
+                tokenizer, readable, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
             )
-        except ValueError as exc:  # render.RowError (the template rejects the row) is one
-            skipped.append((i, str(exc)))
-            continue
-        dropped_reasoning += any(a.reasoning_dropped for t in toks for a in t.answers)
-        for tok in toks:
-            ids, trained = tok.ids, tok.trained
-            if len(ids) > limit:
-                if cfg.overlong == "drop":
-                    dropped += 1
-                    skipped.append((i, f"{len(ids)} tokens, longer than a row ({limit}); dropped"))
-                    continue
-                ids, trained = ids[:limit], trained[:limit]
-                truncated += 1
-            if sum(trained[1:]) == 0:
-                skipped.append((i, "no trained tokens (nothing to learn from this row)"))
+        )
+        for i, example in enumerate(examples, start):
+            got = example if isinstance(example, ValueError) else next(toks)
+            if isinstance(got, ValueError):  # unreadable, or render.RowError (the template rejects the row)
+                skipped.append((i, str(got)))
                 continue
-            docs.append(ids)
-            masks.append(trained)
+            dropped_reasoning += any(a.reasoning_dropped for t in got for a in t.answers)
+            for tok in got:
+                ids, trained = tok.ids, tok.trained
+                if len(ids) > limit:
+                    if cfg.overlong == "drop":
+                        dropped += 1
+                        skipped.append((i, f"{len(ids)} tokens, longer than a row ({limit}); dropped"))
+                        continue
+                    ids, trained = ids[:limit], trained[:limit]
+                    truncated += 1
+                if sum(trained[1:]) == 0:
+                    skipped.append((i, "no trained tokens (nothing to learn from this row)"))
+                    continue
+                docs.append(ids)
+                masks.append(trained)
     if not docs:
         raise no_usable_rows(cfg, len(raw), skipped)
     notes = [reasoning_note(dropped_reasoning, cfg.earlier_reasoning)] if dropped_reasoning else []

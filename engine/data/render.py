@@ -327,28 +327,42 @@ def tokenize_example(
 ) -> Tokenized:
     """Token ids and trained flags for one row (messages from formats.row_to_messages, or text).
     For earlier_reasoning "keep" this is the whole conversation as rendered (what the window shows);
-    tokenize_row gives the examples training uses. RowError when the template cannot render it."""
+    tokenize_rows gives the examples training uses. RowError when the template cannot render it."""
     (got,) = tokenize_examples(tokenizer, [example], responses_only, fold_system, earlier_reasoning)
     if isinstance(got, RowError):
         raise got
     return got
 
 
-def tokenize_row(
+def tokenize_rows(
     tokenizer,
-    example,
+    examples: list,
     responses_only: bool = True,
     fold_system: bool = False,
     earlier_reasoning: str = "drop",
-) -> list[Tokenized]:
-    """The examples one row trains: one, or (earlier_reasoning "keep", and the template dropped the
-    reasoning of an earlier answer) one per answer, each ending at its answer, which alone is
-    trained, with its reasoning rendered."""
-    whole = tokenize_example(tokenizer, example, responses_only, fold_system, earlier_reasoning)
-    if isinstance(example, str) or earlier_reasoning != "keep" or not any(a.reasoning_dropped for a in whole.answers):
-        return [whole]
-    out = []
-    for i, msg in enumerate(example):
-        if msg["role"] == "assistant":
-            out.append(tokenize_example(tokenizer, example[: i + 1], responses_only, fold_system, "final_turn_only"))
+) -> list:
+    """The examples each row trains, for many rows at once (tokenize_examples' batches): for each row
+    a list of Tokenized, or the RowError it raises. One example per row, or (earlier_reasoning "keep",
+    and the template dropped the reasoning of an earlier answer) one per answer, each ending at its
+    answer, which alone is trained, with its reasoning rendered; a row whose part the template
+    rejects is that part's RowError."""
+    wholes = tokenize_examples(tokenizer, examples, responses_only, fold_system, earlier_reasoning)
+    out: list = [got if isinstance(got, RowError) else [got] for got in wholes]
+    if earlier_reasoning != "keep":
+        return out
+    split = [  # (row, the conversation up to one of its answers)
+        (i, example[: k + 1])
+        for i, (example, got) in enumerate(zip(examples, wholes))
+        if not isinstance(example, str)
+        and not isinstance(got, RowError)
+        and any(a.reasoning_dropped for a in got.answers)
+        for k, msg in enumerate(example)
+        if msg["role"] == "assistant"
+    ]
+    parts = tokenize_examples(tokenizer, [part for _, part in split], responses_only, fold_system, "final_turn_only")
+    for i in {i for i, _ in split}:
+        out[i] = []
+    for (i, _), got in zip(split, parts):
+        if isinstance(out[i], list):  # the first part the template rejects is the row's error
+            out[i] = got if isinstance(got, RowError) else out[i] + [got]
     return out
