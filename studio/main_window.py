@@ -32,7 +32,7 @@ from studio.panels.export import ExportPanel
 from studio.panels.hardware import HardwarePanel
 from studio.panels.model import ModelPanel
 from studio.panels.monitor import MonitorPanel, one_sentence
-from studio.panels.runs import RunsPanel
+from studio.panels.runs import METHOD_LABELS, RunsPanel
 from studio.panels.training import TrainingPanel
 from studio.process_worker import ProcessWorker
 from studio.settings import Settings
@@ -219,6 +219,7 @@ class MainWindow(QMainWindow):
         self.chat_panel.replied.connect(lambda _r: self.steps.set_state(CHAT, "done"))
         self.hardware_panel.redetect_requested.connect(self.detect_hardware)
         self.runs_panel.resume_requested.connect(self.resume_run)
+        self.runs_panel.continue_requested.connect(self.continue_with)
         self.runs_panel.source_selected.connect(self.follow_source)
         self.runs_panel.runs_changed.connect(self._runs_changed)
 
@@ -413,6 +414,14 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage(why, 10000)
             return False
         return self._launch(config, resume_from=str(run_dir))
+
+    def continue_with(self, adapter: str, method: str) -> bool:
+        """Runs ▸ Continue with: the Train page set up for a new run of `method` from `adapter` (a
+        run's final adapter or checkpoint); the person picks its data and presses Train."""
+        if not self.training_panel.continue_from(adapter, method, METHOD_LABELS.get(method, method)):
+            return False
+        self.go_to(TRAIN)
+        return True
 
     def follow_source(self, path: str) -> None:
         """The run or checkpoint picked on the Runs page is the one Chat and Export use."""

@@ -5,7 +5,9 @@ Select one run to see its curves; select several to overlay them, with a table o
 keys whose values differ. A stopped or failed run can be resumed from its last checkpoint (the
 window runs it, as `tunesmith train --resume` would); runs can be renamed, deleted (after a
 confirmation) and opened in the file manager. The run (and checkpoint) picked here is the one
-Chat and Export use.
+Chat and Export use. "Continue with" starts a new run of another method (GRPO after an SFT cold
+start, DPO, ...) from a run's adapter: the Train page gets the run's model and settings, the
+method and `lora.init_adapter`, and the person picks the new method's data.
 
 Everything is read through `engine.api` (summarize_runs, RunFolder.history), on pool threads:
 a long run's metrics file is megabytes of JSON. A broken run folder is a row with status
@@ -44,6 +46,7 @@ from engine.api import RunFolder, RunFolderError, config_differences, shown_stat
 from studio.panels.common import Banner, caption, fmt_seconds, title
 from studio.tasks import run_task
 from studio.widgets.history_chart import HistoryChart, color_for
+from studio.widgets.method_picker import METHODS
 from studio.widgets.metric_overlay import MetricOverlay
 
 # "Best train loss": the lowest training loss logged; the Monitor's "best" is the eval loss's.
@@ -65,6 +68,8 @@ CHARTS = (
     ("tokens_per_second", "Tokens / s", ""),
 )
 SORT_KEY = Qt.ItemDataRole.UserRole + 1  # what a column sorts by (numbers sort as numbers)
+# How "Continue with" names a method (training.method's names, studio.widgets.method_picker).
+METHOD_LABELS = {"sft": "SFT", "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO", "kto": "KTO", "grpo": "GRPO"}
 
 
 def _histories(paths: list[str]) -> dict[str, object]:
@@ -119,6 +124,27 @@ def _runs_table() -> QTableWidget:
     return table
 
 
+def _method_box() -> QComboBox:
+    """The method "Continue with" starts: GRPO first (the SFT -> GRPO recipe), then the others."""
+    box = QComboBox()
+    box.setObjectName("continueMethod")
+    for name in sorted(METHODS, key=lambda m: m != "grpo"):
+        box.addItem(METHOD_LABELS.get(name, name), name)
+    box.setToolTip("The training method of the new run that starts from this run's adapter")
+    return box
+
+
+def why_not_continued(summary, status: str) -> str:
+    """Why a new run cannot start from this run's adapter, in one sentence ("" when it can)."""
+    if status == "running":
+        return f"{summary.name} is still training: stop it or let it finish first"
+    if not summary.config:
+        return f"{summary.name} has no readable config.yaml to take the model and settings from"
+    if summary.adapter is None and not summary.checkpoints:
+        return f"{summary.name} saved no adapter (it ended before its first checkpoint): there is nothing to start from"
+    return ""
+
+
 def _diff_table() -> QTableWidget:
     """The config keys that differ between the selected runs: a row per key, a column per run."""
     diff = QTableWidget(0, 1)
@@ -132,6 +158,7 @@ def _diff_table() -> QTableWidget:
 
 class RunsPanel(QWidget):
     resume_requested = Signal(str)  # a run folder to resume from its last checkpoint
+    continue_requested = Signal(str, str)  # an adapter (a run or checkpoint folder), the new run's method
     source_selected = Signal(str)  # the run or checkpoint folder Chat and Export should use
     runs_changed = Signal()  # a run was renamed or deleted
     refreshed = Signal()  # the table shows the runs folder as it is now
@@ -157,6 +184,9 @@ class RunsPanel(QWidget):
         self.resume_button = QPushButton("Resume")
         self.resume_button.setObjectName("primary")
         self.resume_button.setToolTip("Continue a stopped or failed run from its last checkpoint")
+        self.continue_button = QPushButton("Continue with")
+        self.continue_button.setObjectName("continueButton")
+        self.continue_method = _method_box()
         self.rename_button = QPushButton("Rename…")
         self.delete_button = QPushButton("Delete…")
         self.delete_button.setObjectName("danger")
@@ -222,6 +252,8 @@ class RunsPanel(QWidget):
         tools.addWidget(self.folder_label, 1)
         for button in (self.refresh_button, self.open_button, self.rename_button, self.delete_button):
             tools.addWidget(button)
+        tools.addWidget(self.continue_button)
+        tools.addWidget(self.continue_method)
         tools.addWidget(self.resume_button)
 
         lay = QVBoxLayout(self)
@@ -234,6 +266,8 @@ class RunsPanel(QWidget):
         """Every signal the page listens to, in one place."""
         self.refresh_button.clicked.connect(self.refresh)
         self.resume_button.clicked.connect(self.resume_selected)
+        self.continue_button.clicked.connect(lambda: self.continue_selected())
+        self.continue_method.currentIndexChanged.connect(lambda _i: self._update_buttons())
         self.rename_button.clicked.connect(lambda: self.rename_selected())
         self.delete_button.clicked.connect(self.delete_selected)
         self.open_button.clicked.connect(self.open_folder)
@@ -420,6 +454,15 @@ class RunsPanel(QWidget):
             self.resume_button.setToolTip(f"Cannot resume: {why}")
         else:
             self.resume_button.setToolTip("Continue the run from its last checkpoint, exactly where it stopped")
+        label = self.continue_method.currentText()
+        stop = why_not_continued(run, self.status_of(run)) if run is not None else "select a run"
+        self.continue_button.setEnabled(not stop)
+        self.continue_button.setToolTip(
+            f"Cannot continue with {label}: {stop}"
+            if stop
+            else f"A new {label} run that starts from this run's adapter (the one Chat and Export use), "
+            "with its model and settings: set up on the Train page, where you pick its data"
+        )
 
     # -- what Chat and Export use -----------------------------------------------------------
     def _fill_sources(self, run) -> None:
@@ -544,6 +587,26 @@ class RunsPanel(QWidget):
             return False
         self.banner.clear()
         self.resume_requested.emit(str(run.path))
+        return True
+
+    def continue_selected(self, method: Optional[str] = None) -> bool:
+        """Ask for a new run of `method` (default: the one picked beside the button) that starts
+        from the selected run's adapter: the source picked for Chat and Export (the final adapter,
+        the best or another checkpoint)."""
+        run = self.current()
+        if method is not None:
+            i = self.continue_method.findData(method)
+            if i < 0:
+                self.banner.show_message(f"Unknown training method {method!r}.", "error")
+                return False
+            self.continue_method.setCurrentIndex(i)
+        label = self.continue_method.currentText()
+        stop = why_not_continued(run, self.status_of(run)) if run is not None else "select a finished run first"
+        if stop:
+            self.banner.show_message(f"Cannot continue with {label}: {stop}.", "warning")
+            return False
+        self.banner.clear()
+        self.continue_requested.emit(self.selected_source() or str(run.path), self.continue_method.currentData())
         return True
 
     def rename_selected(self, new_name: Optional[str] = None) -> bool:

@@ -4,7 +4,8 @@ as YAML, the Train button, and what the last run's pre-flight measured (peak, st
 and any setting it had to lower). The gallery's prompts are typed one per line in a box of
 their own, the only place they are edited (training.gallery_prompts; a prompt may hold commas,
 which a list field would split on). A step count above 0 wins over epochs: the epochs field says
-so."""
+so. `continue_from` sets the form up for a new run that starts from an earlier run's adapter
+(the Runs page's "Continue with": GRPO after an SFT cold start, or any other method)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.api import AUTO, ConfigError, RunConfig
+from engine.api import AUTO, ConfigError, RunConfig, RunFolder
 from studio import presets
 from studio.config_form import ConfigForm
 from studio.panels.common import Banner, caption, card, title
 from studio.state import deep_merge
-from studio.widgets.method_picker import MethodPicker
+from studio.widgets.method_picker import WHAT, MethodPicker
 
 
 class TrainingPanel(QWidget):
@@ -207,6 +208,32 @@ class TrainingPanel(QWidget):
             if section in data and name in data[section]:
                 data[section][name] = AUTO
         self.state.replace(data)
+
+    def continue_from(self, adapter: str, method: str, label: str = "") -> bool:
+        """A new run of `method` that starts from `adapter` (a run folder, its final adapter, or
+        one of its checkpoints): the run's config (model, LoRA shape, settings) in the form, the
+        method picked as the person would pick it (GRPO with no reward starts with the format
+        one), `lora.init_adapter` set and a new run name. The data stays as it is: the person
+        picks the method's data (the Data page checks it, and Train says why not while it
+        cannot be read as that method's data)."""
+        folder = RunFolder.of(adapter)
+        label = label or method.upper()
+        try:
+            self.load_config(folder.config)
+        except (ConfigError, OSError) as exc:
+            self.banner.show_message(f"Cannot continue {folder.path.name}: {exc}", "error")
+            return False
+        self.state.set("lora.init_adapter", str(adapter))
+        self.state.set("output.run_name", "auto")  # the earlier run's name is taken
+        self.method.set_method(method)
+        data = WHAT.get(method, "").partition("Data: ")[2].rstrip(".") or "instructions with their answers"
+        self.banner.show_message(
+            f"Continuing {folder.path.name} with {label}: the new run starts from its adapter ({adapter}) with its "
+            f"model and settings. Choose {label}'s data on the Data page ({data}); it is still "
+            f"{self.state.get('data.source')}.",
+            "info",
+        )
+        return True
 
     def _save_dialog(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self, "Save the run config", "run.yaml", "YAML (*.yaml *.yml)")
