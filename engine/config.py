@@ -62,7 +62,9 @@ class LoraConfig:
     # Start the adapters from a trained PEFT adapter instead of fresh ones: its folder, or a run
     # (its final adapter/, else its latest checkpoint's). Any method: e.g. GRPO after an SFT cold
     # start. Its r, alpha and target modules must be the ones above. "" = fresh adapters.
-    # The reference of DPO's, KTO's and GRPO's KL stays the base with the adapters off.
+    # The reference of DPO's, KTO's and GRPO's KL stays the base with the adapters off, not this
+    # starting point (TRL's DPO after SFT takes the SFT model): for that, train on a merged export
+    # of the SFT run (model.name_or_path) with fresh adapters (docs/ARCHITECTURE.md).
     init_adapter: str = ""
 
 

@@ -24,7 +24,9 @@ HELP = {
     ),
     "lora.init_adapter": (
         "Start the adapter from an earlier one: a PEFT adapter folder, or a run (its final adapter, else its "
-        "latest checkpoint). Its rank and layers must match. E.g. GRPO or DPO after an SFT run."
+        "latest checkpoint). Its rank and layers must match. E.g. GRPO or DPO after an SFT run: their reference "
+        "stays the base without adapters; to measure from the SFT model (as TRL does), train on the SFT run's "
+        "merged export instead."
     ),
     "data.split": "Which split of a Hub data set to train on.",
     "data.train_on_responses_only": "Mask prompt tokens so only the assistant's replies are learned.",
