@@ -1,44 +1,114 @@
-"""`--profile`: where a step's time goes, by op, for one implementation on one workload.
+"""`--profile`: where a step's time goes, by op, and how many kernels a step launches.
 
-Runs two extra steps under torch.profiler after the timed ones and prints the top ops by GPU
-time, plus how busy the GPU was over the step (GPU kernel time / wall time): a low figure
-means the step is bound by the host (Python, launches), not by kernels.
+After the timed steps, two more steps are timed plainly (no profiler: its own overhead would be
+counted as host time), then two more run under torch.profiler, one profiler session per step:
+
+- ``host_cpu_ms``: the process's CPU time per plain step (time.process_time: Python, dispatch,
+  launches, on every thread, the autograd engine's included; on CUDA also any spinning in a sync
+  the step makes), beside ``step_wall_ms``, the same steps' wall time between device syncs. A
+  host-bound step has host_cpu_ms close to step_wall_ms.
+- ``kernel_launches``: device kernels each profiled step ran (CUDA kernel events of the profiler:
+  every kernel whether launched by cuBLAS, torch or Triton; memcpy and memset not counted), and
+  ``launch_calls``, the host's launch API calls seen (cudaLaunchKernel and friends, cuLaunchKernel
+  for Triton), per step. Both lists are empty on a CPU, where nothing is launched.
+- ``profile_wall_ms`` / ``profile_gpu_ms``: wall and GPU-kernel time per profiled step; their ratio
+  is how busy the GPU was (a low figure: bound by the host, not by kernels). The top ops by GPU
+  time (CPU time on a CPU) of the last profiled step are printed.
+
+`--ours-variants all-on,add_rmsnorm=false` then shows a lever's launches and host time before
+and after in one run.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from bench.report import progress
 
+# Host-side names of a kernel launch in the profiler (runtime and driver API; Triton uses the driver).
+LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchCooperativeKernel",
+)
+
+
+def is_kernel(event) -> bool:
+    """Whether a profiler event is a device kernel (not a memcpy or memset)."""
+    from torch.autograd import DeviceType
+
+    if getattr(event, "device_type", None) != DeviceType.CUDA:
+        return False
+    return not event.name.startswith(("Memcpy", "Memset", "memcpy", "memset"))
+
+
+def launch_counts(events) -> tuple[int, int]:
+    """(device kernels, host launch calls) among one step's profiler events."""
+    kernels = sum(1 for e in events if is_kernel(e))
+    calls = sum(1 for e in events if e.name in LAUNCH_CALLS)
+    return kernels, calls
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
 
 def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     cuda = ctx.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     n = len(ctx.batches)
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for j in range(steps):
-            prep.step((ctx.warmup + j) % n)
+    attr = None
+
+    host_ms, wall_ms = [], []
+    for j in range(steps):
+        _sync(cuda)
+        t0, c0 = time.perf_counter(), time.process_time()
+        prep.step((ctx.warmup + j) % n)
+        c1 = time.process_time()
+        _sync(cuda)
+        wall_ms.append((time.perf_counter() - t0) * 1e3)
+        host_ms.append((c1 - c0) * 1e3)
+
+    kernels, calls, prof_wall, gpu_us, tables = [], [], [], [], []
+    for j in range(steps):
+        _sync(cuda)
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            prep.step((ctx.warmup + steps + j) % n)
+            _sync(cuda)
+        prof_wall.append(time.perf_counter() - t0)
         if cuda:
-            torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / steps
-    events = prof.key_averages()
-    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    gpu_us = sum(getattr(e, attr, 0) for e in events) / steps if cuda else 0.0
-    table = events.table(
-        sort_by=sort.replace("cuda", "device") if attr.startswith("self_device") else sort,
-        row_limit=top,
-        max_name_column_width=60,
-    )
+            k, c = launch_counts(prof.events())
+            kernels.append(k)
+            calls.append(c)
+        events = prof.key_averages()
+        if attr is None:
+            attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        gpu_us.append(sum(getattr(e, attr, 0) for e in events) if cuda else 0.0)
+        sort = attr if cuda else "self_cpu_time_total"
+        tables.append(events.table(sort_by=sort, row_limit=top, max_name_column_width=60))
+
+    wall = statistics.fmean(prof_wall)
+    gpu = statistics.fmean(gpu_us)
     progress(
-        f"{label} profile: wall {wall * 1e3:.1f} ms/step, GPU kernels {gpu_us / 1e3:.1f} ms/step "
-        f"({100 * gpu_us / 1e3 / (wall * 1e3):.0f}% busy)\n{table}"
+        f"{label} profile: wall {wall * 1e3:.1f} ms/step, GPU kernels {gpu / 1e3:.1f} ms/step "
+        f"({100 * gpu / 1e3 / (wall * 1e3):.0f}% busy); kernels launched per step {kernels}, "
+        f"launch calls {calls}; unprofiled steps: host CPU {[round(h, 1) for h in host_ms]} ms, "
+        f"wall {[round(w, 1) for w in wall_ms]} ms\n{tables[-1]}"
     )
-    return {"profile_wall_ms": round(wall * 1e3, 2), "profile_gpu_ms": round(gpu_us / 1e3, 2)}
+    return {
+        "profile_wall_ms": round(wall * 1e3, 2),
+        "profile_gpu_ms": round(gpu / 1e3, 2),
+        "kernel_launches": kernels,
+        "launch_calls": calls,
+        "host_cpu_ms": [round(h, 2) for h in host_ms],
+        "step_wall_ms": [round(w, 2) for w in wall_ms],
+    }

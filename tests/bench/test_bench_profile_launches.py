@@ -1,0 +1,39 @@
+"""`--profile` on a CPU: every profiled record carries the launch and host-time fields per step, and
+`--ours-variants all-on,add_rmsnorm=false` gives the before/after pair of the fused add + RMSNorm in
+one run (on a CPU nothing is launched, so the kernel lists are empty; the GPU fills them)."""
+
+from __future__ import annotations
+
+from bench.__main__ import main
+from bench.profile import LAUNCH_CALLS, launch_counts
+from bench.report import read_records
+
+
+def test_profile_records_launches_and_host_time_per_step(tmp_path, one_thread):
+    results = tmp_path / "results.jsonl"
+    argv = ["--cpu-smoke", "--impls", "ours", "--ours-variants", "all-on,add_rmsnorm=false", "--profile"]
+    assert main(argv + ["--results", str(results)]) == 0
+    recs = [r for r in read_records(results) if r["mode"] == "bench"]
+    by_variant = {r["options"]["variant"]: r for r in recs}
+    assert set(by_variant) == {"all-on", "add_rmsnorm=false"}
+    for r in by_variant.values():
+        assert r["status"] == "ok", r["status"]
+        assert len(r["host_cpu_ms"]) == len(r["step_wall_ms"]) == 2
+        assert all(h > 0 for h in r["host_cpu_ms"]) and all(w > 0 for w in r["step_wall_ms"])
+        assert r["kernel_launches"] == [] and r["launch_calls"] == []  # a CPU launches no kernels
+        assert r["profile_wall_ms"] > 0 and r["profile_gpu_ms"] == 0
+    assert by_variant["all-on"]["options"]["fast_paths_report"]["add_rmsnorm"] == "on"
+    assert (
+        by_variant["add_rmsnorm=false"]["options"]["fast_paths_report"]["add_rmsnorm"]
+        == "off: fast_paths.add_rmsnorm is false"
+    )
+
+
+def test_launch_counts_of_a_cpu_profile_are_zero():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8) @ torch.ones(8)
+    assert launch_counts(prof.events()) == (0, 0)
+    assert "cudaLaunchKernel" in LAUNCH_CALLS and "cuLaunchKernel" in LAUNCH_CALLS
