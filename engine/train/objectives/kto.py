@@ -109,7 +109,7 @@ class KTO(PairObjective):
         """The KL twins' log-probs under the policy and, with `reference`, the answers' and the
         twins' under the base (adapters off), attached to `batch.extra`; no gradient."""
         dev, kl_dev = batch.to(ctx.device), kl_host.to(ctx.device)
-        with torch.no_grad():
+        with ctx.gathered(), torch.no_grad():  # FSDP: the model is called directly, not through its root
             batch.extra["kl"] = completion_sums(token_logps(ctx.forward, ctx.model, kl_dev), kl_dev)
         if reference:
             with ctx.adapters_off():

@@ -7,7 +7,11 @@ Before, the first generation failed with "aten.embedding.default got mixed torch
 DTensor" (generate calls the PEFT model directly, whose embeddings were still a shard).
 
 The rewards make the comparison one that can fail: a user reward that is a fingerprint of each
-completion's text (equal means only when the answers are equal) beside the demo's format."""
+completion's text (equal means only when the answers are equal) beside the demo's format.
+
+The reference passes of DPO and KTO (adapters off, and KTO's policy KL pass) call the model
+directly too and failed the same way: they run with the root gathered now, and learn what one
+process learns."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import yaml
 from child_process import child_env
 
 from engine.resources import DEMO_DATA_FILE, DEMO_PRESET
+from tests.engine.train.test_methods_session import write_pairs, write_unpaired
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +119,47 @@ def test_grpo_samples_and_evaluates_greedily_under_fsdp_as_one_process_does(tmp_
         assert b["eval_loss"] == pytest.approx(a["eval_loss"], abs=1e-6)
         for key, value in a["metrics"].items():
             assert b["metrics"][key] == pytest.approx(value, abs=1e-6), (b["step"], key)
+
+
+@pytest.mark.parametrize("method", ["dpo", "kto"])
+def test_the_reference_passes_of_dpo_and_kto_run_under_fsdp_as_on_one_process(tmp_path, method):
+    write = write_pairs if method == "dpo" else write_unpaired
+    paths = []
+    for name, distributed in (("one", "ddp"), ("two", "fsdp")):
+        cfg = yaml.safe_load(Path(DEMO_PRESET).read_text())
+        cfg["model"]["dtype"] = "float32"
+        cfg["data"].update(
+            source=str(write(tmp_path / f"{method}.jsonl", n=16)),
+            eval_source=str(write(tmp_path / f"{method}-held.jsonl", n=4)),
+            max_seq_len=128,
+        )
+        cfg["training"].update(
+            method=method,
+            max_steps=2,
+            rows_per_micro_batch=2,
+            grad_accum=2,
+            save_every=0,
+            eval_every=2,
+            gallery_size=0,
+            optimizer="adamw",
+            device="cpu",
+            preflight="off",
+            distributed=distributed,
+        )
+        paths.append(tmp_path / f"{name}.yaml")
+        paths[-1].write_text(yaml.safe_dump(cfg))
+    one, two = tmp_path / "one", tmp_path / "two"
+    r1 = _train(paths[0], "--output", one)
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    r2 = _train(paths[1], "--output", two, "--gpus", 2)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    s1, s2 = _events(one, "StepMetrics"), _events(two, "StepMetrics")
+    assert [s["step"] for s in s2] == [1, 2]
+    for a, b in zip(s1, s2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (b["step"], a["loss"], b["loss"])
+        assert b["metrics"]["kl" if method == "kto" else "rewards/margins"] == pytest.approx(
+            a["metrics"]["kl" if method == "kto" else "rewards/margins"], rel=1e-4, abs=1e-6
+        )
+    e1, e2 = _events(one, "EvalMetrics"), _events(two, "EvalMetrics")
+    assert len(e2) == len(e1) == 1
+    assert e2[0]["eval_loss"] == pytest.approx(e1[0]["eval_loss"], rel=1e-5)
