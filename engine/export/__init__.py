@@ -123,9 +123,14 @@ class ExportKind:
     estimate: Optional[Callable[..., Optional[int]]] = None
     # Other things it needs besides modules (e.g. llama.cpp's converter script), as sentences.
     also_missing: Optional[Callable[[], list[str]]] = None
+    # refuses(source, **options) -> why this run cannot be exported as this kind (one sentence), or
+    # None: asked before anything of any kind is written (a Gemma-2 GGUF without tokenizer.model).
+    refuses: Optional[Callable[..., Optional[str]]] = None
     # A destination ending in this suffix is a file (X.gguf) written with its companions beside it.
     file_suffix: str = ""
-    companions: tuple[str, ...] = ()  # files written beside a file destination (the Modelfile)
+    # companions(dst): the names of the files written beside a file destination dst (its Modelfile),
+    # given to write as `companions`: a name that depends on what the folder already holds.
+    companions: Optional[Callable[[Path], tuple[str, ...]]] = None
     # published(dst, source, extras, **options): fill in what is known once the artefact is in place
     # (the Modelfile's path and the `ollama create` command).
     published: Optional[Callable[..., None]] = None
@@ -207,7 +212,7 @@ def _check_destination(dst: Path, overwrite: bool, kind: Optional[ExportKind] = 
     if kind is not None and _is_file_target(kind, dst):
         if dst.is_dir():
             raise ExportError(f"{dst} is a folder; name a {kind.file_suffix} file or a folder without the suffix")
-        for p in (dst, *(dst.parent / c for c in kind.companions)):
+        for p in (dst, *(dst.parent / c for c in (kind.companions(dst) if kind.companions else ()))):
             if p.exists() and not overwrite:
                 raise ExportError(f"{p} already exists; choose another name or overwrite")
         return
@@ -387,6 +392,10 @@ def _preflight(
         seen[key] = name
         _check_destination(dst, overwrite, EXPORTERS[name])
     if source is not None:
+        for kind in _kinds(list(requests)):
+            why = kind.refuses(source, **_options_for(kind, requests, options)) if kind.refuses else None
+            if why:
+                raise ExportError(why)
         needs = {}
         for kind in _kinds(list(requests)):
             opts = _options_for(kind, requests, options)
@@ -414,6 +423,7 @@ def _export_one(
     tmp = _atomic_dir(dst, overwrite, kind)
     if _is_file_target(kind, dst):
         options["filename"] = dst.name
+        options["companions"] = kind.companions(dst) if kind.companions else ()
     try:
         kind.write(source, tmp, progress, **options)
         if progress:

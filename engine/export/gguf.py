@@ -9,7 +9,8 @@ How it is written:
    16-bit GGUF, in a subprocess (engine/export/_gguf_convert.py);
 3. `llama_cpp.llama_model_quantize` makes q8_0 or q4_k_m from it (f16 / bf16 are written by the
    converter directly);
-4. `Modelfile` beside it (engine/export/modelfile.py).
+4. `Modelfile` beside it (engine/export/modelfile.py), or `<name>.Modelfile` when the folder's
+   `Modelfile` is another GGUF's (several GGUFs exported into one folder: modelfile.modelfile_name).
 
 What it needs (`tunesmith[gguf]`, pinned in pyproject.toml): llama-cpp-python (a C++ build; PyPI
 ships it as a source distribution only), gguf, and sentencepiece (the converter imports it).
@@ -178,10 +179,12 @@ def write(
     filename: Optional[str] = None,
     built_on: Optional[Path] = None,
     extras: Optional[dict] = None,
+    companions: tuple[str, ...] = (),
     **_options,
 ) -> None:
     """`built_on`: the merged export of the same flow, already written and checked in 16 bits
-    (else a scratch merge is written here first)."""
+    (else a scratch merge is written here first). `companions`: for a file destination, the name
+    of its Modelfile (_companions); a folder of its own gets `Modelfile`."""
     from engine.export import merged as merged_kind
     from engine.export import modelfile
     from engine.export.selfcheck import trained_tokenizer
@@ -214,13 +217,59 @@ def write(
         gen_path = Path(merged_dir) / "generation_config.json"
         gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
         tokenizer = trained_tokenizer(source)
-        info = modelfile.write_modelfile(out, name, tokenizer, gen, runtime_adds_bos=_adds_bos(out / name))
+        mf_name = companions[0] if companions else modelfile.MODELFILE
+        info = modelfile.write_modelfile(
+            out, name, tokenizer, gen, runtime_adds_bos=_adds_bos(out / name), name=mf_name
+        )
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     if extras is not None:
         extras.update(info)
         extras["gguf"] = name
+
+
+# Architectures whose llama.cpp converter reads the vocabulary from tokenizer.model and nothing else
+# (conversion/gemma.py: GemmaModel and Gemma2Model call _set_vocab_sentencepiece unconditionally;
+# Gemma-3's falls back to tokenizer.json), with the name a person knows them by.
+SENTENCEPIECE_ONLY = {"GemmaForCausalLM": "Gemma", "Gemma2ForCausalLM": "Gemma-2"}
+
+
+def refuses(source, **_options) -> Optional[str]:
+    """Why the run cannot be exported as GGUF, before anything is written: a model llama.cpp converts
+    from tokenizer.model only (SENTENCEPIECE_ONLY) whose tokenizer folders (the adapter's, the base
+    model's: merged.tokenizer_folders, where the merged export copies it from) hold none; the
+    converter would stop with "File not found: tokenizer.model" after the merge. None: it can."""
+    import json
+
+    from engine.export.merged import tokenizer_folders
+
+    folders = tokenizer_folders(source)
+    family = None
+    for folder in folders[1:]:
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        family = next(
+            (SENTENCEPIECE_ONLY[a] for a in config.get("architectures") or [] if a in SENTENCEPIECE_ONLY), None
+        )
+        break
+    if family is None or any((folder / "tokenizer.model").is_file() for folder in folders):
+        return None
+    base = folders[-1] if len(folders) > 1 else source.adapter
+    return (
+        f"the GGUF export of this {family} model needs its tokenizer.model (llama.cpp's converter reads a "
+        f"{family} vocabulary from that SentencePiece file only), and neither the run's adapter folder nor the "
+        f"base model folder holds one: copy tokenizer.model from the model's Hugging Face repository into {base}"
+    )
+
+
+def _companions(dst: Path) -> tuple[str, ...]:
+    """What a file destination X.gguf writes beside it: its Modelfile, named by modelfile_name."""
+    from engine.export import modelfile
+
+    return (modelfile.modelfile_name(dst.parent, dst.name),)
 
 
 def _stored_dtype(folder: Path) -> str:
@@ -258,8 +307,10 @@ def check(folder: Path) -> None:
     with ggufs[0].open("rb") as f:
         if f.read(4) != b"GGUF":
             raise ExportError(f"{ggufs[0].name} is not a GGUF file")
-    if not (folder / "Modelfile").is_file():
-        raise ExportError("the GGUF export has no Modelfile")
+    from engine.export import modelfile
+
+    if modelfile.modelfile_of(folder, ggufs[0].name) is None:
+        raise ExportError(f"the GGUF export has no Modelfile whose FROM is ./{ggufs[0].name}")
 
 
 def estimate(source, quant: str = DEFAULT_QUANT, built_on: Optional[Path] = None, **_options) -> Optional[int]:
@@ -447,11 +498,12 @@ def _lint_prompt_tokens(llm, tok, ref, folder: Path):
     from engine.export import modelfile
     from engine.export.selfcheck import Lint
 
-    if not (folder / "Modelfile").is_file():
+    path = modelfile.modelfile_of(folder, Path(llm.model_path).name)
+    if path is None:
         return Lint("modelfile", False, "there is no Modelfile beside the GGUF")
     adds_bos = _adds_bos(Path(llm.model_path))
     tr = modelfile.translate(tok, runtime_adds_bos=adds_bos)
-    written = modelfile.read_modelfile(folder / "Modelfile")["template"]
+    written = modelfile.read_modelfile(path)["template"]
     if tr.template is None or written != tr.template:
         reason = tr.reason or "the Modelfile's TEMPLATE is not the translation of the tokenizer's template"
         return Lint("modelfile", False, f"the Modelfile has no checked TEMPLATE ({reason})", blocking=False)
@@ -480,8 +532,9 @@ def published(dst: Path, source, extras: dict, quant: str = DEFAULT_QUANT, **_op
     folder = dst.parent if dst.suffix.lower() == ".gguf" else dst
     run = runs.run_folder_of(source.adapter)
     name = modelfile.model_name(f"{run.name}-{quant}")
-    extras["modelfile"] = str(folder / "Modelfile")
-    extras["ollama_command"] = modelfile.ollama_command(folder / "Modelfile", name)
+    path = modelfile.modelfile_of(folder, extras.get("gguf") or dst.name) or folder / modelfile.MODELFILE
+    extras["modelfile"] = str(path)
+    extras["ollama_command"] = modelfile.ollama_command(path, name)
 
 
 def notes(extras: dict) -> list[str]:
@@ -506,8 +559,9 @@ KIND = ExportKind(
     estimate=estimate,
     requires=("llama_cpp", "gguf", "sentencepiece", "torch", "transformers", "peft"),
     also_missing=converter_missing,
+    refuses=refuses,
     file_suffix=".gguf",
-    companions=("Modelfile",),
+    companions=_companions,
     published=published,
     options=(
         ExportOption(

@@ -483,22 +483,57 @@ def ollama_command(modelfile: Path, name: str) -> str:
     return f'ollama create {name} -f "{modelfile}"'
 
 
+MODELFILE = "Modelfile"  # what `ollama create` reads when no -f is given
+
+
+def _from_line(path: Path) -> str | None:
+    """The FROM of a Modelfile ("./model.gguf"), or None when it has none or cannot be read."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("FROM "):
+                    return line[5:].strip()
+    except (OSError, UnicodeDecodeError):
+        pass
+    return None
+
+
+def modelfile_name(folder: Path, gguf_name: str) -> str:
+    """The name of the Modelfile for the GGUF `gguf_name` written into `folder`: `Modelfile`, unless
+    the folder's `Modelfile` is another GGUF's (its FROM names another file, or it is not one of
+    ours): then `<gguf name without .gguf>.Modelfile`. So a second GGUF exported into a folder gets
+    its own Modelfile beside it, and neither export stops nor replaces the other's."""
+    shared = folder / MODELFILE
+    if not shared.exists() or _from_line(shared) == f"./{gguf_name}":
+        return MODELFILE
+    return f"{Path(gguf_name).stem}.{MODELFILE}"
+
+
+def modelfile_of(folder: Path, gguf_name: str) -> Path | None:
+    """The Modelfile in `folder` whose FROM is the GGUF `gguf_name` (modelfile_name's two names), or None."""
+    for name in (f"{Path(gguf_name).stem}.{MODELFILE}", MODELFILE):
+        if _from_line(folder / name) == f"./{gguf_name}":
+            return folder / name
+    return None
+
+
 def write_modelfile(
     folder: Path,
     gguf_name: str,
     tokenizer,
     gen_config: dict,
     runtime_adds_bos: bool = False,
+    name: str = MODELFILE,
 ) -> dict:
-    """Write `folder/Modelfile`; returns what it holds (template translated or why not, stops,
-    parameters) for the export report."""
+    """Write the Modelfile `folder/name` for the GGUF `gguf_name` beside it; returns what it holds
+    (template translated or why not, stops, parameters) for the export report."""
     tr = translate(tokenizer, runtime_adds_bos)
     eos = gen_config.get("eos_token_id")
     gen_eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
     stops = stop_tokens(tokenizer, gen_eos)
     params = parameters(gen_config)
     lines = [
-        "# Written by Tunesmith: `ollama create NAME -f Modelfile` in this folder.",
+        f"# Written by Tunesmith: `ollama create NAME -f {name}` in this folder.",
         f"FROM ./{gguf_name}",
     ]
     if tr.template is not None and '"""' not in tr.template:
@@ -515,7 +550,7 @@ def write_modelfile(
         lines.append(f"PARAMETER stop {json.dumps(s)}")
     for k, v in params:
         lines.append(f"PARAMETER {k} {v}")
-    (folder / "Modelfile").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (folder / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return {
         "template_translated": tr.template is not None,
         "template_reason": tr.reason,
