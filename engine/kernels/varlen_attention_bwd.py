@@ -101,12 +101,14 @@ def _onepass_inner(
     DOT_PREC: tl.constexpr,
 ):
     offs_m0 = tl.arange(0, BLOCK_M)
-    rows0 = (lo + offs_m0).to(tl.int64)
-    q_ptrs = q_base + rows0[:, None] * sq_t + offs_d[None, :]
-    do_ptrs = do_base + rows0[:, None] * sdo_t + offs_d[None, :]
-    dq_ptrs = dq_base + rows0[:, None] * sdq_t + offs_d[None, :]
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
+        # Addresses rebuilt per step rather than carried through the loop: three [BLOCK_M, D] tiles
+        # of 64-bit pointers held across iterations cost the registers the dK/dV accumulators need.
+        rows = offs_m.to(tl.int64)
+        q_ptrs = q_base + rows[:, None] * sq_t + offs_d[None, :]
+        do_ptrs = do_base + rows[:, None] * sdo_t + offs_d[None, :]
+        dq_ptrs = dq_base + rows[:, None] * sdq_t + offs_d[None, :]
         if MASK:
             m_ok = offs_m < doc_end
             q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
@@ -142,9 +144,6 @@ def _onepass_inner(
             tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None], sem="relaxed")
         else:
             tl.atomic_add(dq_ptrs, dq, sem="relaxed")
-        q_ptrs += BLOCK_M * sq_t
-        do_ptrs += BLOCK_M * sdo_t
-        dq_ptrs += BLOCK_M * sdq_t
     return dk, dv
 
 
@@ -339,21 +338,24 @@ def _attn_bwd_onepass(
 
 # BLOCK_N is the key block (the table's block, one of varlen_attention.TABLE_BLOCKS), BLOCK_M the
 # query step. A step's atomics ([BLOCK_M, D] fp32) against its matmuls (5 x BLOCK_M x BLOCK_N x D)
-# fall as BLOCK_N grows, so long documents take 128-key blocks; short packed documents take 64, which
-# wastes less of the masked diagonal and gives more programs. The dK/dV accumulators ([BLOCK_N, D]
-# fp32, two of them) bound the tile at D = 128 and 256, as in the split dK/dV kernel.
+# fall as BLOCK_N grows, so long documents take 128-key blocks where registers allow; short packed
+# documents take 64, which wastes less of the masked diagonal and gives more programs. Chosen by
+# register spills (ptxas -v for sm_90a, Triton 3.9, causal bf16, GROUP 4), pending GPU timings:
+# D=64: (64, 128, 8 warps) 248 registers, no spill; (32, 64, 8) 223, none; any 4-warp tile spills.
+# D=128: everything spills a little: (32, 64, 8) 224 bytes, (64, 64, 8) 480, (32, 128, 8) 840,
+# (64, 128, 8) 1,964 (the split dK/dV kernel's default spills 1,444). D=256: 1.8 KB at best.
 _ONEPASS_DEFAULTS = {
     # head_dim: {long documents: (BLOCK_M, BLOCK_N, num_warps, num_stages)}
-    64: {False: (32, 64, 4, 3), True: (32, 128, 4, 3)},
-    128: {False: (32, 64, 4, 3), True: (32, 128, 8, 2)},
-    256: {False: (16, 64, 4, 2), True: (32, 64, 4, 1)},
+    64: {False: (32, 64, 8, 3), True: (64, 128, 8, 2)},
+    128: {False: (32, 64, 8, 2), True: (32, 128, 8, 2)},
+    256: {False: (16, 64, 8, 2), True: (16, 64, 8, 2)},
 }
 # Autotuned candidates (TUNESMITH_ATTN_AUTOTUNE, as the other attention kernels); the key adds
 # whether the documents are long, so W6 and W1 tune apart.
 _ONEPASS_CONFIGS = {
-    64: [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 2)],
-    128: [_cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3), _cfg(64, 64, 8, 2)],
-    256: [_cfg(32, 64, 4, 1), _cfg(16, 64, 4, 2), _cfg(32, 64, 8, 2)],
+    64: [_cfg(64, 128, 8, 2), _cfg(32, 128, 8, 2), _cfg(32, 128, 8, 3), _cfg(64, 64, 8, 2), _cfg(32, 64, 8, 3)],
+    128: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(32, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(16, 64, 8, 2)],
+    256: [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2), _cfg(16, 64, 4, 2)],
 }
 _attn_bwd_onepass_tuned = _tuned(
     _attn_bwd_onepass, _ONEPASS_CONFIGS, key=_ALL_KEY + ["long_docs"], reset_to_zero=["DQ"]
