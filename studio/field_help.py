@@ -83,6 +83,9 @@ HELP = {
         "card across them (not a 4-bit base). auto: fsdp only when the 16-bit base does not fit one GPU."
     ),
     "fast_paths.kernels": "Triton kernels for RMSNorm, RoPE and gated MLP activations.",
+    "fast_paths.add_rmsnorm": (
+        "Add attention's output to the residual and normalize the sum in one kernel (needs the Triton kernels)."
+    ),
     "fast_paths.lora_autograd": "Fused LoRA MLP / QKV / O with a hand-written backward.",
     "fast_paths.fused_ce": "Cross-entropy fused with the LM head, never materialising the full logits.",
     "fast_paths.packed_attention": "Variable-length attention over packed documents (no padding).",
@@ -148,6 +151,7 @@ LABELS = {
     "training.early_stopping_patience": "stop after N evals without a new best",
     "training.gallery_size": "gallery examples (no prompts typed)",
     "fast_paths.kernels": "Triton kernels",
+    "fast_paths.add_rmsnorm": "fused residual add + norm",
     "fast_paths.lora_autograd": "fused LoRA layers",
     "fast_paths.fused_ce": "fused loss (cross-entropy)",
     "fast_paths.packed_attention": "packed attention",

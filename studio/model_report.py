@@ -147,6 +147,7 @@ def profile_dict(profile) -> dict[str, Any]:
 
 FAST_PATH_LABELS = {
     "rmsnorm": "RMSNorm kernel",
+    "add_rmsnorm": "residual add fused with RMSNorm",
     "rope": "RoPE kernel",
     "activations": "gated-MLP activation kernel",
     "lora_qkv": "fused LoRA QKV",
@@ -161,6 +162,7 @@ FAST_PATH_LABELS = {
 # Which config switch turns each listed fast path on or off (engine.config.FastPathConfig).
 SWITCH_OF = {
     "RMSNorm kernel": "kernels",
+    "residual add fused with RMSNorm": "add_rmsnorm",
     "RoPE kernel": "kernels",
     "gated-MLP activation kernel": "kernels",
     "fused LoRA QKV": "lora_autograd",
@@ -172,7 +174,7 @@ SWITCH_OF = {
 }
 # What needs CUDA: on a machine without it the hardware policy turns these off (the plain-torch
 # references run), so the Model page must not call them on.
-NEEDS_CUDA = {"kernels", "lora_autograd", "fused_ce"}
+NEEDS_CUDA = {"kernels", "add_rmsnorm", "lora_autograd", "fused_ce"}
 
 
 def for_this_machine(fast_paths: dict[str, str], profile, switches: dict[str, Any]) -> dict[str, str]:
