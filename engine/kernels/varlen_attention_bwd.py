@@ -147,7 +147,8 @@ def _onepass_inner(
     return dk, dv
 
 
-@triton.jit
+# long_docs is not specialised: 0 and 1 would otherwise compile two copies of every config.
+@triton.jit(do_not_specialize=["long_docs"])
 def _attn_bwd_onepass(
     Q,
     K,
