@@ -417,11 +417,11 @@ class MainWindow(QMainWindow):
 
     def continue_with(self, adapter: str, method: str) -> bool:
         """Runs ▸ Continue with: the Train page set up for a new run of `method` from `adapter` (a
-        run's final adapter or checkpoint); the person picks its data and presses Train."""
-        if not self.training_panel.continue_from(adapter, method, METHOD_LABELS.get(method, method)):
-            return False
+        run's final adapter or checkpoint); the person picks its data and presses Train. The Train
+        page's banner says what was set up, or why nothing was (a config.yaml this version rejects)."""
+        ok = self.training_panel.continue_from(adapter, method, METHOD_LABELS.get(method, method))
         self.go_to(TRAIN)
-        return True
+        return ok
 
     def follow_source(self, path: str) -> None:
         """The run or checkpoint picked on the Runs page is the one Chat and Export use."""

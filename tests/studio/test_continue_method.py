@@ -124,3 +124,22 @@ def test_a_run_that_saved_no_adapter_cannot_be_continued(failed_run, window, qtb
     assert not page.continue_selected("kto")
     assert "Cannot continue with KTO: no-adapter saved no adapter" in page.banner.text()
     assert window.state.get("training.method") == method and not window.state.get("lora.init_adapter")
+
+
+def test_a_run_whose_config_this_version_rejects_is_not_continued_and_the_train_page_says_why(sft_run, window, qtbot):
+    # A config.yaml that reads as YAML but not as this version's config (a value it refuses).
+    cfg = yaml.safe_load((sft_run / "config.yaml").read_text(encoding="utf-8"))
+    cfg["training"]["lr"] = -1
+    (sft_run / "config.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    before = dict(window.state.data["training"]), dict(window.state.data["lora"])
+    page = show_runs(window, qtbot)
+    select(page, qtbot, ["sft-run"])
+    assert page.continue_button.isEnabled()  # readable: the config's values are checked when used
+    qtbot.mouseClick(page.continue_button, Qt.MouseButton.LeftButton)
+    from studio.main_window import TRAIN
+
+    tp = window.training_panel
+    assert window.pages.currentIndex() == TRAIN
+    assert tp.banner.level == "error" and tp.banner.text().startswith("Cannot continue sft-run:"), tp.banner.text()
+    assert "training.lr" in tp.banner.text()
+    assert (dict(window.state.data["training"]), dict(window.state.data["lora"])) == before  # nothing half-set
