@@ -43,42 +43,27 @@ def screenshot(widget, name: str) -> Path:
     return path
 
 
-class LatencyProbe:
-    """Measures event-loop latency: a 10 ms timer records how late each tick arrives."""
+class EventRecorder:
+    """The engine's events as the training worker emits them (a direct connection: the slot runs on
+    the emitting thread): their names in order, and those emitted on the GUI thread. A step run on
+    the GUI thread would freeze the window for its whole length; a worker thread never does."""
 
-    def __init__(self, interval_ms: int = 10):
-        import time
+    def __init__(self, worker):
+        from PySide6.QtCore import Qt
 
-        from PySide6.QtCore import QTimer
+        self.names: list[str] = []
+        self.on_gui_thread: list[str] = []
+        worker.event.connect(self._record, Qt.ConnectionType.DirectConnection)
 
-        self._time = time.perf_counter
-        self.interval = interval_ms / 1000
-        self.timer = QTimer()
-        self.timer.setInterval(interval_ms)
-        self.timer.timeout.connect(self._tick)
-        self.last = None
-        self.worst = 0.0
-        self.ticks = 0
-        self.stalls: list[tuple[float, int]] = []  # (seconds since start, ms late) above 30 ms
+    def _record(self, event) -> None:
+        import threading
 
-    def _tick(self) -> None:
-        now = self._time()
-        if self.last is not None:
-            late = now - self.last - self.interval
-            self.worst = max(self.worst, late)
-            if late > 0.03:
-                self.stalls.append((round(now - self.t0, 3), round(late * 1000)))
-        self.last = now
-        self.ticks += 1
+        name = type(event).__name__
+        self.names.append(name)
+        if threading.current_thread() is threading.main_thread():
+            self.on_gui_thread.append(name)
 
-    def start(self) -> None:
-        self.t0 = self._time()
-        self.last = None
-        self.timer.start()
-
-    def stop(self) -> None:
-        self.timer.stop()
-
-    @property
-    def worst_ms(self) -> float:
-        return self.worst * 1000
+    def between(self, first: str, last: str) -> list[str]:
+        """The events after the first `first` and before the first `last` after it."""
+        start = self.names.index(first) + 1
+        return self.names[start : self.names.index(last, start)]

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from engine.resources import DEMO_PRESET
 
+pytestmark = pytest.mark.slow  # each test starts torchrun and two or more training processes
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -148,7 +149,11 @@ def test_a_rank_that_dies_ends_the_run_cleanly(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1
     assert "a training process ended with status" in err and "--resume" in err
-    time.sleep(1)
+    # The launcher has returned; its ranks may still be in the kernel's exit path: wait for them to go
+    # (the deadline only stops a hang; a rank left behind fails it).
+    deadline = time.monotonic() + 60
+    while _rank_pids(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _rank_pids(os.getpid()) == {}, "a training process was left behind"
     steps = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*") if p.is_dir())
     assert steps and not list((run / "checkpoints").glob("*.tmp"))
