@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from engine.resources import DEMO_PRESET
@@ -12,6 +13,7 @@ def cli(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # trains and exports in child processes
 def test_train_then_export_from_the_command_line(tmp_path):
     cfg = yaml.safe_load(DEMO_PRESET.read_text())
     cfg["data"]["max_examples"] = 30

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import yaml
 
 from engine.resources import DEMO_PRESET
@@ -24,6 +25,7 @@ def _config(tmp_path, method, source, **grpo):
     return path
 
 
+@pytest.mark.slow  # trains in a child process
 def test_dpo_from_the_command_line(tmp_path):
     path = _config(tmp_path, "dpo", write_pairs(tmp_path / "pairs.jsonl"))
     out = cli("train", str(path), "--output", str(tmp_path / "run"))
@@ -34,6 +36,7 @@ def test_dpo_from_the_command_line(tmp_path):
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow  # trains in a child process, generating completions
 def test_grpo_with_a_user_reward_file_from_the_command_line(tmp_path):
     reward = tmp_path / "my_reward.py"
     reward.write_text("def reward(prompt, completion, **row):\n    return float(row['answer'] in completion)\n")

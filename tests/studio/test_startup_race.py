@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from child_process import child_env
 
 CHILD = """
@@ -43,6 +44,7 @@ print("LOG", w.monitor_panel.log.toPlainText().replace(chr(10), " | ")[-2000:], 
 """
 
 
+@pytest.mark.slow  # a window in a child process that trains once its imports are done
 def test_train_pressed_at_once_waits_for_the_start_up_imports(tmp_path):
     here = Path(__file__).resolve().parent
     out = subprocess.run(

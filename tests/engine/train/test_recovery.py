@@ -335,6 +335,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow  # three CLI runs in a child process
 @pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs root and unshare to mount a private tmpfs")
 def test_a_real_full_disk_during_a_checkpoint(tmp_path):
     """On an 80 MiB tmpfs (above the 64 MiB a run asks for at its start): the checkpoint write
