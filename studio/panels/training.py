@@ -229,7 +229,7 @@ class TrainingPanel(QWidget):
         data = WHAT.get(method, "").partition("Data: ")[2].rstrip(".") or "instructions with their answers"
         self.banner.show_message(
             f"Continuing {folder.path.name} with {label}: the new run starts from its adapter ({adapter}) with its "
-            f"model and settings. Choose {label}'s data on the Data page ({data}); it is still "
+            f"model and settings. Choose {label}'s data on the Data page: {data}. The data is still "
             f"{self.state.get('data.source')}.",
             "info",
         )

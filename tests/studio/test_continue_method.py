@@ -73,7 +73,7 @@ def test_continue_with_grpo_sets_up_the_train_page_and_trains_from_the_runs_adap
     assert state.get("grpo.rewards") == [{"kind": "regex", "pattern": r"Answer: .+"}]  # as picking GRPO gives
     text = tp.banner.text()
     assert "Continuing sft-run with GRPO" in text and str(sft_run) in text
-    assert "Choose GRPO's data on the Data page" in text and "it is still demo" in text
+    assert "Choose GRPO's data on the Data page: prompts" in text and "The data is still demo." in text
     screenshot(window, "train-continued-with-grpo")
 
     # DPO instead: the demo's instruction/answer rows are no pairs, and Train says so.
