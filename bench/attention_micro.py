@@ -47,7 +47,7 @@ def run(
     workloads: list[str], backends: list[str], reps: int, results: Path | None, backwards: tuple[str, ...] = ("auto",)
 ) -> list[dict]:
     from engine.fastpath import attention, packed
-    from engine.kernels.varlen_attention_bwd import BACKWARD_ENV
+    from engine.kernels.varlen_attention_bwd import BACKWARD_ENV, tuned_config
 
     dev = torch.device("cuda")
     rows = []
@@ -120,6 +120,8 @@ def run(
                     fwd_bwd_tflops=round(3.5 * fwd_flops / ms_fb / 1e9, 1),
                     max_diff_vs_first={"o": diffs[0], "dq": diffs[1], "dk": diffs[2], "dv": diffs[3]},
                 )
+                if backend == "triton" and backward == "onepass":
+                    row["onepass_config"] = tuned_config()  # None when autotuning is off
             except Exception as exc:  # one backend failing must not hide the others
                 row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
             finally:

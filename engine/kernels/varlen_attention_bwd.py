@@ -363,6 +363,12 @@ _attn_bwd_onepass_tuned = _tuned(
 )
 
 
+def tuned_config() -> Optional[str]:
+    """The autotuner's last pick for the one-pass kernel (for benchmark records), None before any."""
+    best = getattr(_attn_bwd_onepass_tuned, "best_config", None)
+    return str(best) if best is not None else None
+
+
 def onepass_defaults(d: int, long_docs: bool) -> dict:
     """{head_dim: (BLOCK_M, BLOCK_N, num_warps, num_stages)} for untuned launches."""
     near = d if d in _ONEPASS_DEFAULTS else min(_ONEPASS_DEFAULTS, key=lambda x: abs(x - d))

@@ -12,6 +12,7 @@ import torch
 
 from engine.fastpath.packed import PackedSeqInfo
 from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
+from engine.kernels.varlen_attention_bwd import tuned_config
 from tests.gpu.test_attention_gpu import doc_lengths
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -94,7 +95,7 @@ def test_onepass_matches_split_backward_bf16(lengths, hq, hkv, d):
     ms_one = _backward_ms(info, q, k, v, do, "onepass")
     print(
         f"\n{len(lengths)} docs, {info.total_tokens} tokens, {hq}/{hkv}x{d}: backward split {ms_split:.3f} ms, "
-        f"onepass {ms_one:.3f} ms ({ms_split / ms_one:.2f}x); rel. diff {errs}"
+        f"onepass {ms_one:.3f} ms ({ms_split / ms_one:.2f}x, {tuned_config()}); rel. diff {errs}"
     )
 
 
