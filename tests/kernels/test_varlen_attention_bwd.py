@@ -183,3 +183,19 @@ def test_switch_reaches_the_engine_dispatch(monkeypatch, env, long_document, wan
     out.backward(do)
     assert bool(calls) == want
     _assert_close((out, qt.grad, kt.grad, vt.grad), _reference(info, q, k, v, do), torch.float32)
+
+
+def test_tokens_outside_every_document_get_zero_gradients():
+    # cu_seqlens ends before the stream does (padding after the last document): those tokens get no
+    # program; their dQ stays the buffer's zero and dK/dV are zeroed, the documents' match torch.
+    info, (q, k, v, do) = _inputs([5, 19], 2, 1, 16, torch.float32, seed=6)
+    t, pad = info.total_tokens, 7
+    q, do = (torch.cat([x, torch.randn(pad, *x.shape[1:])]) for x in (q, do))
+    k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:])]) for x in (k, v))
+    qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+    out = varlen_attention_triton(qt, kt, vt, info.cu_seqlens, info.max_seqlen, backward="onepass")
+    out.backward(do)
+    for g in (qt.grad, kt.grad, vt.grad):
+        assert torch.equal(g[t:], torch.zeros_like(g[t:]))
+    got = (out[:t], qt.grad[:t], kt.grad[:t], vt.grad[:t])
+    _assert_close(got, _reference(info, q[:t], k[:t], v[:t], do[:t]), torch.float32)
