@@ -134,6 +134,7 @@ def long_step(keep: bool, monkeypatch):
     return loss.detach(), grads, len(calls), kept_after_forward, off
 
 
+@pytest.mark.slow  # two offloaded steps over long documents through the attention kernel (interpreted on a CPU)
 def test_long_documents_keep_attention_outputs_for_the_recompute(monkeypatch):
     l1, g1, calls1, kept1, off1 = long_step(True, monkeypatch)
     l0, g0, calls0, kept0, off0 = long_step(False, monkeypatch)
