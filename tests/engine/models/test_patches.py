@@ -297,7 +297,7 @@ def test_runtime_fallbacks_and_removal():
         torch.testing.assert_close(nxt, next_ref, rtol=1e-5, atol=1e-5)
 
     patched = [m for m in model.modules() if patching.installed(m) is not None]
-    assert len(patched) == 2 * 4 + 1  # per layer: 2 norms, attention, MLP; plus the final norm
+    assert len(patched) == 2 * 5 + 1  # per layer: the layer, 2 norms, attention, MLP; plus the final norm
     assert remove_fast_paths(model) == len(patched)
     assert not any("forward" in m.__dict__ for m in model.modules())
 
@@ -325,7 +325,8 @@ def test_patches_leave_no_marks_on_transformers_objects_and_survive_deepcopy():
     twin = copy.deepcopy(model)
     assert _foreign_marks(twin) == []
     n_patched = sum(patching.installed(m) is not None for m in model.modules())
-    assert n_patched == 2 * 6 + 1  # per layer: 2 norms, q/k norms, attention, MLP; plus the final norm
+    # per layer: the layer (add_rmsnorm), 2 norms, q/k norms, attention, MLP; plus the final norm
+    assert n_patched == 2 * 7 + 1
     assert sum(patching.installed(m) is not None for m in twin.modules()) == n_patched
     # Each copied forward runs on its own module: change the copy's adapters, the original keeps its output.
     with torch.no_grad():
