@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from engine.config import FastPathConfig
 from engine.resources import DEMO_MODEL_DIR
+from tests.tiny_models import tiny_model as build_tiny
 
 LR = 5e-3
 EPS = 1e-8  # AdamW's eps, set on both sides (TRL's Trainer: adam_epsilon)
@@ -47,21 +48,16 @@ def tokenizer():
 def tiny_model(seed=0, dtype=torch.float32):
     """A 2-layer Llama built from a config (vocabulary of the demo tokenizer), with LoRA; fp32
     unless `dtype` says otherwise (built in fp32 from the seed, then cast: the same weights)."""
-    cfg = LlamaConfig(
+    model = build_tiny(
+        "llama",
+        seed=seed,
+        dtype=dtype,
         vocab_size=1024,
-        hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
         pad_token_id=0,
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).float().to(dtype)
     return get_peft_model(model, LoraConfig(**LORA))
 
 

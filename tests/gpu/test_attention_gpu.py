@@ -13,6 +13,7 @@ from engine.fastpath import packed
 from engine.fastpath.attention import enable_packed_attention, varlen_attention
 from engine.fastpath.packed import PackedSeqInfo
 from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
+from tests.tiny_models import tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -111,21 +112,11 @@ def test_device_built_tables_match_host_tables():
 
 
 def _tiny_qwen3(layers=4):
-    import transformers
-
-    cfg = transformers.Qwen3Config(
-        vocab_size=1024,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=128,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
+    shape = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+    model = tiny_model(
+        "qwen3", dtype=torch.bfloat16, vocab_size=1024, max_position_embeddings=4096, num_hidden_layers=layers, **shape
     )
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
+    return model.to("cuda")
 
 
 def _step(model, lengths, seed):

@@ -9,35 +9,18 @@ import inspect
 import peft
 import pytest
 import torch
-import transformers
 
 from engine.fastpath import packed
 from engine.fastpath.attention import ATTN_NAME, disable_packed_attention, enable_packed_attention, varlen_attention
 from engine.fastpath.packed import PackedSeqInfo
 from engine.kernels.varlen_attention import varlen_attention_reference
+from tests.tiny_models import tiny_model
 
 LENGTHS = [5, 1, 12, 9]
 
 
 def _tiny(kind, attn="sdpa"):
-    common = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attn,
-    )
-    if kind == "qwen3":
-        cfg = transformers.Qwen3Config(head_dim=16, **common)
-        cls = transformers.Qwen3ForCausalLM
-    else:
-        cfg = transformers.LlamaConfig(head_dim=16, **common)
-        cls = transformers.LlamaForCausalLM
-    torch.manual_seed(0)
-    return cls(cfg).float()
+    return tiny_model(kind, attn=attn, vocab_size=97, max_position_embeddings=128)
 
 
 def _doc_loss(logits, ids):

@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.config import FastPathConfig, LoraConfig
 from engine.counters import (
@@ -29,6 +28,7 @@ from engine.counters import (
 from engine.data.collate import PackedBatch
 from engine.models.lora import attach_lora
 from engine.train.step import forward_loss, prepare_model
+from tests.tiny_models import tiny_model
 
 CPU = torch.device("cpu")
 LAYERS = 2
@@ -37,21 +37,8 @@ LENGTHS = (9, 6, 13)
 
 
 def tiny(model_type="llama", dropout=0.0, **extra):
-    kw = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        max_position_embeddings=256,
-    )
-    kw.update(extra)
-    cfg = AutoConfig.for_model(model_type, **kw)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
-    return attach_lora(model, LoraConfig(r=4, alpha=8.0, dropout=dropout))
+    """A tiny model (tests/tiny_models.py) with the engine's LoRA."""
+    return attach_lora(tiny_model(model_type, **extra), LoraConfig(r=4, alpha=8.0, dropout=dropout))
 
 
 def batch(seed=1) -> PackedBatch:

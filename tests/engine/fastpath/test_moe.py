@@ -10,40 +10,22 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.fastpath import moe
 from engine.fastpath.moe import apply_moe_grouping, block_unsupported_reason, group_block, remove_moe_grouping
+from tests.tiny_models import tiny_config, tiny_model
 
 HIDDEN, INTER, EXPERTS, TOP_K = 32, 16, 8, 2
 IMPLS = [("loop", "torch"), ("grouped_mm", "torch"), ("loop", "triton")]
 
 
 def _config(arch: str, **extra):
-    common = dict(
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts_per_tok=TOP_K,
-        vocab_size=64,
-        num_hidden_layers=2,
-        max_position_embeddings=128,
-    )
+    shape = dict(hidden_size=HIDDEN, head_dim=8, num_experts_per_tok=TOP_K, vocab_size=64, max_position_embeddings=128)
     if arch == "qwen3_moe":
-        cfg = AutoConfig.for_model(
-            arch,
-            **{
-                **common,
-                "moe_intermediate_size": INTER,
-                "intermediate_size": 48,
-                "num_experts": EXPERTS,
-                "norm_topk_prob": True,
-                **extra,
-            },
-        )
+        shape.update(moe_intermediate_size=INTER, intermediate_size=48, num_experts=EXPERTS)
     else:
-        cfg = AutoConfig.for_model(arch, intermediate_size=INTER, num_local_experts=EXPERTS, **{**common, **extra})
+        shape.update(intermediate_size=INTER, num_local_experts=EXPERTS)
+    cfg = tiny_config(arch, **{**shape, **extra})
     cfg._experts_implementation = "eager"
     cfg.use_cache = False
     return cfg
@@ -194,11 +176,7 @@ def test_routing_reads_the_host_at_most_once(arch, host_reads):
 
 
 def _model(arch: str, **extra):
-    cfg = _config(arch, **extra)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        cfg, attn_implementation="sdpa" if arch != "gpt_oss" else "eager", dtype=torch.float32
-    )
+    model = tiny_model(arch, attn="sdpa" if arch != "gpt_oss" else "eager", config=_config(arch, **extra))
     with torch.no_grad():  # routers start at zero (every expert ties); give them some spread
         for name, p in model.named_parameters():
             if "router" in name or name.endswith("gate.weight"):
@@ -253,21 +231,7 @@ def test_reports_partial_and_off():
     report = apply_moe_grouping(model)
     assert report.startswith("partial 1/2: ") and "trainable" in report
     assert apply_moe_grouping(_model("qwen3_moe", mlp_only_layers=[0, 1])) == "off: no MoE blocks in this model"
-    qwen2 = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(
-            "qwen2_moe",
-            hidden_size=32,
-            intermediate_size=48,
-            moe_intermediate_size=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            shared_expert_intermediate_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-        )
-    )
+    qwen2 = tiny_model("qwen2_moe", num_hidden_layers=1)  # routed experts and a shared one
     assert apply_moe_grouping(qwen2).startswith("off: Qwen2MoeSparseMoeBlock is not a supported MoE block")
 
 
@@ -332,27 +296,12 @@ def test_second_backward_over_the_in_place_kernel_fails_loudly():
 def test_default_lora_on_a_moe_model_leaves_experts_frozen_and_grouped():
     """The engine's "all-linear" targets Linear layers only (PEFT's would wrap the 3-D expert
     weights and the router too), so prepare_model groups every MoE block and patches attention."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.config import FastPathConfig, LoraConfig
     from engine.models.lora import all_linear_names, attach_lora
     from engine.train.step import prepare_model
 
-    cfg = AutoConfig.for_model(
-        "qwen3_moe",
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = tiny_model("qwen3_moe")
     assert all_linear_names(model) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     peft_model = attach_lora(model, LoraConfig())
     assert not any("experts" in n or ".gate." in n for n, p in peft_model.named_parameters() if p.requires_grad)

@@ -21,54 +21,22 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine.config import FastPathConfig
 from engine.fastpath import patching
 from engine.fastpath.attention import disable_packed_attention, enable_packed_attention
-from engine.models.patches import FAST_PATHS, REGISTRY, apply_fast_paths, remove_fast_paths
+from engine.models.patches import FAST_PATHS, apply_fast_paths, remove_fast_paths
+from tests.tiny_models import tiny_model
 
 CPU = torch.device("cpu")
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]
 LENGTHS = (9, 6, 13)  # one packed row of three documents
 ALL_ON = {k: "on" for k in FAST_PATHS}
 
-# Small windows so the sliding-window layers actually cut attention in a 28-token row.
-ARCH_EXTRA = {
-    "mistral": dict(sliding_window=8),
-    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
-    "gemma2": dict(
-        sliding_window=8, attn_logit_softcapping=20.0, final_logit_softcapping=15.0, query_pre_attn_scalar=12
-    ),
-}
-
 
 def tiny(model_type, attn="eager", dtype=torch.float32, seed=0, lora=None, **extra):
-    kw = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        max_position_embeddings=256,
+    """A tiny LoRA model (tests/tiny_models.py; small sliding windows and softcaps come with the
+    architecture's tiny config): random norm weights, as Gemma's start at 0 (1 + w) and Llama's
+    at 1 and both would hide bugs, and random LoRA B, as PEFT's zero B would hide dA."""
+    return tiny_model(
+        model_type, attn=attn, dtype=dtype, seed=seed, norm_std=0.2, lora=lora or {}, lora_b_std=0.2, **extra
     )
-    if model_type == "qwen2":
-        kw["attention_bias"] = True  # Qwen2 always has q/k/v bias; make sure the config says so
-    kw.update(ARCH_EXTRA.get(model_type, {}))
-    kw.update(extra)
-    cfg = AutoConfig.for_model(model_type, **kw)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
-    # Random norm weights: Gemma's start at 0 (1 + w) and Llama's at 1; both would hide bugs.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0 if REGISTRY[model_type].norm_offset == 0 else 0.0, 0.2)
-    lcfg = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
-    lcfg.update(lora or {})
-    peft_model = get_peft_model(model, LoraConfig(**lcfg))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2)
-    return peft_model.to(dtype)
 
 
 def packed_batch(seed=1, vocab=128):
