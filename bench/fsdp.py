@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     lora_params = sum(q.numel() for q in params)
-    optimizer = make_optimizer(params, args.lr)
+    optimizer = make_optimizer(model, args.lr)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -157,8 +157,10 @@ def _make_step(impl: str, workload, device, lr: float = DEFAULT_LR, max_tokens: 
             "trl_[liger_]sdpa|flex|varlen and unsloth"
         )
     # The bench's one optimizer definition (memory only: the state is the same either way).
-    make_opt = make_ours_optimizer if impl.split(":")[0] == "ours" else make_peer_optimizer
-    opt, _ = make_opt([p for p in model.parameters() if p.requires_grad], lr)
+    if impl.split(":")[0] == "ours":
+        opt, _ = make_ours_optimizer(model, lr)
+    else:
+        opt, _ = make_peer_optimizer([p for p in model.parameters() if p.requires_grad], lr)
 
     def step(ids: list[int]) -> None:
         _ = keep  # held by the closure: Unsloth's model folder lives as long as its model

@@ -159,7 +159,7 @@ def setup_ours(variant: str):
         prepared, fp = prepare_ours(model, wl, ctx.device, fields)
         model, offloader, report = prepared.model, prepared.offloader, dict(prepared.report)
         run, fused = loss_fn(prepared, fp)
-        opt, opt_options = make_ours_optimizer([p for p in model.parameters() if p.requires_grad], ctx.lr)
+        opt, opt_options = make_ours_optimizer(model, ctx.lr)
 
         # Collation is host work a data loader does ahead of the GPU; it is timed apart and
         # kept out of the step time, as the peers' inputs are also built before timing.

@@ -78,7 +78,7 @@ def setup_ours_method(variant: str, fields: dict):
             ce_chunk_tokens=None if fp.ce_chunk_tokens == "auto" else fp.ce_chunk_tokens,
             offloader=lambda: offloader,
         )
-        opt, opt_options = make_ours_optimizer([p for p in peft.parameters() if p.requires_grad], ctx.lr)
+        opt, opt_options = make_ours_optimizer(peft, ctx.lr)
         if wl.kind == "dpo":
             from engine.train.objectives.dpo import DPO
 

@@ -47,11 +47,12 @@ def make_peer_optimizer(params, lr: float):
     return opt, optimizer_options(opt, "torch.optim.AdamW (as transformers' Trainer default adamw_torch_fused)")
 
 
-def make_ours_optimizer(params, lr: float):
-    """The engine's own optimizer (what a TrainingSession uses), checked against ADAMW."""
+def make_ours_optimizer(model, lr: float):
+    """The engine's own optimizer over `model`'s adapters (what a TrainingSession uses), checked
+    against ADAMW."""
     from engine.train.optim import make_optimizer
 
-    opt = make_optimizer(list(params), lr=lr, weight_decay=ADAMW["weight_decay"])
+    opt = make_optimizer(model, lr=lr, weight_decay=ADAMW["weight_decay"])
     return opt, optimizer_options(opt, "engine.train.optim.make_optimizer")
 
 

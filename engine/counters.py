@@ -36,7 +36,9 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
 - ``moe_calls``: MoE blocks through the grouped path; ``moe:grouped_mm`` / ``moe:loop`` which
   matmul path those calls took.
 - ``lora_linears`` / ``lora_mlp``: forward calls of the fused LoRA Functions (LoRALinears for
-  q/k/v and o, LoRAMLP for the gated MLP).
+  q/k/v and o, LoRAMLP for the gated MLP); ``lora_cache_builds``: their groups' adapter weights
+  cast, stacked and scaled anew (engine.fastpath.lora_group.LoRAGroup.weights: once per group and
+  weight update is ideal; a bookkeeping count like metadata_builds, not a fast path).
 - ``<op>:triton`` / ``<op>:torch`` for op in rmsnorm, rope, activations, fused_ce, token_logp: forward
   computations of each kernel op by the path that ran (the Triton kernel or its torch
   reference; on a CPU the reference is the engine's path); ``add_rmsnorm:<path>``: those of the
@@ -67,6 +69,7 @@ BASE_KEYS = ("metadata_builds", "host_syncs", "moe_calls")
 CALL_KEYS = (
     "lora_linears",
     "lora_mlp",
+    "lora_cache_builds",
     "rmsnorm:triton",
     "rmsnorm:torch",
     "add_rmsnorm:triton",
@@ -206,7 +209,7 @@ def split_counts(snapshot: Mapping[str, int]) -> tuple[dict[str, int], dict[str,
             continue
         if k.startswith(FALLBACK):
             fallbacks[k[len(FALLBACK) :]] = v
-        elif k not in ("metadata_builds", "host_syncs"):
+        elif k not in ("metadata_builds", "host_syncs", "lora_cache_builds"):
             calls[k] = v
     return calls, fallbacks
 

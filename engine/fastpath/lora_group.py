@@ -8,14 +8,14 @@ The fused LoRA Functions (engine.fastpath.lora) work on plain tensors; this modu
 - `lora_unsupported_reason` / `lora_parts` / `runtime_ok`: whether a projection can take the
   fused path (at patch time, then per call), and its split into a frozen base and the active
   adapter's A/B;
-- the adapter generation (`adapters_changed`, `adapter_generation`, and `watch_optimizer`, the
-  post-step hook of the engine's own optimizer): the one thing that invalidates cached adapter
-  weights;
+- the adapter generation (`AdapterClock`, one per model: `adapter_clock`, and `watch_optimizer`,
+  the hooks of the optimizer that trains that model): what invalidates cached adapter weights
+  where their `_version` cannot;
 - `LoRAGroup` (and `as_group`): projections sharing one input, resolved once, with the adapter
   weights cast, stacked and scaled once per weight update instead of in every call.
 
-Light on purpose (torch and engine.fastpath.quant only): the checkpoint code imports
-`adapters_changed` from here.
+Light on purpose (torch, engine.counters and engine.fastpath.quant only): the optimizer code imports
+`watch_optimizer` from here.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.counters import count
 from engine.fastpath import quant
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -229,39 +230,56 @@ def runtime_ok(parts: Sequence[LoRAParts], x: torch.Tensor) -> bool:
 
 # -- adapter generation: what invalidates the cached adapter weights ----------------------------
 
-# Who advances it: the steps of the optimizer the engine trains with (engine.train.optim hooks
-# `watch_optimizer` onto that optimizer alone; an optimizer made elsewhere in the process is not
-# watched) and every load of adapter weights through the engine (`adapters_changed`: checkpoints,
-# rollback). Code that writes adapter weights some other way without bumping `_version` (a fused
-# step of an unwatched optimizer, writes through `.data`) must call `adapters_changed()` itself.
-#
-# Why one number for the process rather than one per run: it only ever invalidates. A bump makes
-# every cache rebuild once and never serves a stale weight, so a second session in the process
-# costs the first a rebuild per step at most, and the one value reads the same from any thread:
-# the fused Functions read it in forwards, in the recompute of checkpointed layers and in
-# backward, which on CUDA run on the autograd engine's thread, where a per-run context would
-# have to be found first (see engine.counters). The cache also keys on each weight's identity,
-# `_version` and data pointer, so the number matters only where those stay the same.
-_GENERATION = [0]
+# The cache (LoRAGroup.weights) keys on each adapter weight's identity, `_version` and data
+# pointer, which see every write through torch's in-place ops (a checkpoint's or a rollback's
+# `copy_`). Two writes leave all three alone: a fused optimizer step (AdamW(fused=True), the
+# engine's choice on CUDA) and FSDP2's gather of a shard into the unsharded weight (it preserves
+# the version counter on purpose). Those need the generation, a number that belongs to the model
+# whose adapters it describes (its `AdapterClock`), never to the process: two sessions in one
+# process, a probe on another thread or a CUDA graph of one model never see another model's
+# steps. Who advances it: the optimizer the engine trains that model with, and nothing else
+# (`watch_optimizer`, hooked by engine.train.optim.make_optimizer): after each of its steps, and
+# after each load of its state, which the engine does exactly where it writes the adapter weights
+# back (a checkpoint's resume, a rollback to a snapshot). No caller advances it by hand. Loads
+# into a fresh model (lora.init_adapter before the fast paths are set up, export, chat) have no
+# cached copy to make stale.
+
+_CLOCK = "_tunesmith_adapter_clock"  # where a model and each of its LoRA layers keep their clock
 
 
-def adapters_changed() -> None:
-    """Mark every cached adapter weight stale (the next forward rebuilds it)."""
-    _GENERATION[0] += 1
+class AdapterClock:
+    """The adapter generation of one model: advanced by its optimizer's steps and state loads."""
+
+    __slots__ = ("generation",)
+
+    def __init__(self) -> None:
+        self.generation = 0
+
+    def advance(self, *_args) -> None:
+        """Mark every cached copy of this model's adapter weights stale (hook signature: any args)."""
+        self.generation += 1
 
 
-def adapter_generation() -> int:
-    return _GENERATION[0]
+def adapter_clock(model: nn.Module) -> AdapterClock:
+    """`model`'s clock, made on first use and kept on the model and on each of its LoRA layers
+    (where a LoRAGroup, which sees layers only, reads it)."""
+    clock = model.__dict__.get(_CLOCK)
+    if clock is None:
+        clock = AdapterClock()
+        model.__dict__[_CLOCK] = clock
+    for module in model.modules():
+        if "lora_A" in module._modules:  # PEFT's LoRA layers, over any base
+            module.__dict__[_CLOCK] = clock
+    return clock
 
 
-def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    _GENERATION[0] += 1
-
-
-def watch_optimizer(optimizer):
-    """Advance the generation after every step of `optimizer` (and of no other); returns the
-    hook's handle (`.remove()` stops it)."""
-    return optimizer.register_step_post_hook(_after_optimizer_step)
+def watch_optimizer(optimizer, model: nn.Module) -> AdapterClock:
+    """Advance `model`'s adapter generation after every step of `optimizer` and every load of its
+    state (and of no other optimizer); returns the clock."""
+    clock = adapter_clock(model)
+    optimizer.register_step_post_hook(clock.advance)
+    optimizer.register_load_state_dict_post_hook(clock.advance)
+    return clock
 
 
 # -- a planned group of projections and its per-step weight cache ------------------------------
@@ -277,16 +295,18 @@ class LoRAGroup:
     these once per step removes most of the small cast/cat kernels (and their launch cost) from
     the step.
 
-    The cache is keyed by the adapter generation (`adapter_generation`), which every step of the
-    watched optimizer and every load of adapter weights advances, and by each weight's identity, `_version`
-    and data pointer (in-place `copy_` and `.data =` swaps). `_version` alone is not enough:
-    a fused optimizer (AdamW(fused=True), the engine's choice on CUDA) updates parameters
-    without bumping it, and a cache keyed on it served the step-0 adapters for a whole run.
+    The cache is keyed by the model's adapter generation (its `AdapterClock`, read from the
+    group's first LoRA layer at each call, so a clock made after the group counts), which every
+    step and every state load of the model's watched optimizer advances, and by each weight's
+    identity, `_version` and data pointer (in-place `copy_` and `.data =` swaps). `_version`
+    alone is not enough: a fused optimizer (AdamW(fused=True), the engine's choice on CUDA)
+    updates parameters without bumping it, and a cache keyed on it served the step-0 adapters
+    for a whole run.
     Entries are rebuilt, never updated in place, so a Function's saved copy stays consistent
     with its forward.
     """
 
-    __slots__ = ("parts", "bases", "scales", "ranks", "nf4", "_lora", "_key", "_value")
+    __slots__ = ("parts", "bases", "scales", "ranks", "nf4", "_lora", "_owner", "_key", "_value")
 
     def __init__(self, parts: Sequence[LoRAParts], nf4: str = "auto"):
         self.parts = tuple(parts)
@@ -299,6 +319,8 @@ class LoRAGroup:
             None if p.adapter is None else (p.layer.lora_A[p.adapter], p.layer.lora_B[p.adapter]) for p in self.parts
         )
         self.ranks = tuple(0 if m is None else m[0].weight.shape[0] for m in self._lora)
+        # The layer whose clock (adapter_clock) this group reads; None: no LoRA, nothing to cache.
+        self._owner = next((p.layer for p in self.parts if p.adapter is not None), None)
         self._key = None
         self._value = None
 
@@ -324,12 +346,14 @@ class LoRAGroup:
         """
         if any(m is not None and p.layer.disable_adapters for m, p in zip(self._lora, self.parts)):
             return None, (None,) * len(self.parts), ()
-        key = [dtype, _GENERATION[0]]
+        clock = None if self._owner is None else self._owner.__dict__.get(_CLOCK)
+        key = [dtype, clock, 0 if clock is None else clock.generation]
         for t in ab:
             if t is not None:
                 key += (id(t), t._version, t.data_ptr())
         key = tuple(key)
         if key != self._key:
+            count("lora_cache_builds")
             self._value = _build_weights(ab, self.scales, dtype)
             # Holding the tensors (in _value's sources) keeps their ids from being reused.
             self._key = key

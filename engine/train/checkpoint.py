@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from engine.fastpath.lora_group import adapters_changed
 from engine.runs import (
     ADAPTER,
     OPTIMIZER_FILE,
@@ -215,7 +214,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> dict:
         result = set_peft_model_state_dict(model, weights)
         unexpected = getattr(result, "unexpected_keys", [])
         optimizer.load_state_dict(optim_state)
-    adapters_changed()  # the fused LoRA path's cached adapter copies are stale now
+    # The engine's optimizer advanced the model's adapter generation as its state loaded
+    # (engine.fastpath.lora_group.watch_optimizer): the fused path's cached adapter copies are stale.
     if unexpected:
         raise RuntimeError(f"{ckpt}: adapter does not match the model ({len(unexpected)} unexpected weights)")
     scheduler.load_state_dict(torch.load(ckpt / SCHEDULER_FILE, weights_only=True))

@@ -91,7 +91,6 @@ class LossGuard:
     def load_snapshot(self, snap: dict) -> None:
         import torch
 
-        from engine.fastpath.lora_group import adapters_changed
         from engine.train import fsdp
 
         if self.is_cuda:
@@ -99,7 +98,9 @@ class LossGuard:
         with torch.no_grad():
             for p, saved in zip(self.params, snap["params"]):
                 fsdp.local(p).copy_(saved)
-        adapters_changed()  # the fused LoRA path's cached adapter copies are stale now
+        # Loading the optimizer's state below advances the model's adapter generation (the hook of
+        # engine.fastpath.lora_group.watch_optimizer): the fused path's cached adapter copies of
+        # the weights just written go stale with it.
         # Fresh copies: on the CPU load_state_dict would keep the snapshot's tensors as the state.
         if self.fsdp:
             fsdp.restore_optimizer_local(self.optimizer, copy_tree(snap["optimizer"]))

@@ -402,7 +402,7 @@ class TrainingSession:
         from engine.train.schedule import StepPlan, lr_lambda
 
         t = self.config.training
-        self._optimizer = make_optimizer(self._params, t.lr, t.weight_decay, t.optimizer)
+        self._optimizer = make_optimizer(self._model, t.lr, t.weight_decay, t.optimizer)
         self._plan = StepPlan(len(self._data.packing.rows), int(t.rows_per_micro_batch), t.grad_accum, t.seed)
         self._total = total = self._plan.total_steps(t.max_steps, t.epochs)
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
