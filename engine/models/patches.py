@@ -301,11 +301,6 @@ def _attention_forward(
     return attn_output, attn_weights
 
 
-# The architectures whose decoder layer _fused_layer reproduces op for op (transformers 5.x): a
-# new one joins once its layer is read (Granite, say, scales the residual branch).
-ADD_NORM_LAYERS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2"})
-
-
 @dataclass
 class _LayerPlan:
     stock: Callable
@@ -497,11 +492,11 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
         kernels_off
         or _switch(getattr(fast, "add_rmsnorm", "auto"), "add_rmsnorm", device)
         or (k.missing.get("add_rmsnorm") if k.add_rms_norm is None else None)
-        or (None if model_type in ADD_NORM_LAYERS else f"off: {model_type}'s decoder layer is not one it reproduces")
+        or (None if arch.fused_add_norm else f"off: {model_type}'s decoder layer is not one it reproduces")
     )
     act_impl = "triton" if kernel_impl == "triton" else "kernels"
     norm_cls, attn_cls, mlp_cls = arch.classes()
-    layer_cls = norm_cls.removesuffix("RMSNorm") + "DecoderLayer"
+    layer_cls = arch.hf_classes.decoder_layer
     tally = _Tally()
 
     for module in list(hf.modules()):

@@ -2,4 +2,4 @@
 
 from engine.models.arch.spec import Arch, HFClasses
 
-ARCH = Arch("gemma", HFClasses.with_prefix("Gemma"), fast_paths=True, norm_offset=1.0, tiny={})
+ARCH = Arch("gemma", HFClasses.with_prefix("Gemma"), fast_paths=True, fused_add_norm=True, norm_offset=1.0, tiny={})

@@ -8,6 +8,7 @@ ARCH = Arch(
     "gemma2",
     HFClasses.with_prefix("Gemma2"),
     fast_paths=True,
+    fused_add_norm=True,
     norm_offset=1.0,
     extra_norms=("pre_feedforward_layernorm", "post_feedforward_layernorm"),
     sliding_window="module",

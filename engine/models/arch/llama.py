@@ -2,4 +2,4 @@
 
 from engine.models.arch.spec import Arch, HFClasses
 
-ARCH = Arch("llama", HFClasses.with_prefix("Llama"), fast_paths=True, tiny={})
+ARCH = Arch("llama", HFClasses.with_prefix("Llama"), fast_paths=True, fused_add_norm=True, tiny={})

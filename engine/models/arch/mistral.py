@@ -7,6 +7,7 @@ ARCH = Arch(
     "mistral",
     HFClasses.with_prefix("Mistral"),
     fast_paths=True,
+    fused_add_norm=True,
     sliding_window="config",
     # A small window, so that it cuts attention in a test row of a few dozen tokens.
     tiny=dict(sliding_window=8),

@@ -6,6 +6,7 @@ ARCH = Arch(
     "qwen2",
     HFClasses.with_prefix("Qwen2"),
     fast_paths=True,
+    fused_add_norm=True,
     qkv_bias=True,
     sliding_window="module",
     # The config says the bias it always has; a small window on the layers after the first.

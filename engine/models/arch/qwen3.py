@@ -2,4 +2,12 @@
 
 from engine.models.arch.spec import Arch, HFClasses
 
-ARCH = Arch("qwen3", HFClasses.with_prefix("Qwen3"), fast_paths=True, qk_norm=True, sliding_window="module", tiny={})
+ARCH = Arch(
+    "qwen3",
+    HFClasses.with_prefix("Qwen3"),
+    fast_paths=True,
+    fused_add_norm=True,
+    qk_norm=True,
+    sliding_window="module",
+    tiny={},
+)

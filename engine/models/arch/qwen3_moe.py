@@ -7,6 +7,7 @@ ARCH = Arch(
     "qwen3_moe",
     HFClasses.with_prefix("Qwen3Moe"),
     fast_paths=True,
+    fused_add_norm=True,
     qk_norm=True,
     sliding_window="module",
     moe=MoE(block="Qwen3MoeSparseMoeBlock", router="gate", grouped=True),

@@ -7,7 +7,8 @@ facts from a config.json alone, before anything heavy is loaded.
 The facts, by the part of the engine that reads them:
 
 - transformers' module classes (`hf_classes`), by name: engine.models.patches finds the norms,
-  attention and MLP modules it patches by these names; `fast_paths` says whether it patches at all;
+  attention and MLP modules it patches by these names; `fast_paths` says whether it patches at all,
+  `fused_add_norm` whether its decoder layers take the fused residual-add + norm forward;
 - norms: `norm` ("rms" or "layer": LayerNorm carries a bias too), `norm_offset` (Gemma scales
   by 1 + w), `extra_norms` (per-layer norms beyond the two around attention and MLP, e.g.
   Gemma-2's pre/post feed-forward norms), `qk_norm` (per-head RMSNorm on q and k before RoPE);
@@ -84,6 +85,10 @@ class Arch:
     hf_classes: Optional[HFClasses] = None
     aliases: tuple[str, ...] = ()  # other model_types with the same facts (a text-only config)
     fast_paths: bool = False  # engine.models.patches patches its norms, attention and MLP
+    # Its decoder layer is one that the fused residual-add + norm layer forward of engine.models.patches
+    # reproduces op for op (transformers 5.x); a new one joins once its layer is read (Granite, say,
+    # scales the residual branch).
+    fused_add_norm: bool = False
     norm: Literal["rms", "layer"] = "rms"
     norm_offset: float = 0.0
     extra_norms: tuple[str, ...] = ()

@@ -74,12 +74,15 @@ def test_patches_cover_exactly_the_classes_the_file_names(model_type):
     model = tiny_model(model_type, attn="eager", lora={})
     report = apply_fast_paths(model, ON, "cpu")
     assert report["rmsnorm"] == "on" and report["rope"] == "on" and report["lora_qkv"] == "on", report
+    assert (report["add_rmsnorm"] == "on") == arch.fused_add_norm, report
     c = arch.hf_classes
     for module in model.modules():
         name, patch = type(module).__name__, patching.installed(module, "patches")
         if name in (c.norm, c.attention) or (name == c.mlp and report["lora_mlp"] == "on"):
             assert patch is not None, name
-        elif name != c.decoder_layer:  # a decoder layer's own patch fuses its add with a norm
+        elif name == c.decoder_layer:  # its patch fuses the add after attention with the norm after it
+            assert (patch is not None) == arch.fused_add_norm, name
+        else:
             assert patch is None, name
     norms = [m for m in model.modules() if type(m).__name__ == c.norm]
     layers = model.config.num_hidden_layers
