@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import counters
 from engine.config import FastPathConfig, LoraConfig
@@ -28,6 +27,7 @@ from engine.counters import Counters, count, current, reset_counters
 from engine.data.collate import PackedBatch
 from engine.models.lora import attach_lora
 from engine.train.step import forward_loss, prepare_model
+from tests.tiny_models import tiny_model as build_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -35,19 +35,7 @@ ON = FastPathConfig(kernels=True, lora_autograd=True, fused_ce=True, packed_atte
 
 
 def tiny_model():
-    cfg = AutoConfig.for_model(
-        "llama",
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    model = build_tiny("llama")
     model = attach_lora(model, LoraConfig(r=4, alpha=8.0, dropout=0.0))
     report = prepare_model(model, ON, CPU, gradient_checkpointing=True).report
     assert report["lora_qkv"] == "on" and report["lora_mlp"] == "on", report

@@ -23,7 +23,6 @@ from __future__ import annotations
 import threading
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.config import FastPathConfig, LoraConfig, TrainingConfig
 from engine.counters import Counters
@@ -34,6 +33,7 @@ from engine.train.checkpoint import load_checkpoint, save_checkpoint
 from engine.train.optim import make_optimizer
 from engine.train.rollback import LossGuard
 from engine.train.step import forward_loss, prepare_model
+from tests.tiny_models import tiny_model as build_tiny
 
 CPU = torch.device("cpu")
 ON = FastPathConfig(kernels=True, lora_autograd=True, fused_ce=True, packed_attention=True)
@@ -42,19 +42,7 @@ GROUPS = 4 * LAYERS  # q/k/v, o, gate/up and down in every decoder layer
 
 
 def tiny_model(seed: int = 0, device: torch.device = CPU):
-    cfg = AutoConfig.for_model(
-        "llama",
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).to(device)
+    model = build_tiny("llama", seed=seed, num_hidden_layers=LAYERS).to(device)
     model = attach_lora(model, LoraConfig(r=4, alpha=8.0, dropout=0.0))
     report = prepare_model(model, ON, device, gradient_checkpointing=True).report
     assert report["lora_qkv"] == "on" and report["lora_o"] == "on" and report["lora_mlp"] == "on", report
