@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 
 def big_jsonl(path, rows: int) -> None:
     """Rows of a few hundred tokens each, like a real instruction set (generated, not downloaded)."""
@@ -20,6 +22,7 @@ def big_jsonl(path, rows: int) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+@pytest.mark.slow  # writes and reads a big file; the window's tasks end at teardown (70 s here)
 def test_xray_of_a_big_file_blocks_nothing_else_and_cancels(window, qtbot, tmp_path):
     from studio import tasks
 
