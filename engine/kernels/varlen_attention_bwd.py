@@ -7,10 +7,11 @@ once per key block and K, V once per query block. Here one program per key block
 walks the query blocks that see it, for every query head of its GQA group, keeps dK/dV in registers
 and adds each step's dQ = dS.K into an fp32 buffer with atomic adds: 5 matmuls per pair, K and V read
 once. The price is the atomics (one [BLOCK_M, D] fp32 add per step) and the fp32 dQ buffer; on a long
-document (W6: one 32k-token document) the saved matmuls dominate, on short packed documents the split
-kernels are measured as good, so `auto` takes this path from LONG_DOCUMENT tokens on, as long as
-the whole call's fp32 dQ buffer fits DQ_BUFFER_BYTES (a memory-capped very long sequence, W7, keeps
-the split backward, which needs no buffer).
+document (W6: one 32k-token document) the saved matmuls were expected to dominate, but on the H200
+the atomics cost more (see AUTO_ONEPASS): `auto` runs the split backward, and the one-pass path is
+asked for by name. With AUTO_ONEPASS on, `auto` would take it from LONG_DOCUMENT tokens on while the
+whole call's fp32 dQ buffer fits DQ_BUFFER_BYTES (a memory-capped very long sequence, W7, keeps the
+split backward, which needs no buffer).
 
 Which backward runs: `varlen_attention_triton(backward=...)`, else the environment variable
 TUNESMITH_ATTN_BWD ("auto", "split", "onepass"; default "auto"). The split backward stays the
@@ -38,7 +39,14 @@ from engine.kernels.varlen_attention import _ALL_KEY, _bwd_delta, _cfg, _Launch,
 
 BACKWARD_ENV = "TUNESMITH_ATTN_BWD"
 BACKWARDS = ("auto", "split", "onepass")
-# "auto" takes the one-pass backward when the longest document has at least this many tokens.
+# Whether "auto" ever takes the one-pass backward. Off: on the H200 (2026-12-02, 1a64142,
+# bench.attention_micro) it was slower than the split backward at every measured shape: W6 (one
+# 32k document, 32/8 heads x 64) 43.8 against 32.9 ms, W1 (16k tokens in 64 documents) 0.93 against
+# 0.71 ms; the dQ atomic adds cost more than the two saved matmuls. It stays selectable
+# (TUNESMITH_ATTN_BWD=onepass) for the next try at block sizes or a bulk dQ reduction.
+AUTO_ONEPASS = False
+# With AUTO_ONEPASS, "auto" takes the one-pass backward from this many tokens in the longest
+# document; it is also the autotuner's key that keeps long and short documents' configs apart.
 LONG_DOCUMENT = 4096
 # Upper bound of the fp32 dQ accumulator: "auto" keeps the split backward above it, and an explicit
 # "onepass" runs the key/value heads in several launches. W6 needs 268 MB, Qwen3-8B at 32k 537 MB.
@@ -57,7 +65,7 @@ def resolve_backward(requested: Optional[str], longest: Optional[int], dq_buffer
         source = "backward" if requested is not None else BACKWARD_ENV
         raise ValueError(f"{source}={choice!r}: the attention backward must be one of {', '.join(BACKWARDS)}")
     if choice == "auto":
-        long_docs = longest is not None and longest >= LONG_DOCUMENT
+        long_docs = AUTO_ONEPASS and longest is not None and longest >= LONG_DOCUMENT
         return "onepass" if long_docs and dq_buffer_bytes <= DQ_BUFFER_BYTES else "split"
     return choice
 

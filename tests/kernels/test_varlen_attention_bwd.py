@@ -110,8 +110,17 @@ def test_onepass_agrees_with_split_backward():
         torch.testing.assert_close(a, b, atol=4e-3, rtol=4e-3, msg=name)
 
 
+def test_auto_runs_the_split_backward_while_the_one_pass_one_is_slower(monkeypatch):
+    # measured slower on the H200 at W6 and W1 (AUTO_ONEPASS's comment): auto never takes it
+    monkeypatch.delenv(bwd.BACKWARD_ENV, raising=False)
+    assert bwd.AUTO_ONEPASS is False
+    assert bwd.resolve_backward(None, 32768, 32768 * 32 * 64 * 4) == "split"  # W6
+    assert bwd.resolve_backward("onepass", 16) == "onepass"  # asked for by name
+
+
 def test_choice_of_backward(monkeypatch):
     monkeypatch.delenv(bwd.BACKWARD_ENV, raising=False)
+    monkeypatch.setattr(bwd, "AUTO_ONEPASS", True)
     assert bwd.resolve_backward(None, bwd.LONG_DOCUMENT) == "onepass"
     assert bwd.resolve_backward(None, bwd.LONG_DOCUMENT - 1) == "split"
     assert bwd.resolve_backward(None, None) == "split"  # length unknown: the reference path
@@ -176,6 +185,7 @@ def test_switch_reaches_the_engine_dispatch(monkeypatch, env, long_document, wan
 
     monkeypatch.setattr(bwd, "onepass_backward", spy)
     monkeypatch.setattr(bwd, "LONG_DOCUMENT", long_document)
+    monkeypatch.setattr(bwd, "AUTO_ONEPASS", True)  # the length rule, as if the one-pass path were faster
     monkeypatch.setenv(bwd.BACKWARD_ENV, env)
     info, (q, k, v, do) = _inputs([23, 6], 4, 2, 16, torch.float32, seed=5)
     qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
