@@ -76,6 +76,7 @@ def test_results_md_has_the_multi_gpu_and_laptop_rows(tmp_path):
     assert [r.split("|")[-2].strip() for r in history[2:]] == ["0ld0000", "abc1234"]
 
 
+@pytest.mark.slow  # one process, then two under torchrun, on the same steps (33 s on an idle machine here)
 def test_bench_ddp_compares_one_process_with_two_on_the_same_steps(tmp_path):
     """bench.ddp end to end on the CPU (gloo): `tunesmith train` once and with `--gpus 2` on the
     demo model; the record holds both curves (equal: the same global batch), both speeds and
