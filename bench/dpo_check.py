@@ -58,4 +58,28 @@ def dpo_check(ours: list[float] | None, stock: list[float] | None, others: dict[
     )
 
 
-__all__ = ["FALL_TOL", "MIN_FALL", "MIN_STEPS", "dpo_check", "mean_abs_gap"]
+def dpo_verdict(rec: dict, records, counts_anyway: bool) -> dict:
+    """W10's verdict for one record (bench.report.learning_verdict), against trl_dpo of its run.
+    Ours is held to the run's noise floor (its other DPO curves, dpo_check); a peer, which is part
+    of that floor, only to the stock fall."""
+    from bench.report import _same_run
+
+    same = [
+        r for r in records if r is not rec and _same_run(r, rec) and r.get("status") == "ok" and r.get("loss_curve")
+    ]
+    stock = next((r for r in same if r.get("impl") == "trl_dpo"), None)
+    if stock is None:
+        run = rec.get("run_id") or "?"
+        return {"verdict": "none", "counts": counts_anyway, "reason": f"no trl_dpo curve in run {run}"}
+    if rec.get("impl") != "ours":
+        c = learning_check(rec["loss_curve"], stock["loss_curve"], step_tol=float("inf"))
+        c["reason"] = f"fall only (the peers are the floor ours is held to): {c['reason']}"
+    else:
+        others = {r["impl"]: r["loss_curve"] for r in same if r.get("impl") not in ("trl_dpo", "ours")}
+        c = dpo_check(rec["loss_curve"], stock["loss_curve"], others)
+    label = {"ok": "ok", "FAILED": "FAILED", "none": "no learning check"}[c["verdict"]]
+    counts = counts_anyway or c["verdict"] == "ok"
+    return dict(c, reference="trl_dpo", counts=counts, reason=f"{label} vs trl_dpo: {c['reason']}")
+
+
+__all__ = ["FALL_TOL", "MIN_FALL", "MIN_STEPS", "dpo_check", "dpo_verdict", "mean_abs_gap"]

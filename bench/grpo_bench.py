@@ -164,3 +164,22 @@ def grpo_check(ours: dict, trl: dict) -> dict:
         reason=f"reward spread every step; KL {kl['ours']:.2e} (TRL {kl['trl']:.2e}); reward change "
         f"{d_ours:+.4f} (TRL {d_trl:+.4f}, s.e. {se:.4f})",
     )
+
+
+def grpo_verdict(rec: dict, records) -> dict:
+    """W11's verdict for one record (bench.report.learning_verdict): ours against trl_grpo of the
+    same run by grpo_check; TRL's record is the reference, other records are shown with no check."""
+    from bench.report import _same_run
+
+    impl = rec.get("impl")
+    if impl == "trl_grpo":
+        return {"verdict": "reference", "reason": "stock: TRL GRPOTrainer's reward and KL", "counts": True}
+    refs = [r for r in records if r is not rec and _same_run(r, rec) and r.get("impl") == "trl_grpo"]
+    refs = [r for r in refs if r.get("status") == "ok"]
+    if impl != "ours":
+        return {"verdict": "none", "reason": "GRPO: only ours is checked", "counts": True}
+    if not refs:
+        return {"verdict": "none", "counts": False, "reason": f"no trl_grpo record in run {rec.get('run_id') or '?'}"}
+    c = grpo_check(rec, refs[0])
+    label = {"ok": "ok", "FAILED": "FAILED", "none": "no learning check"}[c["verdict"]]
+    return dict(c, reference="trl_grpo", counts=c["verdict"] == "ok", reason=f"{label} vs trl_grpo: {c['reason']}")

@@ -254,53 +254,11 @@ def _is_grpo(rec: dict) -> bool:
     return bool(wl and wl.kind == "grpo") or (rec.get("options") or {}).get("method") == "grpo"
 
 
-def _grpo_verdict(rec: dict, records: Iterable[dict]) -> dict:
-    """W11's learning check (bench.grpo_bench.grpo_check): ours against trl_grpo of the same run;
-    TRL's record is the reference, other records are shown with no check."""
-    from bench.grpo_bench import grpo_check
-
-    impl = rec.get("impl")
-    if impl == "trl_grpo":
-        return {"verdict": "reference", "reason": "stock: TRL GRPOTrainer's reward and KL", "counts": True}
-    refs = [r for r in records if r is not rec and _same_run(r, rec) and r.get("impl") == "trl_grpo"]
-    refs = [r for r in refs if r.get("status") == "ok"]
-    if impl != "ours":
-        return {"verdict": "none", "reason": "GRPO: only ours is checked", "counts": True}
-    if not refs:
-        return {"verdict": "none", "counts": False, "reason": f"no trl_grpo record in run {rec.get('run_id') or '?'}"}
-    c = grpo_check(rec, refs[0])
-    label = {"ok": "ok", "FAILED": "FAILED", "none": "no learning check"}[c["verdict"]]
-    return dict(c, reference="trl_grpo", counts=c["verdict"] == "ok", reason=f"{label} vs trl_grpo: {c['reason']}")
-
-
 def _is_dpo(rec: dict) -> bool:
     from bench.workloads import WORKLOADS
 
     wl = WORKLOADS.get(rec.get("workload"))
     return bool(wl and wl.kind == "dpo")
-
-
-def _dpo_verdict(rec: dict, records: Iterable[dict], counts_anyway: bool) -> dict:
-    """A DPO record against trl_dpo of its run. Ours is held to the run's noise floor (its other DPO
-    curves; bench.dpo_check); a peer, which is part of that floor, only to the stock fall."""
-    from bench.dpo_check import dpo_check
-
-    same = [
-        r for r in records if r is not rec and _same_run(r, rec) and r.get("status") == "ok" and r.get("loss_curve")
-    ]
-    stock = next((r for r in same if r.get("impl") == "trl_dpo"), None)
-    if stock is None:
-        run = rec.get("run_id") or "?"
-        return {"verdict": "none", "counts": counts_anyway, "reason": f"no trl_dpo curve in run {run}"}
-    if rec.get("impl") != "ours":
-        c = learning_check(rec["loss_curve"], stock["loss_curve"], step_tol=float("inf"))
-        c["reason"] = f"fall only (the peers are the floor ours is held to): {c['reason']}"
-    else:
-        others = {r["impl"]: r["loss_curve"] for r in same if r.get("impl") not in ("trl_dpo", "ours")}
-        c = dpo_check(rec["loss_curve"], stock["loss_curve"], others)
-    label = {"ok": "ok", "FAILED": "FAILED", "none": "no learning check"}[c["verdict"]]
-    counts = counts_anyway or c["verdict"] == "ok"
-    return dict(c, reference="trl_dpo", counts=counts, reason=f"{label} vs trl_dpo: {c['reason']}")
 
 
 def learning_verdict(rec: dict, records: Iterable[dict]) -> dict:
@@ -315,7 +273,9 @@ def learning_verdict(rec: dict, records: Iterable[dict]) -> dict:
     if _no_loss(rec):
         return {"verdict": "n/a", "reason": "n/a (MoE block: no training loss)", "counts": True}
     if _is_grpo(rec):  # W11: GRPO's own check against TRL's record of the run (bench.grpo_bench)
-        return _grpo_verdict(rec, records)
+        from bench.grpo_bench import grpo_verdict
+
+        return grpo_verdict(rec, records)
     curve = rec.get("loss_curve")
     if impl in REFERENCE_IMPLS:
         if not curve:
@@ -336,7 +296,9 @@ def learning_verdict(rec: dict, records: Iterable[dict]) -> dict:
     if not curve:
         return {"verdict": "none", "reason": OLD_RECORD, "counts": counts_anyway}
     if _is_dpo(rec):  # W10: against TRL's DPO curve at the run's noise floor (bench.dpo_check)
-        return _dpo_verdict(rec, records, counts_anyway)
+        from bench.dpo_check import dpo_verdict
+
+        return dpo_verdict(rec, records, counts_anyway)
     refs = {}
     for r in records:
         if (
