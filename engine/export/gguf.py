@@ -86,6 +86,23 @@ def download_sdist(directory: str | Path) -> Path:
     return next(Path(directory).glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))
 
 
+def extract_members(tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo]) -> None:
+    """Extract `members` (regular files and folders picked by the caller) of `tar` into `dest`.
+
+    Python's "data" filter (no links, nothing outside `dest`, no special files) where the running
+    Python has it: Debian 12's stock Python 3.11.2 predates it (3.11.4), and there
+    extractall(filter=...) is a TypeError, which turned GGUF export off on a fresh install. There the
+    same rules are checked here before extracting."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, members=members, filter="data")
+        return
+    for m in members:
+        parts = Path(m.name).parts
+        if not (m.isfile() or m.isdir()) or Path(m.name).is_absolute() or ".." in parts:
+            raise ExportError(f"{tar.name}: refusing to extract {m.name!r} (not a plain file inside the folder)")
+    tar.extractall(dest, members=members)
+
+
 def fetch_converter(sdist: Optional[str | Path] = None, progress=None) -> Path:
     """Extract the converter of llama-cpp-python's source distribution into converter_dir().
     `sdist`: a llama_cpp_python-<version>.tar.gz already here; else pip downloads the pinned one."""
@@ -108,7 +125,7 @@ def fetch_converter(sdist: Optional[str | Path] = None, progress=None) -> Path:
                             members.append(m)
             if not any(m.name == "convert_hf_to_gguf.py" for m in members):
                 raise ExportError(f"{sdist} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
-            tar.extractall(staging, members=members, filter="data")
+            extract_members(tar, staging, members)
         if progress:
             progress(f"llama.cpp's converter put in {dest}")
         dest.parent.mkdir(parents=True, exist_ok=True)

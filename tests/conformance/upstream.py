@@ -20,7 +20,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from engine.export.gguf import LLAMA_CPP_PYTHON, download_sdist
+from engine.export.gguf import LLAMA_CPP_PYTHON, download_sdist, extract_members
 
 # Paths under vendor/llama.cpp/ that the suite uses.
 _WANTED_DIRS = {"models/templates/": (".jinja",), "models/": (".gguf", ".gguf.inp", ".gguf.out")}
@@ -55,7 +55,7 @@ def extract(sdist: Path, dest: Path) -> Path:
                 members.append(m)
         if not any(m.name == "tests/test-chat-template.cpp" for m in members):
             raise RuntimeError(f"{sdist} holds no vendor/llama.cpp/tests/test-chat-template.cpp")
-        tar.extractall(staging, members=members, filter="data")
+        extract_members(tar, staging, members)  # the "data" filter where this Python has it
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
     return dest
