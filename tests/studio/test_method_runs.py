@@ -19,7 +19,9 @@ from tests.engine.train.test_methods_session import config, run, write_pairs, wr
 
 @pytest.fixture
 def method_runs(tmp_path, runs_dir):
-    """A DPO run and a GRPO run in the window's runs folder (config() writes to tmp_path/runs)."""
+    """A DPO run and a GRPO run in the window's runs folder (config() writes to tmp_path/runs).
+    Tests name it before `window`, so the runs train before the window's warm-up imports start on
+    their thread (training beside them can meet a half-imported transformers: test_startup_race)."""
     assert runs_dir == tmp_path / "runs"
     dpo = config(tmp_path, "dpo", write_pairs(tmp_path / "pairs.jsonl"))
     dpo.output.run_name = "dpo-run"
@@ -34,7 +36,7 @@ def method_runs(tmp_path, runs_dir):
     return runs_dir / "dpo-run", runs_dir / "grpo-run"
 
 
-def test_the_runs_overlay_compares_runs_of_any_method_on_a_picked_metric(window, qtbot, method_runs):
+def test_the_runs_overlay_compares_runs_of_any_method_on_a_picked_metric(method_runs, window, qtbot):
     page = show_runs(window, qtbot)
     select(page, qtbot, ["dpo-run", "grpo-run"])
     overlay = page.overlay
@@ -64,7 +66,7 @@ def test_the_runs_overlay_compares_runs_of_any_method_on_a_picked_metric(window,
     assert all(math.isfinite(v) for v in overlay.chart.values("dpo-run"))
 
 
-def test_chat_compares_base_and_tuned_for_a_dpo_and_a_grpo_run(window, qtbot, method_runs):
+def test_chat_compares_base_and_tuned_for_a_dpo_and_a_grpo_run(method_runs, window, qtbot):
     from studio.main_window import CHAT
 
     window.go_to(CHAT)
