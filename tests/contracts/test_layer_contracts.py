@@ -68,7 +68,7 @@ def test_the_tree_keeps_every_contract(tree):
         ("engine/config.py", "import engine.train.step", "Leaves: config, events, runs and counters"),
         ("engine/events.py", "import engine.fastpath.lora_group", "Leaves: config, events, runs and counters"),
         ("engine/allocator.py", "import engine.api", "Leaves: config, events, runs and counters"),
-        ("engine/runs.py", "import engine.train.checkpoint", "Leaves: config, events, runs and counters"),
+        ("engine/runs/history.py", "import engine.train.checkpoint", "Leaves: config, events, runs and counters"),
         ("engine/counters.py", "import engine.fastpath.lora_group", "Leaves: config, events, runs and counters"),
         ("engine/models/arch/llama.py", "import torch", "Architecture files are plain data"),
     ],

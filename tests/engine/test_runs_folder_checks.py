@@ -62,7 +62,7 @@ def test_the_cli_refuses_a_read_only_runs_folder_before_loading(tmp_path):
 def test_a_full_disk_is_refused_before_loading(tmp_path, monkeypatch):
     free = shutil.disk_usage(tmp_path).free
     # What counts as full, raised past what this disk has: the refusal, not the disk, is tested.
-    monkeypatch.setattr(runs, "MIN_FREE_BYTES", free + 2**30)
+    monkeypatch.setattr(runs.checks, "MIN_FREE_BYTES", free + 2**30)  # write_problem reads it there
     problem = write_problem(tmp_path / "runs")
     assert problem.startswith(f"Runs cannot be saved: the disk holding {tmp_path} is full (")
     events = []

@@ -1,10 +1,9 @@
 """A run's history read back from its folder (the Runs page): per-step curves from
 metrics.jsonl (`read_history` -> RunHistory), one row of the run list (`summarize` ->
-RunSummary: a RunInfo with the history's figures, whose status is engine.runs' one rule and
-whose `resumable` its one decision),
-every run under a folder (`summarize_runs`) and what differs between runs' configs
-(`config_differences`). Never raises for a broken folder: it names the problem instead.
-Where the files lie is engine.runs'; RunFolder.history() and .summary() call here.
+RunSummary: a RunInfo with the history's figures, whose status is engine.runs.status' one rule
+and whose `resumable` its one decision), every run under a folder (`summarize_runs`) and what
+differs between runs' configs (`config_differences`). Never raises for a broken folder: it names
+the problem instead. Reads each metrics.jsonl whole, where engine.runs.status reads its last line.
 """
 
 from __future__ import annotations
@@ -17,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.runs import METRICS, RUNNING_WINDOW_S, TMP_SUFFIX, RunFolder, RunInfo, status_of
+from engine.runs.layout import METRICS, TMP_SUFFIX, RunLayout
+from engine.runs.records import last_write, lock_is_live, read_best, read_config
+from engine.runs.status import RUNNING_WINDOW_S, RunInfo, status_of
 
 # What a run's history keeps of each StepMetrics line (the Runs page's charts).
 CURVES = ("loss", "lr", "grad_norm", "tokens_per_second", "step_seconds", "mem_peak")
@@ -65,7 +66,7 @@ class RunSummary(RunInfo):
     config: dict[str, Any] = field(default_factory=dict)  # config.yaml as plain data ({} unreadable)
 
 
-def read_history(folder: RunFolder, now: Optional[float] = None) -> RunHistory:
+def read_history(folder: RunLayout, now: Optional[float] = None) -> RunHistory:
     """Read metrics.jsonl back. Unreadable lines are skipped and named in `problems`, except
     an unfinished last line of a run still being written (the writer is mid-line)."""
     hist = RunHistory(curves={name: [] for name in CURVES + EVAL_CURVES})
@@ -78,7 +79,7 @@ def read_history(folder: RunFolder, now: Optional[float] = None) -> RunHistory:
         hist.problems.append(f"{folder.metrics} cannot be read: {exc.strerror or exc}")
         return hist
     now = time.time() if now is None else now
-    written = folder.last_write() or 0.0
+    written = last_write(folder) or 0.0
     lines = raw.split(b"\n")
     by_step: dict[int, dict[str, float]] = {}
     evals: dict[int, dict[str, float]] = {}
@@ -132,16 +133,16 @@ def read_history(folder: RunFolder, now: Optional[float] = None) -> RunHistory:
     return hist
 
 
-def summarize(folder: RunFolder, now: Optional[float] = None) -> RunSummary:
+def summarize(folder: RunLayout, now: Optional[float] = None) -> RunSummary:
     """One row of the run list; never raises for a broken folder (status "corrupt", `problem`)."""
     now = time.time() if now is None else now
-    config, config_problem = folder.read_config()
+    config, config_problem = read_config(folder)
     hist = read_history(folder, now)
     problem = config_problem or (hist.problems[0] if hist.problems else "")
     if len(hist.problems) > 1:
         problem += f" (and {len(hist.problems) - 1} more unreadable lines)"
     outcome = hist.outcome or {}
-    status = status_of(hist.outcome, not problem and not outcome and folder.is_running(), problem)
+    status = status_of(hist.outcome, not problem and not outcome and lock_is_live(folder), problem)
     losses = [(v, s) for s, v in zip(hist.steps, hist.curves["loss"]) if math.isfinite(v)]
     best = min(losses) if losses else None
     speeds = [v for v in hist.curves["tokens_per_second"] if math.isfinite(v) and v > 0]
@@ -169,7 +170,7 @@ def summarize(folder: RunFolder, now: Optional[float] = None) -> RunSummary:
         checkpoints=folder.checkpoints(),
         adapter=folder.final_adapter(),
         config=config,
-        best=folder.best(),
+        best=read_best(folder),
     )
 
 
@@ -203,8 +204,8 @@ def summarize_runs(root: str | Path, now: Optional[float] = None) -> list[RunSum
     now = time.time() if now is None else now
     found = []
     for p in root.iterdir():
-        if p.is_dir() and not p.name.endswith(TMP_SUFFIX) and RunFolder(p).looks_like_run():
-            found.append(RunFolder(p).summary(now))
+        if p.is_dir() and not p.name.endswith(TMP_SUFFIX) and RunLayout(p).looks_like_run():
+            found.append(summarize(RunLayout(p), now))
     found.sort(key=lambda r: (r.started or 0.0, r.name), reverse=True)
     return found
 
