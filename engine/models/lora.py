@@ -17,13 +17,28 @@ def all_linear_names(model) -> list[str]:
     from torch import nn
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    refused = _MAMBA_REFUSED if model_type in _MAMBA_TYPES else frozenset()
     return sorted(
         {
             name.rsplit(".", 1)[-1]
             for name, mod in model.named_modules()
-            if isinstance(mod, nn.Linear) and mod is not head and name
+            if _is_projection(mod, nn.Linear) and mod is not head and name and name.rsplit(".", 1)[-1] not in refused
         }
     )
+
+
+# PEFT refuses LoRA on a Mamba mixer's out_proj and conv1d for these model_types
+# (peft.tuners.tuners_utils._check_lora_target_modules_mamba): "all-linear" leaves them out.
+_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
+
+
+def _is_projection(module, linear) -> bool:
+    """A plain nn.Linear or a bitsandbytes one; a model's own Linear subclass is not a projection
+    (Llama-4's router is one and returns a tuple, which PEFT's LoRA layer cannot wrap)."""
+    cls = type(module)
+    return cls is linear or (isinstance(module, linear) and cls.__module__.split(".")[0] == "bitsandbytes")
 
 
 def peft_lora_config(cfg: LoraConfig, model=None):

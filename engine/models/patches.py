@@ -53,8 +53,8 @@ import torch
 from torch import nn
 
 from engine.counters import count_fallback
-from engine.fastpath import patching
-from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp
+from engine.fastpath import patching, recompute
+from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp, lora_mlp_unread, mlp_can_skip_output
 from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason
 from engine.kernels.rope import rope_reference
 from engine.models.arch import arch_for
@@ -216,6 +216,7 @@ class _AttnPlan:
     o: Optional[LoRAGroup]
     rope: Optional[Callable]  # kernel apply_rope; None: the torch rotation
     rope_always_inplace: bool  # the forced-Triton path rotates in place even on CPU
+    use_rope: bool = True  # False on SmolLM3's NoPE layers (the module's own `use_rope`)
 
 
 def _attention_interface(impl: Optional[str], eager: Callable) -> Callable:
@@ -268,7 +269,9 @@ def _attention_forward(
         q, k = self.q_norm(q), self.k_norm(k)
 
     cos, sin = position_embeddings
-    if plan.rope is None:  # transformers' own rotation, op for op (uncounted: rope is off)
+    if not plan.use_rope:  # a layer without position rotation (SmolLM3's NoPE layers)
+        pass
+    elif plan.rope is None:  # transformers' own rotation, op for op (uncounted: rope is off)
         q, k = rope_reference(q, k, cos, sin)
     else:
         if plan.qk_norm and (plan.rope_always_inplace or q.is_cuda):
@@ -360,6 +363,10 @@ def _fused_layer(self, plan: _LayerPlan, hidden_states, **kwargs):
         reason = "autocast" if torch.is_autocast_enabled(residual.device.type) else "dtype differs from the residual's"
     elif plan.offset == 0.0 and norm.weight.dtype != hidden_states.dtype:
         reason = "weight dtype differs from the activations"  # as _rmsnorm_forward: promotes in the stock
+    if reason is None and not plan.sandwich and recompute.layer_output_unused():
+        mlp = _unread_mlp(self.mlp, hidden_states)
+        if mlp is not None:  # offload's recompute: the output only roots the backward (fast_paths.lean_recompute)
+            return lora_mlp_unread(residual + hidden_states, norm, *mlp)
     if reason is None:
         hidden_states, residual = plan.fn(
             hidden_states, residual, norm.weight, getattr(norm, plan.eps_attr), plan.offset
@@ -372,6 +379,17 @@ def _fused_layer(self, plan: _LayerPlan, hidden_states, **kwargs):
     if plan.sandwich:
         hidden_states = self.post_feedforward_layernorm(hidden_states)
     return residual + hidden_states
+
+
+def _unread_mlp(mlp: nn.Module, x: torch.Tensor) -> Optional[tuple]:
+    """(gate_up, down, act) of a fused LoRA MLP that `lora_mlp_unread` can stand in for, else None."""
+    patch = patching.installed(mlp, _KIND)
+    plan = None if patch is None else patch.plan
+    if not isinstance(plan, _MLPPlan) or plan.groups is None or not mlp_can_skip_output(*plan.groups):
+        return None
+    if not (plan.groups[0].runtime_ok(x) and plan.groups[1].runtime_ok(x)):
+        return None
+    return (*plan.groups, plan.act)
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -562,6 +580,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     o=LoRAGroup([lora_parts(module.o_proj)], nf4) if o_reason is None else None,
                     rope=k.apply_rope if rope_reason is None else None,
                     rope_always_inplace=kernel_impl == "triton",
+                    use_rope=bool(getattr(module, "use_rope", True)),
                 )
                 _install(module, _attention_forward, plan)
 

@@ -104,7 +104,7 @@ def prepare_model(
     if gradient_checkpointing:
         _checkpoint_layers(base)
     offloader, report["offload"] = _install_offload(
-        base, offload, device, gradient_checkpointing, bool(fast_paths.keep_attention)
+        base, offload, device, gradient_checkpointing, bool(fast_paths.keep_attention), bool(fast_paths.lean_recompute)
     )
     return PreparedModel(model, offloader, _say_policy_offs(report, auto_reasons or {}))
 
@@ -165,14 +165,16 @@ def enable_checkpointing(model) -> bool:
     return True
 
 
-def install_offload(model, mode: str, device, keep_attention: bool = True):
+def install_offload(model, mode: str, device, keep_attention: bool = True, lean_recompute: bool = True):
     """Offloaded checkpointing on a prepared model whose checkpointing is already on (the
     session's last resort when a step runs out of memory); (the ActivationOffloader or None,
     its report line)."""
-    return _install_offload(hf_model(model), mode, torch.device(device), True, keep_attention)
+    return _install_offload(hf_model(model), mode, torch.device(device), True, keep_attention, lean_recompute)
 
 
-def _install_offload(base, mode: str, device: torch.device, gradient_checkpointing: bool, keep_attention: bool):
+def _install_offload(
+    base, mode: str, device: torch.device, gradient_checkpointing: bool, keep_attention: bool, lean: bool = True
+):
     """(the installed ActivationOffloader or None, its report line)."""
     from engine.fastpath.offload import ActivationOffloader, decoder_layers
 
@@ -183,7 +185,7 @@ def _install_offload(base, mode: str, device: torch.device, gradient_checkpointi
     layers = decoder_layers(base)
     if not layers:
         return None, f"off: {type(base).__name__} has no checkpointed decoder layers"
-    offloader = ActivationOffloader(mode, device, keep_attention_allowed=keep_attention)
+    offloader = ActivationOffloader(mode, device, keep_attention_allowed=keep_attention, lean_recompute=lean)
     offloader.install(layers)
     where = "" if device.type == "cuda" else " (CPU: the copies stay in host memory and save nothing)"
     return offloader, f"on: {mode} buffer, {len(layers)} layers{where}"
@@ -191,7 +193,10 @@ def _install_offload(base, mode: str, device: torch.device, gradient_checkpointi
 
 def _decoder_and_head(model):
     base = hf_model(model)
-    return base, base.get_decoder(), base.get_output_embeddings()
+    decoder = base.get_decoder()
+    if decoder is base:  # transformers' lookup found no decoder attribute (Llama-4's text-only LM keeps it in `model`)
+        decoder = getattr(base, "model", decoder)
+    return base, decoder, base.get_output_embeddings()
 
 
 def decoder_hidden(model, batch: PackedBatch, cached_metadata: bool = True, offloader=None):
@@ -225,6 +230,13 @@ def decoder_hidden(model, batch: PackedBatch, cached_metadata: bool = True, offl
         ids = kwargs.pop("input_ids")
         kwargs["inputs_embeds"] = hosted(batch.host_ids if batch.host_ids is not None else ids)
     hidden = decoder(**kwargs, use_cache=False).last_hidden_state
+    from engine.models.arch import logit_scale
+
+    scale = logit_scale(base.config)
+    if scale != 1.0:
+        # Families whose stock forward scales the logits (Cohere x logit_scale, Granite / logits_scaling):
+        # scaling the (bias-free) head's input gives those logits to every loss built on the head.
+        hidden = hidden * scale
     return base, hidden.reshape(-1, hidden.shape[-1]), head
 
 

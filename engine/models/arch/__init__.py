@@ -14,7 +14,9 @@ from typing import Optional
 
 from engine.models.arch import (
     bloom,
+    cohere,
     falcon,
+    falcon_h1,
     gemma,
     gemma2,
     gemma3,
@@ -24,7 +26,11 @@ from engine.models.arch import (
     gpt_oss,
     gptj,
     granite,
+    granitemoe,
+    hyperclovax,
     llama,
+    minicpm3,
+    ministral,
     mistral,
     olmo2,
     opt,
@@ -36,15 +42,29 @@ from engine.models.arch import (
     qwen3,
     qwen3_moe,
     qwen3_next,
+    smollm3,
     starcoder2,
 )
 from engine.models.arch.spec import GENERIC, TINY_BASE, Arch, HFClasses, MoE
 
-__all__ = ["ARCHS", "GENERIC", "TINY_BASE", "Arch", "HFClasses", "MoE", "arch_for", "patched", "tiny_archs"]
+__all__ = [
+    "ARCHS",
+    "GENERIC",
+    "TINY_BASE",
+    "Arch",
+    "HFClasses",
+    "MoE",
+    "arch_for",
+    "logit_scale",
+    "patched",
+    "tiny_archs",
+]
 
 _MODULES = (
     llama,
     mistral,
+    ministral,
+    smollm3,
     qwen2,
     qwen2_moe,
     qwen2_vl,
@@ -57,6 +77,11 @@ _MODULES = (
     olmo2,
     phi3,
     granite,
+    granitemoe,
+    hyperclovax,
+    minicpm3,
+    cohere,
+    falcon_h1,
     gpt_oss,
     gpt2,
     gpt_neox,
@@ -81,6 +106,13 @@ for _module in _MODULES:
 def arch_for(model_type: Optional[str]) -> Optional[Arch]:
     """The Arch of `model_type`, or None for an architecture the engine has no file for."""
     return ARCHS.get(model_type) if model_type else None
+
+
+def logit_scale(config) -> float:
+    """The factor a transformers config's stock forward applies to its head's logits (Arch.logit_scale;
+    1.0 for a family without a file)."""
+    arch = arch_for(getattr(config, "model_type", None))
+    return arch.logit_scale(config) if arch is not None else 1.0
 
 
 def patched() -> dict[str, Arch]:

@@ -17,6 +17,10 @@ The facts, by the part of the engine that reads them:
   or "config" when the module may not carry it), `softcapping` (logit softcap passed to the
   attention function); GQA and head_dim are config values, read from the config;
 - MLP: `gated_mlp` (gate/up/down; else a plain up -> act -> down);
+- output: `logits_times` / `logits_over`, the config value the head's logits are multiplied or
+  divided by (Cohere's logit_scale, Granite's logits_scaling): engine.train.step scales the
+  decoder's last hidden states by it, so every loss built on the head (fused or not) sees the
+  logits the stock forward computes;
 - MoE: `moe` (the sparse block's class, its router and expert attributes, biases, shared-expert
   gate, and whether engine.fastpath.moe groups it);
 - tests: `tiny`, the config values of a tiny model of this architecture beyond `TINY_BASE`.
@@ -99,6 +103,8 @@ class Arch:
     softcapping: bool = False
     gated_mlp: bool = True
     moe: Optional[MoE] = None
+    logits_times: Optional[str] = None
+    logits_over: Optional[str] = None
     tiny: Optional[dict[str, Any]] = field(default=None, hash=False, compare=False)
 
     @property
@@ -125,6 +131,15 @@ class Arch:
         if self.softcapping:
             kwargs["softcap"] = getattr(module, "attn_logit_softcapping", None)
         return kwargs
+
+    def logit_scale(self, config: Any) -> float:
+        """The factor the stock forward applies to the head's logits (1.0 for most families)."""
+        scale = 1.0
+        if self.logits_times is not None:
+            scale *= float(getattr(config, self.logits_times, None) or 1.0)
+        if self.logits_over is not None:
+            scale /= float(getattr(config, self.logits_over, None) or 1.0)
+        return scale
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         """Config values of a tiny random model of this architecture (`TINY_BASE`, the

@@ -25,7 +25,7 @@ from engine.models.patches import FAST_PATHS, apply_fast_paths, remove_fast_path
 from tests.tiny_models import tiny_model
 
 CPU = torch.device("cpu")
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]
+ARCHS = ["llama", "mistral", "ministral", "smollm3", "qwen2", "qwen3", "gemma", "gemma2"]
 LENGTHS = (9, 6, 13)  # one packed row of three documents
 ALL_ON = {k: "on" for k in FAST_PATHS}
 
