@@ -267,6 +267,40 @@ def _key_range(
 
 
 @triton.jit
+def _query_range(
+    n0,
+    doc_start,
+    doc_end,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    # Queries a block of keys [n0, n0 + BLOCK_N) must visit: [q_lo, q_hi), walked in BLOCK_M steps
+    # as [q_lo, diag_end) masked, [diag_end, full_end) unmasked, [full_end, q_hi) masked. Causal
+    # without window: the diagonal steps (each sees key n0, so none is wholly masked), then whole
+    # unmasked steps, then the document's ragged end. Queries before n0 see none of these keys and
+    # are never visited (tests/kernels/test_varlen_attention_long.py checks every tile).
+    if CAUSAL:
+        q_lo = n0
+    else:
+        q_lo = doc_start
+    if HAS_WINDOW:
+        q_hi = tl.minimum(doc_end, n0 + BLOCK_N - 1 + window)
+    else:
+        q_hi = doc_end
+    if CAUSAL and not HAS_WINDOW:
+        # Whole query steps: BLOCK_N need not be a multiple of BLOCK_M.
+        diag_end = tl.minimum(n0 + ((BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, q_hi)
+        full_end = diag_end + tl.maximum(q_hi - diag_end, 0) // BLOCK_M * BLOCK_M
+    else:
+        diag_end = q_hi
+        full_end = q_hi
+    return q_lo, diag_end, full_end, q_hi
+
+
+@triton.jit(do_not_specialize=["long_docs"])
 def _attn_fwd(
     Q,
     K,
@@ -288,6 +322,7 @@ def _attn_fwd(
     mul_a,
     mul_b,
     window,
+    long_docs,  # unused in the body: the autotuner's key (see LONG_DOCUMENT)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_A: tl.constexpr,
@@ -419,13 +454,23 @@ def _dkdv_inner(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    REBUILD_ADDR: tl.constexpr,
 ):
     offs_m0 = tl.arange(0, BLOCK_M)
-    rows0 = (lo + offs_m0).to(tl.int64)
-    q_ptrs = q_base + rows0[:, None] * sq_t + offs_d[None, :]
-    do_ptrs = do_base + rows0[:, None] * sdo_t + offs_d[None, :]
+    if not REBUILD_ADDR:  # the form before 2026-12-02, kept for TUNESMITH_ATTN_TUNING=old
+        rows0 = (lo + offs_m0).to(tl.int64)
+        q_ptrs = q_base + rows0[:, None] * sq_t + offs_d[None, :]
+        do_ptrs = do_base + rows0[:, None] * sdo_t + offs_d[None, :]
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
+        if REBUILD_ADDR:
+            # Addresses rebuilt per step instead of carried through the loop: two [BLOCK_M, D] tiles
+            # of 64-bit pointers live across iterations cost the registers that the dK/dV
+            # accumulators and the K/V tiles need (ptxas, sm_90a: the carried form spills at every
+            # head_dim-128 config; see LONG_DOCUMENT's tables). The addresses are the same.
+            rows = offs_m.to(tl.int64)
+            q_ptrs = q_base + rows[:, None] * sq_t + offs_d[None, :]
+            do_ptrs = do_base + rows[:, None] * sdo_t + offs_d[None, :]
         if MASK:
             m_ok = offs_m < doc_end
             q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
@@ -437,8 +482,9 @@ def _dkdv_inner(
             do = tl.load(do_ptrs)
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
-        q_ptrs += BLOCK_M * sq_t
-        do_ptrs += BLOCK_M * sdo_t
+        if not REBUILD_ADDR:
+            q_ptrs += BLOCK_M * sq_t
+            do_ptrs += BLOCK_M * sdo_t
         # Transposed tiles ([keys, queries]) so dK/dV accumulate without transposing big tiles.
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
         sT, tT = _scores(qkT, mul_a, mul_b, HAS_SOFTCAP)
@@ -459,7 +505,8 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+# long_docs is not specialised: 0 and 1 would otherwise compile two copies of every config.
+@triton.jit(do_not_specialize=["long_docs"])
 def _attn_bwd_dkdv(
     Q,
     K,
@@ -489,6 +536,7 @@ def _attn_bwd_dkdv(
     mul_a,
     mul_b,
     window,
+    long_docs,  # unused in the body: the autotuner's key (see LONG_DOCUMENT)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_A: tl.constexpr,
@@ -496,6 +544,7 @@ def _attn_bwd_dkdv(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    REBUILD_ADDR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -521,24 +570,7 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Queries that can see this key block: [q_lo, q_hi). Causal without window: a masked diagonal
-    # [n0, n0 + BLOCK_N), then unmasked whole query blocks, then a masked tail at the doc end.
-    if CAUSAL:
-        q_lo = n0
-    else:
-        q_lo = doc_start
-    if HAS_WINDOW:
-        q_hi = tl.minimum(doc_end, n0 + BLOCK_N - 1 + window)
-    else:
-        q_hi = doc_end
-    if CAUSAL and not HAS_WINDOW:
-        # Whole query steps: BLOCK_N need not be a multiple of BLOCK_M.
-        diag_end = tl.minimum(n0 + ((BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, q_hi)
-        full_end = diag_end + tl.maximum(q_hi - diag_end, 0) // BLOCK_M * BLOCK_M
-    else:
-        diag_end = q_hi
-        full_end = q_hi
-
+    q_lo, diag_end, full_end, q_hi = _query_range(n0, doc_start, doc_end, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for g in range(GROUP):
         head = kvh * GROUP + g
         q_base = Q + head * sq_h
@@ -570,6 +602,7 @@ def _attn_bwd_dkdv(
             HAS_WINDOW,
             HAS_SOFTCAP,
             DOT_PREC,
+            REBUILD_ADDR,
         )
         dk, dv = _dkdv_inner(
             dk,
@@ -596,6 +629,7 @@ def _attn_bwd_dkdv(
             HAS_WINDOW,
             HAS_SOFTCAP,
             DOT_PREC,
+            REBUILD_ADDR,
         )
         dk, dv = _dkdv_inner(
             dk,
@@ -622,6 +656,7 @@ def _attn_bwd_dkdv(
             HAS_WINDOW,
             HAS_SOFTCAP,
             DOT_PREC,
+            REBUILD_ADDR,
         )
     dk = dk * sm_scale
     tl.store(DK + kvh * sdk_h + rows[:, None] * sdk_t + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=n_ok[:, None])
@@ -687,7 +722,7 @@ def _dq_inner(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["long_docs"])
 def _attn_bwd_dq(
     Q,
     K,
@@ -714,6 +749,7 @@ def _attn_bwd_dq(
     mul_a,
     mul_b,
     window,
+    long_docs,  # unused in the body: the autotuner's key (see LONG_DOCUMENT)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_A: tl.constexpr,
@@ -839,11 +875,54 @@ _DQ_CONFIGS = {
 }
 _ALL_KEY = ["HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_SOFTCAP"]
 
+# Long documents (the longest at least LONG_DOCUMENT tokens, W6: one of 32,768) tune apart from
+# packed short ones (W1-W3: LogNormal lengths under 2,048): their time is the unmasked middle of
+# the causal triangle, so big tiles, 8 warps and deeper pipelines pay, and a 64-key block would
+# read every later query twice as often. The candidates are chosen by ptxas on sm_90a (Triton 3.9,
+# causal bf16, GROUP 4, `python -m bench.attention_regs`): none of the new ones spills registers.
+# Each list keeps the short list's best guesses too, so the autotuner never has less to pick from;
+# its first entry is the untuned default (TUNESMITH_ATTN_AUTOTUNE=0). Head dims without a long list
+# use the short one.
+LONG_DOCUMENT = 4096
+_FWD_LONG_CONFIGS = {
+    64: [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 4, 4), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4)],
+    128: [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 4)],
+}
+_DKDV_LONG_CONFIGS = {
+    64: [_cfg(32, 128, 8, 3), _cfg(32, 128, 8, 5), _cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3)],
+    128: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 2)],
+}
+_DQ_LONG_CONFIGS = {
+    64: [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 3), _cfg(128, 32, 4, 3)],
+    128: [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 32, 8, 2), _cfg(128, 32, 8, 3)],
+}
 
-def _prune(table):
+# TUNESMITH_ATTN_TUNING=old runs the launch choices of before 2026-12-02 (one candidate list for
+# every document length, the dK/dV kernel's carried addresses) so bench.attention_micro can time
+# before and after in one process; "new" (the default) is this module's choice. Read per call.
+TUNING_ENV = "TUNESMITH_ATTN_TUNING"
+TUNINGS = ("new", "old")
+
+
+def tuning() -> str:
+    """The launch choices in force: "new" or "old" (TUNESMITH_ATTN_TUNING)."""
+    value = os.environ.get(TUNING_ENV, "new").strip().lower() or "new"
+    if value not in TUNINGS:
+        raise ValueError(f"{TUNING_ENV}={value!r}: must be one of {', '.join(TUNINGS)}")
+    return value
+
+
+def _nearest(table, d):
+    return table[d] if d in table else table[min(table, key=lambda x: abs(x - d))]
+
+
+def _prune(table, long_table=None):
     def prune(configs, named_args, **kwargs):
         d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-        return table[min(table, key=lambda x: abs(x - d))] if d not in table else table[d]
+        long_docs = kwargs.get("long_docs", named_args.get("long_docs", 0))
+        if long_table is not None and long_docs and d in long_table:
+            return long_table[d]
+        return _nearest(table, d)
 
     return prune
 
@@ -853,10 +932,13 @@ def _short_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
-def _tuned(kernel, table, key=_ALL_KEY, reset_to_zero=None):
+def _tuned(kernel, table, key=_ALL_KEY, reset_to_zero=None, long_table=None):
     # reset_to_zero: buffers a kernel adds into (atomics), zeroed before each timed config.
+    # long_table: candidates when the kernel's `long_docs` argument (part of `key`) is set.
     every = [c for cs in table.values() for c in cs]
-    opts = dict(configs=every, key=key, prune_configs_by={"early_config_prune": _prune(table)})
+    if long_table is not None:
+        every += [c for cs in long_table.values() for c in cs]
+    opts = dict(configs=every, key=key, prune_configs_by={"early_config_prune": _prune(table, long_table)})
     if reset_to_zero:
         opts["reset_to_zero"] = reset_to_zero
     try:
@@ -865,9 +947,12 @@ def _tuned(kernel, table, key=_ALL_KEY, reset_to_zero=None):
         return triton.autotune(**opts)(kernel)
 
 
-_attn_fwd_tuned = _tuned(_attn_fwd, _FWD_CONFIGS)
-_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv, _DKDV_CONFIGS)
-_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq, _DQ_CONFIGS)
+_LONG_KEY = _ALL_KEY + ["long_docs"]
+_attn_fwd_tuned = _tuned(_attn_fwd, _FWD_CONFIGS, key=_LONG_KEY, long_table=_FWD_LONG_CONFIGS)
+_attn_bwd_dkdv_tuned = _tuned(
+    _attn_bwd_dkdv, _DKDV_CONFIGS, key=_LONG_KEY + ["REBUILD_ADDR"], long_table=_DKDV_LONG_CONFIGS
+)
+_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq, _DQ_CONFIGS, key=_LONG_KEY, long_table=_DQ_LONG_CONFIGS)
 
 # Fixed configs used when autotuning is off (interpreter, TUNESMITH_ATTN_AUTOTUNE=0, or tests
 # that pin blocks): {kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)} per head dim.
@@ -879,6 +964,18 @@ _DEFAULTS = {
 _INTERPRET_BLOCKS = (16, 16)
 
 
+def _first_configs(table):
+    return {d: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for d, (c, *_) in table.items()}
+
+
+# Untuned long-document configs: the first candidate of each long list.
+_LONG_DEFAULTS = {
+    "fwd": _first_configs(_FWD_LONG_CONFIGS),
+    "dkdv": _first_configs(_DKDV_LONG_CONFIGS),
+    "dq": _first_configs(_DQ_LONG_CONFIGS),
+}
+
+
 def _use_autotune() -> bool:
     return not INTERPRET and os.environ.get("TUNESMITH_ATTN_AUTOTUNE", "1") != "0"
 
@@ -887,10 +984,13 @@ def _use_autotune() -> bool:
 _KEY_BLOCK_KINDS = ("dkdv", "onepass")
 
 
-def _fixed(kind: str, d: int, blocks: Optional[tuple[int, int]], fp32: bool = False, defaults=None):
+def _fixed(
+    kind: str, d: int, blocks: Optional[tuple[int, int]], fp32: bool = False, defaults=None, long_docs: bool = False
+):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Pinned `blocks` are (table block, step block):
     the table block is BLOCK_M for fwd/dq and BLOCK_N (key block) for dkdv and onepass.
-    `defaults` ({head_dim: config}) replaces _DEFAULTS[kind] (the one-pass backward's own table)."""
+    `defaults` ({head_dim: config}) replaces _DEFAULTS[kind] (the one-pass backward's own table);
+    `long_docs` takes _LONG_DEFAULTS[kind] where it has the head dim."""
     if blocks is not None:
         if kind in _KEY_BLOCK_KINDS:
             return blocks[1], blocks[0], 4, 2
@@ -900,8 +1000,11 @@ def _fixed(kind: str, d: int, blocks: Optional[tuple[int, int]], fp32: bool = Fa
     if fp32:
         # fp32 on a GPU is for exact checks, not speed: small tiles fit shared memory at D=256.
         return 32, 32, 4, 1
-    table = defaults if defaults is not None else _DEFAULTS[kind]
-    return table[d] if d in table else table[min(table, key=lambda x: abs(x - d))]
+    if defaults is not None:
+        return _nearest(defaults, d)
+    if long_docs and d in _LONG_DEFAULTS.get(kind, {}):
+        return _LONG_DEFAULTS[kind][d]
+    return _nearest(_DEFAULTS[kind], d)
 
 
 class _Launch:
@@ -949,6 +1052,11 @@ class _Launch:
         self.blocks = blocks  # pinned (table block, step block) for tests, else None
         self.longest = longest  # the longest document's length when the caller knows it, else None
         self.backward = backward  # "split" or "onepass" (engine.kernels.varlen_attention_bwd)
+        new = tuning() == "new"
+        # The split kernels' autotuning key and untuned-config choice (LONG_DOCUMENT); the old
+        # launch choices have no such bucket.
+        self.long_docs = int(new and longest is not None and longest >= LONG_DOCUMENT)
+        self.rebuild_addr = new  # the dK/dV kernel's per-step addresses (see _dkdv_inner)
         # fp32 inputs get exact fp32 products (the point of fp32 is a tight check); 16-bit inputs
         # use Triton's default.
         self.fp32 = q.dtype == torch.float32
@@ -962,10 +1070,11 @@ class _Launch:
             DOT_PREC=self.dot_prec,
         )
 
-    def run(self, kind, tuned, plain, heads, head_args, tail_args, defaults=None):
+    def run(self, kind, tuned, plain, heads, head_args, tail_args, defaults=None, extra=None):
         """Launch one kernel: `tuned` (autotuned) or `plain` with a fixed config (`defaults`, see
         _fixed). The block table is indexed by BLOCK_M for fwd/dq (query blocks) and by BLOCK_N
-        for dkdv and onepass (key blocks)."""
+        for dkdv and onepass (key blocks). `extra`: this kernel's own constexpr arguments."""
+        flags = {**self.flags, **(extra or {})}
         key_blocks = kind in _KEY_BLOCK_KINDS
         table_key = "BLOCK_N" if key_blocks else "BLOCK_M"
         table_kind = "k" if key_blocks else "q"
@@ -974,9 +1083,9 @@ class _Launch:
             tb, nb = self.tables(table_kind, TABLE_BLOCKS[1])
             counts = {TABLE_BLOCKS[0]: na, TABLE_BLOCKS[1]: nb}
             grid = lambda meta: (heads, max(counts[meta[table_key]], 1))  # noqa: E731
-            tuned[grid](*head_args, ta, tb, *tail_args, BLOCK_A=TABLE_BLOCKS[0], **self.flags)
+            tuned[grid](*head_args, ta, tb, *tail_args, BLOCK_A=TABLE_BLOCKS[0], **flags)
             return
-        bm, bn, warps, stages = _fixed(kind, self.d, self.blocks, self.fp32, defaults)
+        bm, bn, warps, stages = _fixed(kind, self.d, self.blocks, self.fp32, defaults, bool(self.long_docs))
         tblock = bn if key_blocks else bm
         ta, na = self.tables(table_kind, tblock)
         plain[(heads, max(na, 1))](
@@ -985,7 +1094,7 @@ class _Launch:
             ta,
             *tail_args,
             BLOCK_A=tblock,
-            **self.flags,
+            **flags,
             BLOCK_M=bm,
             BLOCK_N=bn,
             num_warps=warps,
@@ -1011,6 +1120,7 @@ def _forward(q, k, v, L: _Launch):
         L.mul_a,
         L.mul_b,
         L.window,
+        L.long_docs,
     )
     L.run("fwd", _attn_fwd_tuned, _attn_fwd, L.hq, (q, k, v, o, lse, L.cu), tail)
     return o, lse
@@ -1053,9 +1163,12 @@ def _backward(do, q, k, v, o, lse, L: _Launch):
         L.mul_a,
         L.mul_b,
         L.window,
+        L.long_docs,
     )
-    L.run("dkdv", _attn_bwd_dkdv_tuned, _attn_bwd_dkdv, L.hkv, (q, k, v, do, dk, dv, lse, delta, L.cu), dkdv_rest)
-    dq_rest = common + (dq.stride(0), dq.stride(1), lse.stride(0), L.scale, L.mul_a, L.mul_b, L.window)
+    dkdv_args = (q, k, v, do, dk, dv, lse, delta, L.cu)
+    extra = dict(REBUILD_ADDR=L.rebuild_addr)
+    L.run("dkdv", _attn_bwd_dkdv_tuned, _attn_bwd_dkdv, L.hkv, dkdv_args, dkdv_rest, extra=extra)
+    dq_rest = common + (dq.stride(0), dq.stride(1), lse.stride(0), L.scale, L.mul_a, L.mul_b, L.window, L.long_docs)
     L.run("dq", _attn_bwd_dq_tuned, _attn_bwd_dq, L.hq, (q, k, v, do, dq, lse, delta, L.cu), dq_rest)
     return dq, dk, dv
 

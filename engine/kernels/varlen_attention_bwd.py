@@ -35,7 +35,16 @@ import triton
 import triton.language as tl
 
 from engine.counters import count_fallback
-from engine.kernels.varlen_attention import _ALL_KEY, _bwd_delta, _cfg, _Launch, _scores, _tuned
+from engine.kernels.varlen_attention import (
+    _ALL_KEY,
+    LONG_DOCUMENT,
+    _bwd_delta,
+    _cfg,
+    _Launch,
+    _query_range,
+    _scores,
+    _tuned,
+)
 
 BACKWARD_ENV = "TUNESMITH_ATTN_BWD"
 BACKWARDS = ("auto", "split", "onepass")
@@ -45,9 +54,9 @@ BACKWARDS = ("auto", "split", "onepass")
 # 0.71 ms; the dQ atomic adds cost more than the two saved matmuls. It stays selectable
 # (TUNESMITH_ATTN_BWD=onepass) for the next try at block sizes or a bulk dQ reduction.
 AUTO_ONEPASS = False
-# With AUTO_ONEPASS, "auto" takes the one-pass backward from this many tokens in the longest
-# document; it is also the autotuner's key that keeps long and short documents' configs apart.
-LONG_DOCUMENT = 4096
+# With AUTO_ONEPASS, "auto" takes the one-pass backward from LONG_DOCUMENT tokens in the longest
+# document (engine.kernels.varlen_attention's bucket, which also keeps long and short documents'
+# configs apart in the autotuner).
 # Upper bound of the fp32 dQ accumulator: "auto" keeps the split backward above it, and an explicit
 # "onepass" runs the key/value heads in several launches. W6 needs 268 MB, Qwen3-8B at 32k 537 MB.
 DQ_BUFFER_BYTES = 1024 * 1024 * 1024
@@ -225,22 +234,9 @@ def _attn_bwd_onepass(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Queries that see this key block: [q_lo, q_hi), split as in the split dK/dV kernel into a
-    # masked diagonal, unmasked whole query steps, and a masked tail at the document's end.
-    if CAUSAL:
-        q_lo = n0
-    else:
-        q_lo = doc_start
-    if HAS_WINDOW:
-        q_hi = tl.minimum(doc_end, n0 + BLOCK_N - 1 + window)
-    else:
-        q_hi = doc_end
-    if CAUSAL and not HAS_WINDOW:
-        diag_end = tl.minimum(n0 + ((BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, q_hi)
-        full_end = diag_end + tl.maximum(q_hi - diag_end, 0) // BLOCK_M * BLOCK_M
-    else:
-        diag_end = q_hi
-        full_end = q_hi
+    # Queries that see this key block, as in the split dK/dV kernel: a masked diagonal, unmasked
+    # whole query steps, and a masked tail at the document's end.
+    q_lo, diag_end, full_end, q_hi = _query_range(n0, doc_start, doc_end, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
 
     for g in range(GROUP):
         head = kvh * GROUP + g
