@@ -5,7 +5,11 @@ Times one layer's packed attention forward and forward + backward at the workloa
 ours ("triton") and torch's flash varlen kernel ("torch_flash", torch.nn.attention.varlen),
 or any other engine.fastpath.attention backend named in --backends. Ours runs once per backward named
 in --backwards ("split": dK/dV then dQ, the reference; "onepass": engine.kernels.varlen_attention_bwd;
-set through TUNESMITH_ATTN_BWD for the call), so before and after land in one run. It also reports each backend's
+set through TUNESMITH_ATTN_BWD for the call) and per launch-choice set named in --tunings ("new", the
+default; "old": the block sizes and dK/dV addressing of before 2026-12-02, TUNESMITH_ATTN_TUNING), so before
+and after land in one run. The autotuner's memory is cleared before each of ours, so every variant tunes at
+its own workload's shape as a fresh training process would, and its picks are recorded
+(`configs`). It also reports each backend's
 largest difference from ours in the output and in dq/dk/dv, so a fast backend that is wrong
 shows up here. It is the evidence behind engine.fastpath.attention's backend choice; one JSON line per
 (workload, backend, backward) goes to --results.
@@ -43,11 +47,56 @@ def _time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _tuned_kernels() -> dict:
+    from engine.kernels import varlen_attention as va
+    from engine.kernels import varlen_attention_bwd as vb
+
+    return {
+        "fwd": va._attn_fwd_tuned,
+        "dkdv": va._attn_bwd_dkdv_tuned,
+        "dq": va._attn_bwd_dq_tuned,
+        "onepass": vb._attn_bwd_onepass_tuned,
+    }
+
+
+def _forget_tuning() -> None:
+    """Clear the autotuners' picks, so the next call tunes at its own shape (the key holds no length
+    beyond the long-document bucket, and W2 and W6 share head_dim 64 and GQA 4)."""
+    for kernel in _tuned_kernels().values():
+        getattr(kernel, "cache", {}).clear()
+        kernel.best_config = None
+
+
+def _tuned_picks() -> dict:
+    """{kernel: the autotuner's last pick} for the kernels that ran (none when autotuning is off)."""
+    picks = {}
+    for name, kernel in _tuned_kernels().items():
+        best = getattr(kernel, "best_config", None)
+        if best is not None:
+            picks[name] = str(best)
+    return picks
+
+
+def _set_env(name: str, value: str | None) -> str | None:
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    return before
+
+
 def run(
-    workloads: list[str], backends: list[str], reps: int, results: Path | None, backwards: tuple[str, ...] = ("auto",)
+    workloads: list[str],
+    backends: list[str],
+    reps: int,
+    results: Path | None,
+    backwards: tuple[str, ...] = ("auto",),
+    tunings: tuple[str, ...] = ("new",),
 ) -> list[dict]:
     from engine.fastpath import attention, packed
-    from engine.kernels.varlen_attention_bwd import BACKWARD_ENV, tuned_config
+    from engine.kernels.varlen_attention import TUNING_ENV
+    from engine.kernels.varlen_attention_bwd import BACKWARD_ENV
 
     dev = torch.device("cuda")
     rows = []
@@ -67,8 +116,13 @@ def run(
         # Causal attention FLOPs: 4 * d * hq * sum(L^2) / 2 forward, 2.5x that backward.
         fwd_flops = 2.0 * d * hq * sum(n * n for n in info.lengths)
         ref = None
-        variants = [(b, w) for b in backends for w in (backwards if b == "triton" else (None,))]
-        for backend, backward in variants:
+        variants = [
+            (b, w, u)
+            for b in backends
+            for w in (backwards if b == "triton" else (None,))
+            for u in (tunings if b == "triton" else (None,))
+        ]
+        for backend, backward, tuning in variants:
             row = {
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "gpu": torch.cuda.get_device_name(),
@@ -76,15 +130,18 @@ def run(
                 "workload": wid,
                 "backend": backend,
                 "attn_backward": backward,
+                "tuning": tuning,
+                "autotune": os.environ.get("TUNESMITH_ATTN_AUTOTUNE", "1") != "0",
                 "tokens": t,
                 "docs": len(info.lengths),
                 "hq": hq,
                 "hkv": hkv,
                 "head_dim": d,
             }
-            before = os.environ.get(BACKWARD_ENV)
-            if backward is not None:
-                os.environ[BACKWARD_ENV] = backward
+            before_bwd = _set_env(BACKWARD_ENV, backward) if backward is not None else os.environ.get(BACKWARD_ENV)
+            before_tuning = _set_env(TUNING_ENV, tuning) if tuning is not None else os.environ.get(TUNING_ENV)
+            if backend == "triton":
+                _forget_tuning()
             try:
                 if not attention.backend_available(backend, q):
                     row["status"] = "not available here"
@@ -120,15 +177,13 @@ def run(
                     fwd_bwd_tflops=round(3.5 * fwd_flops / ms_fb / 1e9, 1),
                     max_diff_vs_first={"o": diffs[0], "dq": diffs[1], "dk": diffs[2], "dv": diffs[3]},
                 )
-                if backend == "triton" and backward == "onepass":
-                    row["onepass_config"] = tuned_config()  # None when autotuning is off
+                if backend == "triton":
+                    row["configs"] = _tuned_picks()  # empty when autotuning is off
             except Exception as exc:  # one backend failing must not hide the others
                 row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
             finally:
-                if before is None:
-                    os.environ.pop(BACKWARD_ENV, None)
-                else:
-                    os.environ[BACKWARD_ENV] = before
+                _set_env(BACKWARD_ENV, before_bwd)
+                _set_env(TUNING_ENV, before_tuning)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if results is not None:
@@ -143,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default="W1,W2,W3,W6")
     p.add_argument("--backends", default="triton,torch_flash")
     p.add_argument("--backwards", default="split,onepass", help="our backward(s): split, onepass, auto")
+    p.add_argument("--tunings", default="new", help="our launch choices: new, old (TUNESMITH_ATTN_TUNING)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--results", type=Path, default=HERE / "results" / "attention_results.jsonl")
     args = p.parse_args(argv)
@@ -150,15 +206,21 @@ def main(argv=None) -> int:
         print("attention_micro needs a CUDA device")
         return 2
     rows = run(
-        args.workloads.split(","), args.backends.split(","), args.reps, args.results, tuple(args.backwards.split(","))
+        args.workloads.split(","),
+        args.backends.split(","),
+        args.reps,
+        args.results,
+        tuple(args.backwards.split(",")),
+        tuple(args.tunings.split(",")),
     )
     print(
-        f"\n{'workload':8} {'backend':12} {'backward':9} {'fwd ms':>8} {'bwd ms':>8} {'fwd+bwd ms':>11} "
+        f"\n{'workload':8} {'backend':12} {'backward':9} {'tuning':6} {'fwd ms':>8} {'bwd ms':>8} {'fwd+bwd ms':>11} "
         f"{'fwd TF/s':>9} {'f+b TF/s':>9}  status"
     )
     for r in rows:
         print(
-            f"{r['workload']:8} {r['backend']:12} {str(r['attn_backward'] or '-'):9} {r.get('fwd_ms', '-'):>8} "
+            f"{r['workload']:8} {r['backend']:12} {str(r['attn_backward'] or '-'):9} {str(r['tuning'] or '-'):6} "
+            f"{r.get('fwd_ms', '-'):>8} "
             f"{r.get('bwd_ms', '-'):>8} {r.get('fwd_bwd_ms', '-'):>11} "
             f"{r.get('fwd_tflops', '-'):>9} {r.get('fwd_bwd_tflops', '-'):>9}  {r['status']}"
         )

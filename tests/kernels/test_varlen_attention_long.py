@@ -67,6 +67,33 @@ def test_long_documents_run_the_long_launch_path(monkeypatch):
         torch.testing.assert_close(a, b.detach(), atol=2e-5, rtol=2e-5, msg=name)
 
 
+_LONG_LISTS = {"fwd": va._FWD_LONG_CONFIGS, "dkdv": va._DKDV_LONG_CONFIGS, "dq": va._DQ_LONG_CONFIGS}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("i", range(max(len(cs) for table in _LONG_LISTS.values() for cs in table.values())))
+def test_every_long_candidate_is_exact_at_its_own_tiles(monkeypatch, d, i):
+    # The GPU's config choice (INTERPRET off for _fixed only; the kernels still run in the
+    # interpreter) with the i-th candidate of each long list as the untuned config, so each
+    # candidate's real tile shapes are checked against the reference (fp16: fp32 would take
+    # _fixed's exact-check tiles).
+    monkeypatch.setattr(va, "INTERPRET", False)
+    monkeypatch.setenv("TUNESMITH_ATTN_AUTOTUNE", "0")
+    monkeypatch.setattr(va, "LONG_DOCUMENT", 64)
+    for kind, table in _LONG_LISTS.items():
+        c = table[d][min(i, len(table[d]) - 1)]
+        monkeypatch.setitem(va._LONG_DEFAULTS[kind], d, (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], 4, 1))
+        assert va._fixed(kind, d, None, long_docs=True)[:2] == (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])
+    got, (q, k, v, do, info) = _grads([150, 41, 70], 4, 1, d, torch.float16, seed=i)
+    qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
+    ref = varlen_attention_reference(qr, kr, vr, info.cu_seqlens, info.max_seqlen)
+    ref.backward(do.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref, qr.grad, kr.grad, vr.grad)):
+        scale = max(b.abs().max().item(), 1.0)
+        err = (a.float() - b.detach()).abs().max().item()
+        assert err <= 8e-3 * scale, f"{name}: max error {err:.3e} (scale {scale:.2f})"
+
+
 def test_bad_tuning_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(va.TUNING_ENV, "fastest")
     with pytest.raises(ValueError, match=va.TUNING_ENV):
