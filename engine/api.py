@@ -124,6 +124,7 @@ from engine.runs import (
     RunSummary,
     best_label,
     config_differences,
+    failure_log,
     list_runs,
     new_run_folder,
     read_run,
@@ -256,6 +257,7 @@ __all__ = [
     "list_runs",
     "read_run",
     "run_folder_of",
+    "failure_log",  # where a failure's traceback goes when its run made no folder
     # a new run's folder: the name it gets, and why none can be written there (issue 28 item 7)
     "new_run_folder",
     "write_problem",

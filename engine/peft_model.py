@@ -51,9 +51,10 @@ def load_init_adapter(model, folder) -> int:
     from safetensors.torch import load_file
 
     from engine.config import ConfigError
+    from engine.runs import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     folder = Path(folder)
-    saved = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    saved = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     ours = model.peft_config[model.active_adapter]
     differ = []
     for key in ("r", "lora_alpha"):
@@ -68,7 +69,7 @@ def load_init_adapter(model, folder) -> int:
         raise ConfigError(
             "lora.init_adapter", f"{folder} does not fit this run's LoRA settings (lora.*): " + "; ".join(differ)
         )
-    weights = load_file(str(folder / "adapter_model.safetensors"))
+    weights = load_file(str(folder / ADAPTER_WEIGHTS))
     result = set_peft_model_state_dict(model, weights)
     unexpected = list(getattr(result, "unexpected_keys", []))
     missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]

@@ -535,7 +535,7 @@ class MainWindow(QMainWindow):
             else:
                 folder = Path(self.state.get("output.dir")).expanduser()
                 folder.mkdir(parents=True, exist_ok=True)
-                path = folder / f"failed-{time.strftime('%Y%m%d-%H%M%S')}.log.txt"
+                path = api.failure_log(folder)
             with open(path, "a", encoding="utf-8") as f:
                 f.write(text)
         except OSError:

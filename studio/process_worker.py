@@ -93,11 +93,8 @@ class ProcessWorker(QObject):
             if request != "resume":
                 self._early = request  # before rank 0 made the folder: written when it exists
             return
-        target = api.RunFolder(self.run_dir).control_file
-        tmp = target.with_name(target.name + ".tmp")
         try:
-            tmp.write_text(request, encoding="utf-8")
-            os.replace(tmp, target)
+            api.RunFolder(self.run_dir).write_control(request)
         except OSError:
             pass
 

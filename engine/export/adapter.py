@@ -30,10 +30,10 @@ def check(folder: Path) -> None:
     missing = [f for f in runs.ADAPTER_FILES if not (folder / f).is_file()]
     if missing:
         raise ExportError(f"the adapter export lacks {', '.join(missing)}")
-    config = check_json(folder / "adapter_config.json")
+    config = check_json(folder / runs.ADAPTER_CONFIG)
     if not config.get("peft_type"):
         raise ExportError("adapter_config.json names no peft_type: it is not a PEFT adapter config")
-    tensors = check_safetensors(folder / "adapter_model.safetensors")
+    tensors = check_safetensors(folder / runs.ADAPTER_WEIGHTS)
     if not any("lora_" in name for name in tensors):
         raise ExportError("adapter_model.safetensors holds no LoRA weights")
 

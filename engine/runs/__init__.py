@@ -22,14 +22,16 @@ A run folder::
 
 The modules, each importing only those above it:
   layout.py   the file names (CONFIG, METRICS, LOG, CHECKPOINTS, ADAPTER, EXPORTS, STATE_FILE,
-              OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE, ADAPTER_FILES, TMP_SUFFIX, BEST, GALLERY,
-              LOCK, TENSORBOARD, CONTROL, EXPORT_VERDICTS); RunLayout, the paths of one run folder
+              OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE, ADAPTER_CONFIG, ADAPTER_WEIGHTS and
+              ADAPTER_FILES (PEFT's), TMP_SUFFIX, BEST, GALLERY, LOCK, TENSORBOARD, CONTROL,
+              EXPORT_VERDICTS); RunLayout, the paths of one run folder
               and what its listing says (checkpoints, latest_checkpoint, final_adapter, partials);
               step_of, tmp_for, is_adapter, run_folder_of, resume_checkpoint, adapter_in, config_for;
-              RunFolderError. Nothing outside engine.runs spells a file name of a run folder.
+              failure_log (a failure's traceback beside the runs); RunFolderError. Nothing outside
+              engine.runs spells a file name of a run folder.
   publish.py  publish(tmp, final): a folder written as ".tmp" put in place with one rename
   records.py  the small files read and written whole: metrics.jsonl's last line, config.yaml,
-              best.json, gallery.jsonl, running.lock (a lock naming a live process)
+              best.json, gallery.jsonl, running.lock (a lock naming a live process), control
   status.py   the one status rule (status_of), what a window shows (shown_status), the one resume
               decision (resume_refusal), RunInfo (its sources: the best checkpoint first), read_run,
               list_runs, best_label, RUNNING_WINDOW_S
@@ -51,7 +53,9 @@ from engine.runs.folder import RunFolder, new_run_folder
 from engine.runs.history import CURVES, EVAL_CURVES, RunHistory, RunSummary, config_differences, summarize_runs
 from engine.runs.layout import (
     ADAPTER,
+    ADAPTER_CONFIG,
     ADAPTER_FILES,
+    ADAPTER_WEIGHTS,
     BEST,
     CHECKPOINTS,
     CONFIG,
@@ -71,6 +75,7 @@ from engine.runs.layout import (
     RunFolderError,
     adapter_in,
     config_for,
+    failure_log,
     is_adapter,
     resume_checkpoint,
     run_folder_of,
@@ -91,7 +96,9 @@ from engine.runs.status import (
 
 __all__ = [
     "ADAPTER",
+    "ADAPTER_CONFIG",
     "ADAPTER_FILES",
+    "ADAPTER_WEIGHTS",
     "BEST",
     "CHECKPOINTS",
     "CONFIG",
@@ -121,6 +128,7 @@ __all__ = [
     "best_label",
     "config_differences",
     "config_for",
+    "failure_log",
     "is_adapter",
     "list_runs",
     "new_run_folder",

@@ -61,6 +61,10 @@ class RunFolder(RunLayout):
     def unlock(self) -> None:
         records.remove_lock(self)
 
+    def write_control(self, request: str) -> None:
+        """The window's request to a run under torchrun, written whole (records.write_control)."""
+        records.write_control(self, request)
+
     def is_running(self) -> bool:
         """A process is training this run: running.lock names a live process (records.lock_is_live)."""
         return records.lock_is_live(self)

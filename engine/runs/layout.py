@@ -8,6 +8,7 @@ engine.runs spells a file name of a run folder (tests/engine/test_one_home.py ch
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -22,7 +23,10 @@ STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# What makes a folder a PEFT adapter (PEFT's own names): its config and its weights.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 TMP_SUFFIX = ".tmp"
 BEST = "best.json"
 GALLERY = "gallery.jsonl"
@@ -39,6 +43,13 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 class RunFolderError(RuntimeError):
     """A folder cannot hold a new run (it already holds one, or holds something else)."""
+
+
+def failure_log(root: str | Path, when: float | None = None) -> Path:
+    """The file a window writes a failure's traceback to when the run made no folder of its own:
+    failed-YYYYmmdd-HHMMSS.log.txt in the runs folder `root` (a run's own failure goes to its log.txt)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(when))
+    return Path(root) / f"failed-{stamp}.{LOG}"
 
 
 def step_of(path: str | Path) -> int:

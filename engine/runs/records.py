@@ -1,6 +1,6 @@
 """The small files a run keeps beside its checkpoints, read and written whole: the last line of
 metrics.jsonl (its outcome), when the run last wrote, config.yaml as plain data, best.json,
-gallery.jsonl and running.lock. Each reader returns a plain value, or None / [] / a sentence for
+gallery.jsonl, running.lock and the control file. Each reader returns a plain value, or None / [] / a sentence for
 a file that is missing or cannot be read: a broken run folder never raises here."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import socket
 import time
 from typing import Any, Optional
 
-from engine.runs.layout import BEST, CONFIG, TMP_SUFFIX, RunLayout
+from engine.runs.layout import BEST, CONFIG, TMP_SUFFIX, RunLayout, tmp_for
 
 
 def last_event(run: RunLayout) -> Optional[dict]:
@@ -91,7 +91,17 @@ def read_gallery(run: RunLayout) -> list[dict]:
 
 
 def append_gallery(run: RunLayout, records: list[dict]) -> None:
+    """Append records, one a line. A line cut short by a kill (a resumed run's file) is ended
+    first, so the first new record is not glued to it and lost with it."""
+    try:
+        with run.gallery_file.open("rb") as f:
+            f.seek(-1, 2)
+            cut = f.read(1) != b"\n"
+    except OSError:  # no file yet, or an empty one
+        cut = False
     with run.gallery_file.open("a", encoding="utf-8") as f:
+        if cut:
+            f.write("\n")
         for r in records:
             f.write(json.dumps(r, default=str) + "\n")
 
@@ -120,6 +130,14 @@ def lock_is_live(run: RunLayout) -> bool:
     if info.get("host") not in (None, socket.gethostname()):
         return True
     return _pid_alive(pid)
+
+
+def write_control(run: RunLayout, request: str) -> None:
+    """Replace the control file with the window's `request` ("pause", "resume" or "stop") in one
+    rename, so rank 0, reading it between steps, never sees half a word. Raises OSError."""
+    tmp = tmp_for(run.control_file)
+    tmp.write_text(request, encoding="utf-8")
+    os.replace(tmp, run.control_file)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -21,6 +21,7 @@ import torch
 
 from engine.runs import (
     ADAPTER,
+    ADAPTER_WEIGHTS,
     OPTIMIZER_FILE,
     RNG_FILE,
     SCHEDULER_FILE,
@@ -201,7 +202,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> dict:
 
     ckpt = Path(ckpt)
     state = read_state(ckpt)
-    weights = load_file(str(ckpt / ADAPTER / "adapter_model.safetensors"))
+    weights = load_file(str(ckpt / ADAPTER / ADAPTER_WEIGHTS))
     optim_state = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
     if _sharded(model):
         # FSDP: each rank takes its shard of the full tensors (the checkpoint may come from any

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -34,12 +35,42 @@ RUN_FILE_NAMES = {
     runs.LOCK,
     runs.CONTROL,
     runs.EXPORT_VERDICTS,
+    runs.ADAPTER_CONFIG,
+    runs.ADAPTER_WEIGHTS,
 }
 
 
 def _string_constants(path: Path) -> list[tuple[int, str]]:
+    """Every string constant of a module but its docstrings (prose may name a file), with its line;
+    an f-string's literal parts are constants of their own."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    docs = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docs.add(id(first.value))
+    return [
+        (n.lineno, n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+    ]
+
+
+def _names_a_run_file(value: str, tmp_too: bool) -> bool:
+    """`value` spells a run folder's file: one of the names, a path with one as a part
+    ("checkpoints/step-3", "x/log.txt"), a name ending in one ("failed-1.log.txt"), a checkpoint's
+    step-N, or the half-written mark (`tmp_too`). Prose (a sentence with spaces) is not a path."""
+    if value in RUN_FILE_NAMES or (tmp_too and value == runs.TMP_SUFFIX):
+        return True
+    if not value or any(c.isspace() for c in value):
+        return False
+    parts = value.replace("\\", "/").split("/")
+    return any(
+        p in RUN_FILE_NAMES or re.fullmatch(r"(step|checkpoint)-\d*", p) or p.endswith(tuple(RUN_FILE_NAMES))
+        for p in parts
+        if p
+    )
 
 
 def test_run_folder_names_are_spelled_in_engine_runs_only():
@@ -49,11 +80,30 @@ def test_run_folder_names_are_spelled_in_engine_runs_only():
             if (ROOT / "engine" / "runs") in path.parents:
                 continue
             for line, value in _string_constants(path):
-                if value in RUN_FILE_NAMES:
+                # The bench's peers write their own records (.tmp, renamed); no run folder's.
+                if _names_a_run_file(value, tmp_too=package != "bench"):
                     found.append(f"{path.relative_to(ROOT)}:{line} {value!r}")
     # A child process's own temporary config is not a run folder's file.
     found = [f for f in found if not f.startswith("studio/process_worker.py") or "config.yaml" not in f]
     assert not found, "run-folder names spelled outside engine/runs/:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "value,spelled",
+    [
+        ("log.txt", True),
+        ("checkpoints/step-3", True),
+        ("step-", True),
+        ("failed-1.log.txt", True),
+        (".tmp", True),
+        ("adapter_model.safetensors", True),
+        ("log.txt was not written", False),  # a sentence naming a file
+        ("step", False),
+        ("metrics", False),
+    ],
+)
+def test_the_name_scan_finds_a_spelled_name(value, spelled):
+    assert _names_a_run_file(value, tmp_too=True) is spelled
 
 
 def _run(tmp_path: Path, last: dict | None, checkpoint: bool = True) -> RunFolder:
