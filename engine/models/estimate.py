@@ -154,7 +154,10 @@ def model_info(config: Any) -> ModelInfo:
     arch = arch_for(model_type) or GENERIC  # the family's facts: engine/models/arch/<model_type>.py
     archs = get("architectures")
     hidden = int(get("hidden_size", "n_embd", "d_model"))
-    layers = int(get("num_hidden_layers", "n_layer", "num_layers"))
+    # Hybrid configs may give the layer count only as their list of layer kinds (Nemotron-H's
+    # config.json: layers_block_type; its num_hidden_layers is a property of the config class).
+    kinds = get("layer_types", "layers_block_type", "hybrid_override_pattern")
+    layers = int(get("num_hidden_layers", "n_layer", "num_layers", default=len(kinds) if kinds else None))
     heads = int(get("num_attention_heads", "n_head"))
     kv_heads = int(get("num_key_value_heads", "num_kv_heads", default=heads))
     head_dim = int(get("head_dim", default=hidden // heads))

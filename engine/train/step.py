@@ -182,6 +182,10 @@ def _install_offload(
         return None, "off: disabled in config" if mode in ("off", False) else "off: not chosen"
     if not gradient_checkpointing:
         return None, "off: offload moves checkpointed layer inputs, and checkpointing is off"
+    from engine.models.arch import row_state
+
+    if row_state(base.config):  # one forward per document: the offloader's per-layer slots hold one
+        return None, f"off: {base.config.model_type} runs each document alone (its layers carry state along a row)"
     layers = decoder_layers(base)
     if not layers:
         return None, f"off: {type(base).__name__} has no checkpointed decoder layers"
@@ -229,15 +233,36 @@ def decoder_hidden(model, batch: PackedBatch, cached_metadata: bool = True, offl
     if hosted is not None:  # the table is in host memory: look the batch's host ids up there
         ids = kwargs.pop("input_ids")
         kwargs["inputs_embeds"] = hosted(batch.host_ids if batch.host_ids is not None else ids)
-    hidden = decoder(**kwargs, use_cache=False).last_hidden_state
-    from engine.models.arch import logit_scale
+    from engine.models.arch import logit_scale, row_state
 
+    if row_state(base.config) and len(batch.info.lengths) > 1:
+        hidden = _each_document(decoder, kwargs, batch.info.lengths, base.config.model_type)
+    else:
+        hidden = decoder(**kwargs, use_cache=False).last_hidden_state
     scale = logit_scale(base.config)
     if scale != 1.0:
         # Families whose stock forward scales the logits (Cohere x logit_scale, Granite / logits_scaling):
         # scaling the (bias-free) head's input gives those logits to every loss built on the head.
         hidden = hidden * scale
     return base, hidden.reshape(-1, hidden.shape[-1]), head
+
+
+def _each_document(decoder, kwargs: dict, lengths: list[int], model_type: str) -> torch.Tensor:
+    """The decoder over each document of a packed row alone, concatenated in the row's order.
+
+    For families whose convolutions or state-space layers run along the whole row (Arch.row_state):
+    packed, a document would see the end of the one before it. Counted per forward, with its reason."""
+    from engine.counters import count_fallback
+
+    count_fallback("packed_rows", f"{model_type}'s layers carry state along a row: each document runs alone")
+    key = "inputs_embeds" if "inputs_embeds" in kwargs else "input_ids"
+    stream, start, parts = kwargs[key], 0, []
+    for n in lengths:
+        positions = torch.arange(n, device=stream.device).unsqueeze(0)
+        part = stream[:, start : start + n]
+        parts.append(decoder(**{key: part}, position_ids=positions, use_cache=False).last_hidden_state)
+        start += n
+    return torch.cat(parts, dim=1)
 
 
 def forward_loss(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from engine.models.arch import (
+    bamba,
     bloom,
     cohere,
     falcon,
@@ -27,11 +28,15 @@ from engine.models.arch import (
     gptj,
     granite,
     granitemoe,
+    granitemoehybrid,
     hyperclovax,
+    jamba,
+    lfm2,
     llama,
     minicpm3,
     ministral,
     mistral,
+    nemotron_h,
     olmo2,
     opt,
     phi,
@@ -57,6 +62,7 @@ __all__ = [
     "arch_for",
     "logit_scale",
     "patched",
+    "row_state",
     "tiny_archs",
 ]
 
@@ -82,6 +88,11 @@ _MODULES = (
     minicpm3,
     cohere,
     falcon_h1,
+    lfm2,
+    jamba,
+    nemotron_h,
+    granitemoehybrid,
+    bamba,
     gpt_oss,
     gpt2,
     gpt_neox,
@@ -113,6 +124,13 @@ def logit_scale(config) -> float:
     1.0 for a family without a file)."""
     arch = arch_for(getattr(config, "model_type", None))
     return arch.logit_scale(config) if arch is not None else 1.0
+
+
+def row_state(config) -> bool:
+    """Whether a transformers config's layers carry state along a row (Arch.row_state), so each
+    document of a packed row must run alone."""
+    arch = arch_for(getattr(config, "model_type", None))
+    return arch is not None and arch.row_state
 
 
 def patched() -> dict[str, Arch]:

@@ -17,6 +17,9 @@ The facts, by the part of the engine that reads them:
   or "config" when the module may not carry it), `softcapping` (logit softcap passed to the
   attention function); GQA and head_dim are config values, read from the config;
 - MLP: `gated_mlp` (gate/up/down; else a plain up -> act -> down);
+- packing: `row_state` (its short convolutions, state-space or linear-attention layers carry state
+  along a row, so documents packed into one row would see each other: engine.train.step runs the
+  decoder over each document of a packed row alone);
 - output: `logits_times` / `logits_over`, the config value the head's logits are multiplied or
   divided by (Cohere's logit_scale, Granite's logits_scaling): engine.train.step scales the
   decoder's last hidden states by it, so every loss built on the head (fused or not) sees the
@@ -103,6 +106,7 @@ class Arch:
     softcapping: bool = False
     gated_mlp: bool = True
     moe: Optional[MoE] = None
+    row_state: bool = False
     logits_times: Optional[str] = None
     logits_over: Optional[str] = None
     tiny: Optional[dict[str, Any]] = field(default=None, hash=False, compare=False)

@@ -78,9 +78,54 @@ FAMILIES = {
     "stablelm": {},
     "nemotron": {},
     "internlm3": {},
+    # Convolution, Mamba and linear-attention layers carry state along a row (Arch.row_state): each
+    # document of a packed row runs alone, or it would see the end of the one before it.
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(
+        layer_types=["conv", "full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        num_dense_layers=1,
+    ),
+    "qwen3_next": dict(
+        layer_types=["linear_attention", "full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+    "jamba": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        use_mamba_kernels=False,
+    ),
+    "nemotron_h": dict(
+        hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1, chunk_size=16
+    ),
+    "granitemoehybrid": dict(
+        ROUTED,
+        layer_types=["mamba", "attention"],
+        logits_scaling=4.0,
+        mamba_d_state=8,
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_chunk_size=16,
+    ),
+    "bamba": dict(
+        attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16
+    ),
 }
-# Short-convolution layers carry state along the row: packed documents see each other.
-LEAKS = {"lfm2": dict(layer_types=["conv", "full_attention"])}
 
 
 def tiny_family(model_type: str, extra: dict, lora: bool = True):
@@ -129,18 +174,7 @@ def documents(vocab: int = TINY_BASE["vocab_size"]) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-@pytest.mark.parametrize(
-    "model_type, extra",
-    [*FAMILIES.items()]
-    + [
-        pytest.param(
-            name,
-            extra,
-            marks=pytest.mark.xfail(strict=True, reason="a packed row's documents share the short convolution"),
-        )
-        for name, extra in LEAKS.items()
-    ],
-)
+@pytest.mark.parametrize("model_type, extra", FAMILIES.items())
 def test_engine_loss_is_the_stock_loss(model_type, extra):
     cfg, model = tiny_family(model_type, extra)
     docs = documents()
@@ -178,3 +212,25 @@ def test_all_linear_leaves_out_what_peft_cannot_wrap():
     assert any(name.endswith("mamba.out_proj") for name, _ in falcon_h1.named_modules())
     names = set(all_linear_names(falcon_h1))
     assert "out_proj" not in names and {"in_proj", "o_proj"} <= names
+
+
+def test_a_row_state_family_runs_each_document_alone_and_says_so():
+    from engine.counters import Counters, split_counts
+    from engine.train.step import install_offload
+
+    _, model = tiny_family("lfm2", FAMILIES["lfm2"])
+    docs = documents()
+    counters = Counters()
+    with counters.active():
+        engine_loss(model, docs)
+    _, fallbacks = split_counts(counters)
+    assert any("packed_rows" in key and "each document runs alone" in key for key in fallbacks), fallbacks
+    # The offloader keeps one input per layer and step; several forwards per step would overwrite it.
+    offloader, line = install_offload(model, "single", "cpu")
+    assert offloader is None and "each document alone" in line
+    # A family without the fact packs as before: nothing counted.
+    _, llama = tiny_family("ministral3", FAMILIES["ministral3"])
+    counters = Counters()
+    with counters.active():
+        engine_loss(llama, docs)
+    assert not any("packed_rows" in key for key in split_counts(counters)[1])
