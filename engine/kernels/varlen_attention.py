@@ -879,10 +879,11 @@ _ALL_KEY = ["HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_SOFTCAP"]
 # packed short ones (W1-W3: LogNormal lengths under 2,048): their time is the unmasked middle of
 # the causal triangle, so big tiles, 8 warps and deeper pipelines pay, and a 64-key block would
 # read every later query twice as often. The candidates are chosen by ptxas on sm_90a (Triton 3.9,
-# causal bf16, GROUP 4, `python -m bench.attention_regs`): none of the new ones spills registers.
-# Each list keeps the short list's best guesses too, so the autotuner never has less to pick from;
-# its first entry is the untuned default (TUNESMITH_ATTN_AUTOTUNE=0). Head dims without a long list
-# use the short one.
+# causal bf16, GROUP 4; `python -m bench.attention_regs`, bench/results/attention_regs.jsonl): the
+# first entry of each list, the untuned default (TUNESMITH_ATTN_AUTOTUNE=0), spills no register,
+# where the old head_dim-64 dK/dV default (32, 128, 4 warps) spills 368 bytes. The others (a few
+# spill up to 200 bytes, the old default among them) are there for the autotuner to rank on the GPU.
+# Head dims without a long list use the short one.
 LONG_DOCUMENT = 4096
 _FWD_LONG_CONFIGS = {
     64: [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 4, 4), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4)],
