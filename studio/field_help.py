@@ -95,6 +95,10 @@ HELP = {
         "With offload and long documents: keep attention outputs so the recompute skips attention "
         "(uses memory when it fits)."
     ),
+    "fast_paths.lean_recompute": (
+        "With offload: recompute only what each layer's backward needs (no MLP output), so the "
+        "backward's peak is lower and the step does fewer matmuls."
+    ),
     "fast_paths.host_embeddings": (
         "Keep the frozen embedding table in host memory, sending only each batch's rows to the GPU; "
         "a tied output head streams the table through the GPU once per micro-batch. auto: when the "
@@ -158,6 +162,7 @@ LABELS = {
     "fast_paths.cached_metadata": "reuse packing metadata",
     "fast_paths.moe_grouping": "group MoE experts",
     "fast_paths.keep_attention": "keep attention outputs",
+    "fast_paths.lean_recompute": "lean recompute (offload)",
     "fast_paths.host_embeddings": "embeddings in host memory",
     "fast_paths.tiled_mlp": "tiled MLP",
     "fast_paths.nf4_matmul": "4-bit matmul kernel",

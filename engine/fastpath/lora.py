@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.counters import count
+from engine.fastpath import quant, recompute
 from engine.fastpath.lora_group import LoRAGroup, as_group, base_linear, base_mm, base_operand, lora_linear_out
 from engine.kernels import activations as K
 
@@ -66,8 +67,9 @@ def _group_forward(x, group: LoRAGroup, w):
     return ys, xa
 
 
-def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab: Sequence[bool]):
-    """Gradients for a projection group: (dx or None, [dA_1, dB_1, ...] with None where unneeded)."""
+def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab: Sequence[bool], dx_out=None):
+    """Gradients for a projection group: (dx or None, [dA_1, dB_1, ...] with None where unneeded);
+    dx is written into `dx_out` when given."""
     a_all, bs, _ = w
     dx = None
     g_parts = []  # dy_i (s_i B_i), stacked to [N, R] to pair with the stacked A
@@ -86,10 +88,10 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
         g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts, 1)
     if need_dx:
         # The rank-R term first; every base GEMM then adds onto dx (see lora_linear_out).
-        dx = None if g is None else torch.mm(g, a_all)
+        dx = None if g is None else torch.mm(g, a_all, out=dx_out)
         for dy, base in zip(dys, group.bases):
             wt = base_operand(base, dy, False, group.nf4)
-            dx = base_mm(dy, wt, False) if dx is None else base_mm(dy, wt, False, out=dx, accumulate=True)
+            dx = base_mm(dy, wt, False, out=dx_out) if dx is None else base_mm(dy, wt, False, out=dx, accumulate=True)
             del wt  # a dequantized 4-bit weight goes before the next one is made
     if g is not None:
         if any(need_ab[0::2]):
@@ -245,6 +247,105 @@ class LoRAMLP(torch.autograd.Function):
         return (dx, None, None, None, *dab_in, *dab_down)
 
 
+# The unread-output MLP's backward remakes gate and up a row tile at a time: one tile's gate, up
+# and h (or dh) exist at once, about 3 x this (W3, 12,288 wide: 2,048 rows, 8 tiles of 16,384).
+UNREAD_TILE_BYTES = 48 * 2**20
+
+
+def mlp_can_skip_output(gate_up: LoRAGroup, down: LoRAGroup) -> bool:
+    """Whether `LoRAMLPUnread` can stand in for these groups: 16-bit bases only (a 4-bit base
+    would be decoded once per tile; QLoRA keeps LoRAMLP)."""
+    return not any(quant.is_4bit(b) for b in (*gate_up.bases, *down.bases))
+
+
+def _add_f32(acc: Optional[torch.Tensor], part: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """acc + part in fp32 (the tiles' LoRA gradients are summed in fp32)."""
+    if part is None:
+        return acc
+    return part.float() if acc is None else acc.add_(part)
+
+
+class LoRAMLPUnread(torch.autograd.Function):
+    """A decoder layer's tail, residual + MLP(norm(residual)) with LoRA on the MLP, for a
+    recompute whose layer output nobody reads (engine.fastpath.recompute):
+    forward(residual, norm, gate_up, down, act, A/B x3).
+
+    The forward computes nothing: it keeps `residual` (the post-attention residual stream) and
+    returns a stand-in for the output. The backward runs a row tile at a time: x = norm(residual)
+    with autograd, gate/up, the activation, the down projection's and gate/up's gradients as
+    LoRAMLP computes them, then the norm's backward; the residual's gradient is dy plus the
+    norm's. So neither the normed input nor gate and up are kept from the recompute to the
+    backward, neither the down projection's forward matmul nor the output is ever made, and each
+    tile's products are the same rows' products as LoRAMLP's. LoRA gradients are summed over the
+    tiles in fp32; a trainable norm weight gets its gradient by autograd, tile by tile.
+    """
+
+    @staticmethod
+    def forward(ctx, residual, norm, gate_up, down, act, *ab):
+        count("lora_mlp")
+        w_in = gate_up.weights(ab[:4], residual.dtype)
+        w_out = down.weights(ab[4:], residual.dtype)
+        ctx.norm, ctx.groups, ctx.w, ctx.act = norm, (gate_up, down), (w_in, w_out), act
+        ctx.ab_dtypes = [None if t is None else t.dtype for t in ab]
+        ctx.save_for_backward(residual)
+        return recompute.unread(residual, residual.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (residual,) = ctx.saved_tensors
+        gate_up, down = ctx.groups
+        w_in, w_out = ctx.w
+        need_ab = ctx.needs_input_grad[5:]
+        ab = _DtypeOnly.wrap(ctx.ab_dtypes)
+        a_down, (b_down,), _ = w_out
+        shape = residual.shape
+        r2 = residual.reshape(-1, shape[-1])
+        dy = dy.reshape(-1, dy.shape[-1])
+        n, inter = r2.shape[0], down.bases[0].in_features
+        w_down = base_operand(down.bases[0], dy, False, down.nf4)
+        d_res = torch.empty_like(r2) if ctx.needs_input_grad[0] else None
+        acc: list[Optional[torch.Tensor]] = [None] * 6
+        rows = max(64, UNREAD_TILE_BYTES // max(1, inter * r2.element_size()) // 64 * 64)
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            with torch.enable_grad():
+                r = r2[s:e].detach().requires_grad_(d_res is not None)
+                xn = ctx.norm(r)
+            x = xn.detach()
+            (gate, up), xa = _group_forward(x, gate_up, w_in)
+            h, act_grad = ctx.act.backward_raw(gate, up)
+            dyt = dy[s:e]
+            g = None
+            if b_down is not None:
+                g = torch.mm(dyt, b_down)  # dy (s B): [rows, r]
+                if need_ab[4]:
+                    acc[4] = _add_f32(acc[4], torch.mm(g.t(), h))  # dA_down: [r, inter]
+                if need_ab[5]:
+                    ha = torch.mm(h, a_down.t())
+                    acc[5] = _add_f32(acc[5], _scaled_mm(dyt.t(), ha, down.scales[0], torch.float32))
+                    del ha
+            del h
+            if g is None:
+                dh = base_mm(dyt, w_down, False)
+            else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
+                dh = base_mm(dyt, w_down, False, out=torch.mm(g, a_down), accumulate=True)
+            dgate, dup = act_grad(dh)
+            del dh
+            need_x = d_res is not None or xn.requires_grad
+            dx, dab = _group_backward((dgate, dup), x, xa, gate_up, w_in, ab[:4], need_x, need_ab[:4])
+            del dgate, dup, gate, up
+            for i, part in enumerate(dab):
+                acc[i] = _add_f32(acc[i], part)
+            if xn.requires_grad:  # the norm's backward (and a trainable norm weight's gradient)
+                torch.autograd.backward(xn, dx)
+                if d_res is not None:  # the tail's output is residual + MLP: dy reaches it directly too
+                    torch.add(dyt, r.grad, out=d_res[s:e])
+            del dx, xn, r
+        dab_all = [None if a is None else a.to(t.dtype) for a, t in zip(acc, ab)]
+        d_res = None if d_res is None else d_res.view(shape)
+        return (d_res, None, None, None, None, *dab_all)
+
+
 class _DtypeOnly:
     """Stands in for an adapter weight in backward, where only its dtype is read."""
 
@@ -350,3 +451,9 @@ def lora_mlp(x: torch.Tensor, gate, up=None, down=None, act: "GatedAct" = None) 
     x2 = x.reshape(-1, x.shape[-1])
     y = LoRAMLP.apply(x2, gate_up, down_g, act, *gate_up.ab(), *down_g.ab())
     return y.view(*lead, y.shape[-1])
+
+
+def lora_mlp_unread(residual: torch.Tensor, norm, gate_up: LoRAGroup, down: LoRAGroup, act: "GatedAct"):
+    """A stand-in for a layer's tail, residual + down(act(gate(x), up(x))) with x = norm(residual),
+    for a recompute whose layer output nobody reads (see LoRAMLPUnread); its backward is exact."""
+    return LoRAMLPUnread.apply(residual, norm, gate_up, down, act, *gate_up.ab(), *down.ab())

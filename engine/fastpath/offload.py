@@ -49,6 +49,7 @@ from typing import Callable, Optional
 
 import torch
 
+from engine.fastpath import recompute
 from engine.kernels.varlen_attention import KEPT_KWARG, KeptAttention
 
 MODES = ("single", "double")
@@ -103,7 +104,7 @@ class _Slot:
 class ActivationOffloader:
     """Parks decoder-layer inputs in host memory; installs itself as the layers' checkpoint function."""
 
-    def __init__(self, mode: str, device, keep_attention_allowed: bool = True):
+    def __init__(self, mode: str, device, keep_attention_allowed: bool = True, lean_recompute: bool = True):
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {MODES}, not {mode!r}")
         self.mode = mode  # what was asked for
@@ -119,6 +120,9 @@ class ActivationOffloader:
         self._measured: Optional[tuple[int, str, int]] = None
         self._keep_attention = False
         self.keep_attention_allowed = bool(keep_attention_allowed)  # FastPathConfig.keep_attention
+        # FastPathConfig.lean_recompute: the recompute tells the layer its output is unread
+        # (engine.fastpath.recompute), so a patched layer skips what only the output needs.
+        self.lean_recompute = bool(lean_recompute)
         # An input that always requires grad, so every layer's backward runs even when the
         # first layer's input (frozen embeddings) needs no gradient.
         self._grad_anchor = torch.empty(0, device=self.device, requires_grad=True)
@@ -363,7 +367,12 @@ class OffloadedLayer(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[4]
         hidden = hidden.detach().requires_grad_(need_dx)
         kept = off.slots[ctx.index].attention
-        with torch.enable_grad(), ctx.rng.restored(), _passing(kept, "reuse" if kept.outputs else None) as extra:
+        with (
+            torch.enable_grad(),
+            ctx.rng.restored(),
+            _passing(kept, "reuse" if kept.outputs else None) as extra,
+            recompute.recomputing(off.lean_recompute),
+        ):
             out = ctx.fn(hidden, **extra)
         if ctx.tuple_out:
             out = out[0]

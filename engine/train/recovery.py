@@ -110,7 +110,11 @@ class MemorySettings:
         mode = saved.get("offload", "off")
         if mode != "off" and self.offloader is None and self.checkpointing:
             self.offloader, self.fast["offload"] = install_offload(
-                self.model, mode, self.device, bool(self.config.fast_paths.keep_attention)
+                self.model,
+                mode,
+                self.device,
+                bool(self.config.fast_paths.keep_attention),
+                bool(self.config.fast_paths.lean_recompute),
             )
             changed.append(f"{mode} offload")
         if changed:
@@ -202,7 +206,11 @@ class MemorySettings:
             what = "gradient checkpointing on"
         else:
             self.offloader, self.fast["offload"] = install_offload(
-                self.model, after, self.device, bool(self.config.fast_paths.keep_attention)
+                self.model,
+                after,
+                self.device,
+                bool(self.config.fast_paths.keep_attention),
+                bool(self.config.fast_paths.lean_recompute),
             )
             what = f"{after} offload on"
         self.announce(change, phase, step, what, why)

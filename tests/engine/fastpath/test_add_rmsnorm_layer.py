@@ -57,7 +57,8 @@ def batch() -> PackedBatch:
 def step(model_type: str, fused: bool, mode: str, impl: str):
     """One forward + backward; (loss, LoRA grads, counted calls, fallbacks, report)."""
     model = tiny(model_type)
-    fast = FastPathConfig(add_rmsnorm=fused)
+    # The full recompute under offload (its lean one skips the fused add: test_lean_recompute.py).
+    fast = FastPathConfig(add_rmsnorm=fused, lean_recompute=False)
     prepared = prepare_model(
         model, fast, CPU, gradient_checkpointing=mode != "plain", offload="single" if mode == "offload" else "off"
     )

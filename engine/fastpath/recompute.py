@@ -1,0 +1,49 @@
+"""What a decoder layer's recompute may skip when its output only roots the backward.
+
+Offloaded checkpointing (engine.fastpath.offload) recomputes each layer in its backward and calls
+``torch.autograd.backward(out, grad_out)``: the recompute exists for the tensors its backward
+saves, and the output's values are never read. In a decoder layer the output is
+``residual + mlp(norm(residual))``, and that tail's backward needs only ``residual`` and ``dy``.
+A recompute that knows this (engine.fastpath.lora.LoRAMLPUnread) can:
+
+- skip the MLP's down projection in the recompute (a third of the MLP's matmuls, about 5% of a
+  W3 step), since only the output needs it, and never make the output;
+- keep neither the normed MLP input nor gate and up ([tokens, intermediate] each, 384 MiB
+  apiece on W3) from the recompute to the backward: the backward remakes them a row tile at a
+  time, where they are used at once (the same matmuls, moved, on fewer rows each).
+
+The flag is scoped to one call (a ContextVar, set and read on the thread that runs the
+recompute): the offloader sets it around a layer's recompute (`recomputing`), and the patched
+decoder layer (engine.models.patches), which knows how its output is made, reads it
+(`layer_output_unused`). A layer that does not read it computes as usual, so an unpatched layer
+under the flag is still correct (it just saves nothing). Switch: fast_paths.lean_recompute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+
+import torch
+
+_LAYER_OUTPUT_UNUSED: ContextVar[bool] = ContextVar("tunesmith_layer_output_unused", default=False)
+
+
+@contextlib.contextmanager
+def recomputing(output_unused: bool = True):
+    """Around a layer's recompute whose output only roots the backward (offload's)."""
+    token = _LAYER_OUTPUT_UNUSED.set(bool(output_unused))
+    try:
+        yield
+    finally:
+        _LAYER_OUTPUT_UNUSED.reset(token)
+
+
+def layer_output_unused() -> bool:
+    """Whether the decoder layer now running is a recompute whose output nobody reads."""
+    return _LAYER_OUTPUT_UNUSED.get()
+
+
+def unread(like: torch.Tensor, shape) -> torch.Tensor:
+    """A tensor of `shape` standing for an output nobody reads: one zero, broadcast (no memory)."""
+    return like.new_zeros(()).expand(*shape)

@@ -1,0 +1,135 @@
+"""Offload's lean recompute (engine.fastpath.recompute, fast_paths.lean_recompute) on the CPU: a
+layer's recompute whose output only roots the backward skips the MLP's down projection and the
+output, and the backward remakes the normed input, gate and up a row tile at a time
+(engine.fastpath.lora.LoRAMLPUnread). Same loss and gradients as the full recompute (several
+tiles, a trainable norm weight too), fewer live bytes at the step's peak (counted from the
+allocator's own events with torch.profiler, as the CPU allocator keeps no peak), and Gemma-2's
+sandwich layer, whose MLP output goes through a norm, keeps the full recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine.config import FastPathConfig
+from engine.data.collate import PackedBatch
+from engine.fastpath import lora as lora_mod
+from engine.train.step import forward_loss, prepare_model
+from tests.engine.models.test_patches import tiny
+
+CPU = torch.device("cpu")
+LAYERS = 2
+
+
+@pytest.fixture
+def unread_calls(monkeypatch):
+    """How many times LoRAMLPUnread's backward ran (the real one, counted on the way through)."""
+    calls = []
+    real = lora_mod.LoRAMLPUnread.backward
+
+    def counted(ctx, dy):
+        calls.append(dy.shape)
+        return real(ctx, dy)
+
+    monkeypatch.setattr(lora_mod.LoRAMLPUnread, "backward", staticmethod(counted))
+    return calls
+
+
+def _batch(vocab, lengths, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return PackedBatch.from_documents([torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths])
+
+
+def _step(model_type, lean, offload="single", train_norms=False, **shape):
+    model = tiny(model_type, attn="eager" if model_type == "gemma2" else "sdpa", num_hidden_layers=LAYERS, **shape)
+    if train_norms:  # a norm weight that trains gets its gradient through the tiles' autograd
+        for name, p in model.named_parameters():
+            if "post_attention_layernorm" in name:
+                p.requires_grad_(True)
+    fp = FastPathConfig(lean_recompute=lean)
+    prepared = prepare_model(model, fp, CPU, gradient_checkpointing=True, offload=offload)
+    model.train()
+    b = _batch(model.config.vocab_size, (37, 12, 64, 9, 50))
+    loss = forward_loss(prepared, b, normalizer=b.num_trained_tokens)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for g in grads.values())
+    return loss.detach(), grads
+
+
+def _assert_same(a, b, tol):
+    assert abs(a[0].item() - b[0].item()) <= tol * abs(b[0].item())
+    assert a[1].keys() == b[1].keys()
+    for n in b[1]:
+        err = ((a[1][n] - b[1][n]).norm() / b[1][n].norm().clamp_min(1e-30)).item()
+        assert err <= tol, (n, err)
+
+
+@pytest.mark.parametrize("offload", ["single", "double"])
+def test_lean_recompute_gives_the_same_gradients_over_several_tiles(monkeypatch, unread_calls, offload):
+    # 172 tokens, 64 wide: tiles of 64 rows, so 3 tiles per layer (the last one short).
+    inter = tiny("qwen3").config.intermediate_size
+    monkeypatch.setattr(lora_mod, "UNREAD_TILE_BYTES", 64 * inter * 4)
+    lean = _step("qwen3", True, offload)
+    assert len(unread_calls) == LAYERS
+    full = _step("qwen3", False, offload)
+    assert len(unread_calls) == LAYERS  # the switch off: the full recompute
+    _assert_same(lean, full, tol=1e-5)
+
+
+def test_lean_recompute_with_a_trainable_norm_weight(monkeypatch, unread_calls):
+    monkeypatch.setattr(lora_mod, "UNREAD_TILE_BYTES", 64 * tiny("qwen3").config.intermediate_size * 4)
+    lean = _step("qwen3", True, train_norms=True)
+    full = _step("qwen3", False, train_norms=True)
+    assert len(unread_calls) == LAYERS
+    assert any("post_attention_layernorm" in n for n in lean[1])
+    _assert_same(lean, full, tol=1e-5)
+
+
+def test_sandwich_layers_keep_the_full_recompute(unread_calls):
+    # Gemma-2's MLP output goes through post_feedforward_layernorm, whose backward reads it.
+    lean = _step("gemma2", True)
+    full = _step("gemma2", False)
+    assert unread_calls == []
+    _assert_same(lean, full, tol=0.0)
+
+
+def _peak_bytes(fn) -> int:
+    """The highest sum of live bytes the CPU allocator reached while fn ran (its own events)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_lean_recompute_has_fewer_live_bytes_at_the_peak(monkeypatch, unread_calls):
+    # Wide enough that the MLP's [tokens, intermediate] tensors are the layer's largest (as on
+    # W3), a small vocabulary so the loss's logits are not the step's peak.
+    tokens, hidden, inter = 1024, 128, 384
+    shape = dict(hidden_size=hidden, intermediate_size=inter, vocab_size=256)
+    monkeypatch.setattr(lora_mod, "UNREAD_TILE_BYTES", 128 * inter * 4)  # 8 tiles
+
+    def measured(lean):
+        model = tiny("qwen3", attn="sdpa", num_hidden_layers=LAYERS, **shape)
+        prepared = prepare_model(model, FastPathConfig(lean_recompute=lean), CPU, True, offload="single")
+        model.train()
+        b = _batch(256, (128,) * (tokens // 128))
+
+        def step():
+            forward_loss(prepared, b, normalizer=b.num_trained_tokens).backward()
+
+        step()  # the first step makes the host buffers and the gradients' storage
+        for p in model.parameters():
+            p.grad = None
+        return _peak_bytes(step)
+
+    full, lean = measured(False), measured(True)
+    assert len(unread_calls) == 2 * LAYERS
+    gate_up = 2 * tokens * inter * 4
+    # Gate and up are no longer kept from the recompute to the backward (one tile of them is).
+    assert lean <= full - gate_up, (full, lean, gate_up)
