@@ -8,7 +8,11 @@ from engine.config import LoraConfig
 
 
 def all_linear_names(model) -> list[str]:
-    """Names (last component) of every Linear layer except the LM head: what "all-linear" means.
+    """Names of every Linear layer except the LM head: what "all-linear" means.
+
+    Each is the layer's last name component (q_proj, ...), or as many trailing components as it
+    takes to name no other module: PEFT matches a target against the end of a module's path, and a
+    Linear kept in a list ("0") would otherwise name every decoder layer too (Zamba-2).
 
     PEFT's own "all-linear" also puts adapters on MoE experts' 3-D weights and routers
     (target_parameters); here experts stay frozen, so MoE layers keep the grouped expert path
@@ -19,13 +23,20 @@ def all_linear_names(model) -> list[str]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     refused = _MAMBA_REFUSED if model_type in _MAMBA_TYPES else frozenset()
-    return sorted(
-        {
-            name.rsplit(".", 1)[-1]
-            for name, mod in model.named_modules()
-            if _is_projection(mod, nn.Linear) and mod is not head and name and name.rsplit(".", 1)[-1] not in refused
-        }
-    )
+    wanted, other_suffixes = [], set()
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+        parts = name.split(".")
+        if _is_projection(mod, nn.Linear) and mod is not head and parts[-1] not in refused:
+            wanted.append(parts)
+        else:
+            other_suffixes.update(".".join(parts[-k:]) for k in range(1, len(parts) + 1))
+    names = set()
+    for parts in wanted:
+        k = next((k for k in range(1, len(parts)) if ".".join(parts[-k:]) not in other_suffixes), len(parts))
+        names.add(".".join(parts[-k:]))
+    return sorted(names)
 
 
 # PEFT refuses LoRA on a Mamba mixer's out_proj and conv1d for these model_types

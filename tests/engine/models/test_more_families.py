@@ -234,3 +234,25 @@ def test_a_row_state_family_runs_each_document_alone_and_says_so():
     with counters.active():
         engine_loss(llama, docs)
     assert not any("packed_rows" in key for key in split_counts(counters)[1])
+
+
+def test_all_linear_names_no_other_module():
+    # Zamba-2 keeps Linear layers in lists ("...adapter_list.0.0"): "0" alone would name decoder layers.
+    from torch import nn
+
+    zamba2 = dict(
+        mamba_d_state=8,
+        mamba_headdim=8,
+        n_mamba_heads=4,
+        mamba_ngroups=1,
+        chunk_size=16,
+        layers_block_type=["mamba", "hybrid"],
+        num_mem_blocks=1,
+    )
+    _, model = tiny_family("zamba2", zamba2, lora=False)
+    names = all_linear_names(model)
+    assert "0" not in names and "q_proj" in names
+    linears = {path for path, m in model.named_modules() if type(m) is nn.Linear and m is not model.lm_head}
+    lora = attach_lora(model, EngineLora(r=4, alpha=8))
+    wrapped = {path.removeprefix("base_model.model.") for path, m in lora.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == linears
