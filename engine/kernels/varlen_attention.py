@@ -16,7 +16,13 @@ Forward keeps the softmax statistics (log-sum-exp, base 2) for backward, which r
 delta = rowsum(dO * O), then dK/dV per key block (looping over the whole query-head group, so GQA
 gradients accumulate in registers with no atomics), then dQ per query block. That split backward
 is the reference path; engine.kernels.varlen_attention_bwd holds the one-pass backward (dQ, dK, dV
-in one kernel, dQ by atomic adds) that long documents take (`backward=` / TUNESMITH_ATTN_BWD).
+in one kernel, dQ by atomic adds), taken when asked for (`backward=` / TUNESMITH_ATTN_BWD).
+
+Launch configurations come from small fixed candidate lists per head dim, one for packed short
+documents and one for long ones (the longest at least LONG_DOCUMENT tokens, a host int the caller
+passes as `max_seqlen`); the autotuner ranks a list once per process per (head dim, flags, bucket),
+never per shape. TUNESMITH_ATTN_TUNING=old brings back the choices of before 2026-12-02 so a
+benchmark can time before and after in one process.
 """
 
 from __future__ import annotations
