@@ -5,7 +5,6 @@ touches nothing else: the export itself is already on disk."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -17,21 +16,15 @@ HUB_HOST = "huggingface.co"
 
 
 def _final_losses(run: runs.RunFolder) -> dict:
-    """The last training loss and the run's summary (final_loss, steps...) from metrics.jsonl."""
+    """The last training loss and the run's summary (final_loss, steps...), from the run's history
+    as engine.runs reads it back (the Runs page's reader: one reading of metrics.jsonl)."""
     out: dict = {}
-    try:
-        lines = run.metrics.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "StepMetrics":
-            out["last_step"], out["last_loss"] = event.get("step"), event.get("loss")
-        elif event.get("event") == "Finished":
-            out.update({k: v for k, v in (event.get("summary") or {}).items() if "loss" in k or k == "steps"})
+    hist = run.history()
+    if hist.steps:
+        out["last_step"], out["last_loss"] = hist.steps[-1], hist.curves["loss"][-1]
+    outcome = hist.outcome or {}
+    if outcome.get("event") == "Finished":
+        out.update({k: v for k, v in (outcome.get("summary") or {}).items() if "loss" in k or k == "steps"})
     return out
 
 
@@ -40,10 +33,7 @@ def model_card(src: str | Path, kind: str) -> str:
     import yaml
 
     run = runs.RunFolder.of(src)
-    try:
-        config = yaml.safe_load(run.config.read_text(encoding="utf-8")) or {}
-    except (OSError, ValueError):
-        config = {}
+    config, _ = run.read_config()  # {} when it cannot be read: the card says "unknown"
     model = (config.get("model") or {}).get("name_or_path", "unknown")
     data = config.get("data") or {}
     losses = _final_losses(run)
