@@ -105,6 +105,37 @@ SHAPES = {
         tie_word_embeddings=False,
         max_position_embeddings=131_072,
     ),
+    # SmolLM3-3B's layer: the second layer has no RoPE (NoPE, as every fourth of the real model's).
+    "smollm3": dict(
+        model_type="smollm3",
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        no_rope_layers=[1, 0],
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=5_000_000.0,
+        max_position_embeddings=65_536,
+    ),
+    # Ministral-8B's layer, a sliding window short enough to cut the 4,096-token rows.
+    "ministral": dict(
+        model_type="ministral",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        sliding_window=1024,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_theta=100_000_000.0,
+        max_position_embeddings=32_768,
+    ),
 }
 
 # Llama's shape with its own output head: the input table may move to host memory.
@@ -231,6 +262,8 @@ CASES = [
     ("llama_untied", {"host_embeddings": True}, {}, ALL),
     # Llama-3.2's tied table on the host: the loss streams it (engine.fastpath.host_head).
     ("llama", {"host_embeddings": True}, {}, FUSED + KERNELS + ("fused_ce:streamed",) + ATTN),
+    ("smollm3", {}, {}, ALL),
+    ("ministral", {}, {}, ALL),
 ]
 
 
