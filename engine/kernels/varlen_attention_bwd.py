@@ -349,6 +349,9 @@ def _attn_bwd_onepass(
 # D=64: (64, 128, 8 warps) 248 registers, no spill; (32, 64, 8) 223, none; any 4-warp tile spills.
 # D=128: everything spills a little: (32, 64, 8) 224 bytes, (64, 64, 8) 480, (32, 128, 8) 840,
 # (64, 128, 8) 1,964 (the split dK/dV kernel's default spills 1,444). D=256: 1.8 KB at best.
+# (Read with plain `ptxas -v`; with the flags Triton itself passes, `python -m bench.attention_regs` finds
+# the split dK/dV default at D=128 spilling 32 bytes before its addresses were rebuilt per step, none
+# after: bench/results/attention_regs.jsonl.)
 _ONEPASS_DEFAULTS = {
     # head_dim: {long documents: (BLOCK_M, BLOCK_N, num_warps, num_stages)}
     64: {False: (32, 64, 8, 3), True: (64, 128, 8, 2)},
