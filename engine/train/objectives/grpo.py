@@ -5,19 +5,22 @@ Each example is a prompt (engine.data.preference, kind "prompts"; the row's othe
 the reward functions) and each packed row holds one prompt, so a micro-batch of k rows is k
 prompts. `prepare_step` then, for each micro-batch:
 
-1. samples `grpo.group_size` completions per prompt with the adapters on, through transformers'
-   `generate` with a KV cache (left-padded prompts, one batch of k x G sequences, sampling at
-   `grpo.temperature` / `top_p`, no top-k); each completion ends at its first end-of-turn token;
+1. samples `grpo.group_size` completions per prompt with the adapters on, with a KV cache
+   (left-padded prompts, one batch of k x G sequences, sampling at `grpo.temperature` /
+   `top_p`, no top-k): the engine's decode loop (engine.train.decoding: a preallocated cache,
+   the fast paths, the step captured as a CUDA graph, no per-token host sync), or
+   transformers' `generate` for a model the loop refuses or a sharded one, the same draws for
+   a seed either way; each completion ends at its first end-of-turn token;
 2. scores each completion with every reward function (each logged separately) and sums them
    with their weights; advantages are normalised per group;
 3. packs the k x G (prompt, completion) documents into one SequenceBatch and, when
    `grpo.beta` > 0, computes the reference log-probs with the adapters off.
 
 What limits generation on a laptop: the KV cache (2 x layers x kv heads x head dim x (prompt +
-max_new_tokens) x k x G values, e.g. Qwen3-1.7B, 8 x 512 tokens: 0.9 GiB in bf16) and, above
-all, time: decoding runs one token of every sequence per forward (memory-bound, the fast paths'
-attention falls back to the stock module with a KV cache), so a step's generation grows with
-max_new_tokens, not with the group. The session's rows per micro-batch bounds k.
+max_new_tokens) x k x G values, allocated whole at the start, e.g. Qwen3-1.7B, 8 x 512 tokens:
+0.9 GiB in bf16) and time: decoding runs one token of every sequence per forward (it reads
+every weight once a step: memory-bound), so a step's generation grows with max_new_tokens, not
+with the group. The session's rows per micro-batch bounds k.
 
 Each group is used for one optimizer step, so the sampling policy is the policy being trained
 (TRL's num_iterations=1): the old log-probs are the current ones detached and the ratio is 1 in
@@ -59,7 +62,32 @@ def sample_completions(
     after its first token in `eos_ids`; `greedy`: the most likely token each time (the eval).
     `synced`: a sharded (FSDP) model, whose every forward gathers each layer from all ranks: a
     rank whose sequences have ended keeps stepping until every rank's have (synced_gpus).
-    Call with the model in eval mode and no autograd."""
+    Call with the model in eval mode and no autograd.
+
+    The engine's own decode loop (engine.train.decoding: preallocated KV cache, the fast paths,
+    no per-token host sync) runs where it can; a model it refuses, and a sharded one, go
+    through transformers' `generate` with the same sampling arithmetic (the same completions
+    for a seed)."""
+    from engine.train.decoding import decode, decode_refusal
+
+    width = max(map(len, prompts))
+    if not synced and decode_refusal(model, width + max_new_tokens) is None:
+        rows = decode(model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy)
+    else:
+        rows = generate_completions(
+            model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy, synced
+        )
+    completions = []
+    for row in rows:
+        cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
+        completions.append(row[:cut] or [pad_id])
+    return completions
+
+
+def generate_completions(
+    model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy=False, synced=False
+):
+    """transformers' `generate` over left-padded prompts: the generated id lists, uncut."""
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -76,11 +104,7 @@ def sample_completions(
         synced_gpus=synced,
         **sampling,
     )
-    completions = []
-    for row in out[:, width:].tolist():
-        cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
-        completions.append(row[:cut] or [pad_id])
-    return completions
+    return out[:, width:].tolist()
 
 
 @register

@@ -1,0 +1,140 @@
+"""GRPO's own decode loop (engine.train.decoding) against transformers' `generate`, on tiny
+patched models with LoRA on a CPU: the same completions for a seed (sampling with temperature
+and top-p, and greedy), the same cut at end-of-turn tokens, the loop actually taken (not the
+fallback), no host read-back per token, and fewer ops per decoding step than `generate`."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from engine.config import FastPathConfig
+from engine.models.patches import apply_fast_paths
+from engine.train import decoding
+from engine.train.objectives.grpo import generate_completions, sample_completions
+from tests.tiny_models import tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], [50]]
+
+
+def patched(model_type="qwen3", **kw):
+    model = tiny_model(model_type, lora={}, lora_b_std=0.02, norm_std=0.1, **kw)
+    apply_fast_paths(model, FastPathConfig(), "cpu")
+    return model.eval()
+
+
+def cut(rows, eos, pad=0):
+    out = []
+    for row in rows:
+        end = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        out.append(row[:end] or [pad])
+    return out
+
+
+def both(model, group, new, temperature, top_p, eos, greedy=False, seed=3):
+    """(our loop's completions, generate's), each from the same seed."""
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        ours = sample_completions(model, PROMPTS, group, new, temperature, top_p, eos, 0, "cpu", greedy)
+        torch.manual_seed(seed)
+        ref = generate_completions(model, PROMPTS, group, new, temperature, top_p, eos, 0, "cpu", greedy)
+    return ours, cut(ref, eos)
+
+
+# The tiny Qwen2 and Mistral configs have an 8-token window, which the loop refuses (below).
+FULL_ATTENTION = {"qwen2": dict(use_sliding_window=False), "mistral": dict(sliding_window=4096)}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "qwen2", "mistral", "smollm3"])
+def test_sampled_and_greedy_completions_equal_generates_for_a_seed(model_type):
+    model = patched(model_type, **FULL_ATTENTION.get(model_type, {}))
+    assert decoding.decode_refusal(model, 64) is None  # the loop runs, not the fallback
+    eos = {10**6}  # no end: every row runs to max_new_tokens
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
+        ours, ref = both(model, 4, 20, temperature, top_p, eos)
+        assert ours == ref, (temperature, top_p)
+        assert len({tuple(c) for c in ours}) > len(PROMPTS)  # a group's samples differ
+    ours, ref = both(model, 1, 20, 1.0, 1.0, eos, greedy=True)
+    assert ours == ref
+
+
+def test_rows_end_at_their_first_end_token_as_with_generate():
+    model = patched()
+    with torch.no_grad():
+        torch.manual_seed(3)
+        free = generate_completions(model, PROMPTS, 4, 20, 1.0, 1.0, {10**6}, 0, "cpu")
+    # End tokens that occur early in some rows and not in others.
+    eos = {free[0][2], free[5][4]}
+    ours, ref = both(model, 4, 20, 1.0, 1.0, eos)
+    assert ours == ref
+    lengths = {len(c) for c in ours}
+    assert min(lengths) < 20 and max(lengths) == 20
+
+
+def test_the_loop_stops_at_its_next_check_once_every_row_has_ended():
+    model = patched()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    eos = set(range(vocab))  # every first token ends its row
+    with torch.no_grad():
+        torch.manual_seed(3)
+        rows = decoding.decode(model, PROMPTS, 2, 40, 1.0, 1.0, eos, 0, "cpu")
+    assert all(len(r) == decoding.STOP_CHECK_EVERY for r in rows)  # not 40 steps
+    assert all(t == 0 for r in rows for t in r[1:])  # ended rows hold the pad id
+    ours, ref = both(model, 2, 40, 1.0, 1.0, eos)
+    assert ours == ref and all(len(c) == 1 for c in ours)
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2"])
+def test_a_model_the_loop_refuses_samples_through_generate(model_type):
+    model = patched(model_type, attn="eager")
+    assert "Gemma" in decoding.decode_refusal(model, 64)
+    ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
+    assert ours == ref
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_a_sliding_window_shorter_than_the_sequence_is_refused_and_generate_samples(model_type):
+    model = patched(model_type)  # windows of 8 tokens
+    assert "sliding window of 8" in decoding.decode_refusal(model, 64)
+    assert decoding.decode_refusal(model, 8) is None
+    ours, ref = both(model, 2, 12, 1.0, 1.0, {10**6})
+    assert ours == ref
+
+
+def test_no_host_read_back_per_token(monkeypatch):
+    """Every way a tensor's value reaches the host (a device sync on a GPU), counted over one
+    call: the stop checks (one every STOP_CHECK_EVERY steps) and the final copy only."""
+    model = patched()
+    calls = collections.Counter()
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _name=name, _original=original, **kw):
+            calls[_name] += 1
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    steps = 32
+    with torch.no_grad():
+        decoding.decode(model, PROMPTS, 4, steps, 0.8, 0.9, {10**6}, 0, "cpu")
+    checks = (steps - 1) // decoding.STOP_CHECK_EVERY
+    assert sum(calls.values()) <= checks + 1, dict(calls)
+    assert calls["tolist"] == 1
+
+
+def test_a_decoding_step_runs_fewer_ops_than_generates():
+    from torch.profiler import ProfilerActivity, profile
+
+    model = patched()
+
+    def ops_per_step(fn, steps):
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn(model, PROMPTS, 4, steps, 1.0, 1.0, {10**6}, 0, "cpu")
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+    # The difference of two lengths: the per-step ops, without the prompt's pass.
+    ours = (ops_per_step(sample_completions, 24) - ops_per_step(sample_completions, 8)) / 16
+    ref = (ops_per_step(generate_completions, 24) - ops_per_step(generate_completions, 8)) / 16
+    assert ours < 0.85 * ref, (ours, ref)
