@@ -10,7 +10,9 @@ A recompute that knows this (engine.fastpath.lora.LoRAMLPUnread) can:
   W3 step), since only the output needs it, and never make the output;
 - keep neither the normed MLP input nor gate and up ([tokens, intermediate] each, 384 MiB
   apiece on W3) from the recompute to the backward: the backward remakes them a row tile at a
-  time, where they are used at once (the same matmuls, moved, on fewer rows each).
+  time, where they are used at once (the same matmuls, moved, on fewer rows each);
+- not keep the normed attention input either (`remade_when_unpacked`): the q/k/v projections'
+  backward gets it remade from the layer's input, which is kept anyway (one norm, 128 MiB).
 
 The flag is scoped to one call (a ContextVar, set and read on the thread that runs the
 recompute): the offloader sets it around a layer's recompute (`recomputing`), and the patched
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
+from typing import Callable
 
 import torch
 
@@ -42,6 +45,41 @@ def recomputing(output_unused: bool = True):
 def layer_output_unused() -> bool:
     """Whether the decoder layer now running is a recompute whose output nobody reads."""
     return _LAYER_OUTPUT_UNUSED.get()
+
+
+class _Remade:
+    """What a saved tensor became: how to remake it, and where it sat in its storage."""
+
+    __slots__ = ("remake", "shape", "stride", "offset")
+
+    def __init__(self, remake: Callable[[], torch.Tensor], t: torch.Tensor):
+        self.remake, self.shape, self.stride, self.offset = remake, t.shape, t.stride(), t.storage_offset()
+
+
+@contextlib.contextmanager
+def remade_when_unpacked(t: torch.Tensor, remake: Callable[[], torch.Tensor], on: bool = True):
+    """Within the block, a tensor autograd saves that is `t` or a view of it is not kept: its
+    backward gets ``remake()`` (no grad) seen through the same view. `remake` must give `t`'s
+    values in `t`'s layout from tensors kept anyway (the same function on the same input)."""
+    if not on:
+        yield
+        return
+    ptr, dtype = t.untyped_storage().data_ptr(), t.dtype
+
+    def pack(x: torch.Tensor):
+        if x.dtype == dtype and x.untyped_storage().data_ptr() == ptr:
+            return _Remade(remake, x)
+        return x
+
+    def unpack(saved):
+        if not isinstance(saved, _Remade):
+            return saved
+        with torch.no_grad():
+            made = saved.remake()
+        return made.as_strided(saved.shape, saved.stride, saved.offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 def unread(like: torch.Tensor, shape) -> torch.Tensor:

@@ -73,6 +73,10 @@ _KIND = "patches"  # engine.fastpath.patching kind of the forwards installed her
 REGISTRY = patched_archs()
 
 
+# Why an architecture's plain (ungated) MLP keeps its stock forward.
+_UNGATED = "off: {}'s MLP is not gated (up -> act -> down keeps the stock forward)"
+
+
 def describe_fast_paths(model_type: str) -> dict[str, str]:
     """{fast path: "on" | why it is off} for an architecture, from its model_type alone.
 
@@ -89,6 +93,8 @@ def describe_fast_paths(model_type: str) -> dict[str, str]:
     report["packed_attention"] = "on"
     report["fused_ce"] = "on"
     arch = arch_for(model_type)
+    if model_type in REGISTRY and not arch.gated_mlp:
+        report["activations"] = report["lora_mlp"] = _UNGATED.format(model_type)
     if arch is not None and arch.moe is not None and arch.moe.grouped:
         # Experts stay frozen (LoRA trains attention); their blocks take the grouped path.
         for name in ("activations", "lora_mlp"):
@@ -354,7 +360,10 @@ def _fused_layer(self, plan: _LayerPlan, hidden_states, **kwargs):
     hidden_states = self.input_layernorm(hidden_states)
     if plan.sandwich:  # Gemma-2's layer does not pass use_cache on to its attention
         kwargs.pop("use_cache", None)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    # Offload's recompute (fast_paths.lean_recompute): the normed input is remade for q/k/v's backward, not kept.
+    lean = recompute.layer_output_unused()
+    with recompute.remade_when_unpacked(hidden_states, partial(self.input_layernorm, residual), lean):
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
     if plan.sandwich:
         hidden_states = self.post_attention_layernorm(hidden_states)
     norm = self.pre_feedforward_layernorm if plan.sandwich else self.post_attention_layernorm
@@ -363,7 +372,7 @@ def _fused_layer(self, plan: _LayerPlan, hidden_states, **kwargs):
         reason = "autocast" if torch.is_autocast_enabled(residual.device.type) else "dtype differs from the residual's"
     elif plan.offset == 0.0 and norm.weight.dtype != hidden_states.dtype:
         reason = "weight dtype differs from the activations"  # as _rmsnorm_forward: promotes in the stock
-    if reason is None and not plan.sandwich and recompute.layer_output_unused():
+    if reason is None and not plan.sandwich and lean:
         mlp = _unread_mlp(self.mlp, hidden_states)
         if mlp is not None:  # offload's recompute: the output only roots the backward (fast_paths.lean_recompute)
             return lora_mlp_unread(residual + hidden_states, norm, *mlp)
@@ -531,6 +540,10 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
             if kernel_off["rmsnorm"] is None and hasattr(module, eps_attr):
                 plan = {"stock": module.forward, "fn": k.rms_norm, "offset": arch.norm_offset, "eps_attr": eps_attr}
                 _install(module, _rmsnorm_forward, plan)
+
+        elif cls == mlp_cls and not arch.gated_mlp:  # up -> act -> down: the fused MLP is a gated one
+            tally.add("lora_mlp", _UNGATED.format(model_type))
+            tally.add("activations", _UNGATED.format(model_type))
 
         elif cls == mlp_cls:
             kind, act_reason = _act_kind(getattr(module, "act_fn", None))

@@ -8,6 +8,8 @@ sandwich layer, whose MLP output goes through a norm, keeps the full recompute."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -15,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine.config import FastPathConfig
 from engine.data.collate import PackedBatch
 from engine.fastpath import lora as lora_mod
+from engine.models.patches import apply_fast_paths
 from engine.train.step import forward_loss, prepare_model
 from tests.engine.models.test_patches import tiny
 
@@ -41,7 +44,7 @@ def _batch(vocab, lengths, seed=3):
     return PackedBatch.from_documents([torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths])
 
 
-def _step(model_type, lean, offload="single", train_norms=False, **shape):
+def _step(model_type, lean, offload="single", train_norms=False, impl="auto", **shape):
     model = tiny(model_type, attn="eager" if model_type == "gemma2" else "sdpa", num_hidden_layers=LAYERS, **shape)
     if train_norms:  # a norm weight that trains gets its gradient through the tiles' autograd
         for name, p in model.named_parameters():
@@ -49,6 +52,8 @@ def _step(model_type, lean, offload="single", train_norms=False, **shape):
                 p.requires_grad_(True)
     fp = FastPathConfig(lean_recompute=lean)
     prepared = prepare_model(model, fp, CPU, gradient_checkpointing=True, offload=offload)
+    if impl == "triton":  # every kernel through Triton (the interpreter): the in-place activation backward
+        apply_fast_paths(model, fp, CPU, kernel_impl="triton")
     model.train()
     b = _batch(model.config.vocab_size, (37, 12, 64, 9, 50))
     loss = forward_loss(prepared, b, normalizer=b.num_trained_tokens)
@@ -75,6 +80,15 @@ def test_lean_recompute_gives_the_same_gradients_over_several_tiles(monkeypatch,
     assert len(unread_calls) == LAYERS
     full = _step("qwen3", False, offload)
     assert len(unread_calls) == LAYERS  # the switch off: the full recompute
+    _assert_same(lean, full, tol=1e-5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on a CPU")
+def test_lean_recompute_through_the_triton_kernels(monkeypatch, unread_calls):
+    monkeypatch.setattr(lora_mod, "UNREAD_TILE_BYTES", 64 * tiny("qwen3").config.intermediate_size * 4)
+    lean = _step("qwen3", True, impl="triton")
+    full = _step("qwen3", False, impl="triton")
+    assert len(unread_calls) == LAYERS
     _assert_same(lean, full, tol=1e-5)
 
 
@@ -133,3 +147,32 @@ def test_lean_recompute_has_fewer_live_bytes_at_the_peak(monkeypatch, unread_cal
     gate_up = 2 * tokens * inter * 4
     # Gate and up are no longer kept from the recompute to the backward (one tile of them is).
     assert lean <= full - gate_up, (full, lean, gate_up)
+
+
+def test_a_saved_tensor_is_remade_for_the_backward_not_kept():
+    from engine.fastpath.recompute import remade_when_unpacked
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 8, generator=g, requires_grad=True)
+    w = torch.randn(5, 8, generator=g, requires_grad=True)
+    remakes = []
+
+    def normed(t):
+        return torch.nn.functional.rms_norm(t, (8,))
+
+    def remake():
+        remakes.append(1)
+        return normed(x.detach())
+
+    def loss(remade: bool):
+        h = normed(x)
+        with remade_when_unpacked(h, remake, on=remade):
+            y = torch.nn.functional.linear(h.view(3, 2, 8), w)  # linear saves a view of h for dw
+        return (y * y).sum()
+
+    expect = torch.autograd.grad(loss(False), (x, w))
+    assert remakes == []
+    got = torch.autograd.grad(loss(True), (x, w))
+    assert remakes == [1]  # linear's backward read h through the remade copy
+    for a, b in zip(got, expect):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
