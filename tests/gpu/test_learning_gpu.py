@@ -136,6 +136,21 @@ SHAPES = {
         rope_theta=100_000_000.0,
         max_position_embeddings=32_768,
     ),
+    # AFM-4.5B's layer: Llama's attention over a plain up -> ReLU² -> down MLP (kept stock).
+    "arcee": dict(
+        model_type="arcee",
+        hidden_size=2560,
+        intermediate_size=18432,
+        num_hidden_layers=2,
+        num_attention_heads=20,
+        num_key_value_heads=4,
+        head_dim=128,
+        hidden_act="relu2",
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_theta=10_000.0,
+        max_position_embeddings=65_536,
+    ),
 }
 
 # Llama's shape with its own output head: the input table may move to host memory.
@@ -264,6 +279,7 @@ CASES = [
     ("llama", {"host_embeddings": True}, {}, FUSED + KERNELS + ("fused_ce:streamed",) + ATTN),
     ("smollm3", {}, {}, ALL),
     ("ministral", {}, {}, ALL),
+    ("arcee", {}, {}, ("lora_linears", "rmsnorm:triton", "rope:triton") + CE + ATTN),
 ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from engine.models.arch import (
+    arcee,
     bamba,
     bloom,
     cohere,
@@ -71,6 +72,7 @@ _MODULES = (
     mistral,
     ministral,
     smollm3,
+    arcee,
     qwen2,
     qwen2_moe,
     qwen2_vl,

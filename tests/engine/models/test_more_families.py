@@ -256,3 +256,11 @@ def test_all_linear_names_no_other_module():
     lora = attach_lora(model, EngineLora(r=4, alpha=8))
     wrapped = {path.removeprefix("base_model.model.") for path, m in lora.named_modules() if hasattr(m, "lora_A")}
     assert wrapped == linears
+
+
+def test_describe_says_an_ungated_mlp_keeps_the_stock_forward():
+    from engine.models.patches import describe_fast_paths
+
+    arcee = describe_fast_paths("arcee")
+    assert arcee["lora_qkv"] == "on" and arcee["rmsnorm"] == "on"
+    assert "MLP is not gated" in arcee["lora_mlp"] and "MLP is not gated" in arcee["activations"]
