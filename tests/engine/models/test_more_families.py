@@ -20,7 +20,7 @@ from engine.config import FastPathConfig
 from engine.config import LoraConfig as EngineLora
 from engine.data.collate import PackedBatch
 from engine.models.arch import TINY_BASE, arch_for, logit_scale
-from engine.models.estimate import model_info
+from engine.models.estimate import estimate_vram, model_info
 from engine.models.lora import all_linear_names, attach_lora
 from engine.train.step import forward_loss, prepare_model
 
@@ -182,7 +182,10 @@ def test_engine_loss_is_the_stock_loss(model_type, extra):
     got = engine_loss(model, docs)
     assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
     for source in (cfg, cfg.to_dict()):  # the estimate reads the config and a folder's config.json
-        assert model_info(source).num_params > 0
+        info = model_info(source)
+        assert info.num_params > 0
+        for mode in ("lora16", "qlora4"):
+            assert estimate_vram(info, 512, lora_r=8, mode=mode) > 0
 
 
 def test_logit_scales_are_the_stock_forwards():
