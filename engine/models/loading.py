@@ -178,6 +178,12 @@ def _from_pretrained(loader, cfg: ModelConfig, what: str, **kwargs):
             raise ModelLoadError(f"cannot read the {what} in {source}: {exc}") from exc
         raise _hub_error(source, exc) from exc
     except ValueError as exc:
+        if "trust_remote_code" in str(exc) and not cfg.trust_remote_code:
+            # transformers names its own argument; the user sets the config's field.
+            raise ModelLoadError(
+                f"'{source}' needs the code shipped with the model (its config's auto_map) to load its {what}: "
+                "set model.trust_remote_code: true if you trust that code"
+            ) from exc
         raise ModelLoadError(f"cannot load the {what} of '{source}': {exc}") from exc
 
 

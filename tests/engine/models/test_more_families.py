@@ -267,3 +267,25 @@ def test_describe_says_an_ungated_mlp_keeps_the_stock_forward():
     arcee = describe_fast_paths("arcee")
     assert arcee["lora_qkv"] == "on" and arcee["rmsnorm"] == "on"
     assert "MLP is not gated" in arcee["lora_mlp"] and "MLP is not gated" in arcee["activations"]
+
+
+def test_a_family_whose_code_ships_with_the_model_names_the_config_field(tmp_path):
+    # InternLM2's folders carry their modeling code (auto_map); transformers has no class of its own.
+    import json
+    import shutil
+
+    from engine.config import ModelConfig
+    from engine.models.loading import ModelLoadError, load_model
+    from engine.resources import DEMO_MODEL_DIR
+
+    folder = tmp_path / "internlm2"
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(
+        model_type="internlm2",
+        architectures=["InternLM2ForCausalLM"],
+        auto_map={"AutoConfig": "configuration_internlm2.InternLM2Config"},
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="model.trust_remote_code: true"):
+        load_model(ModelConfig(name_or_path=str(folder)), "cpu", "float32")
