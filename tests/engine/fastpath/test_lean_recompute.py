@@ -176,3 +176,27 @@ def test_a_saved_tensor_is_remade_for_the_backward_not_kept():
     assert remakes == [1]  # linear's backward read h through the remade copy
     for a, b in zip(got, expect):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_forward_without_autograd_runs_the_mlp_in_row_tiles(monkeypatch):
+    # Offload's first forward, reference passes, eval: one tile's gate/up at a time, same logits.
+    model = tiny("qwen3", attn="sdpa", num_hidden_layers=LAYERS)
+    prepare_model(model, FastPathConfig(), CPU, gradient_checkpointing=False)
+    model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 172), generator=torch.Generator().manual_seed(5))
+    calls = []
+    real = lora_mod._mlp_no_grad
+    monkeypatch.setattr(lora_mod, "_mlp_no_grad", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        assert calls == []  # 172 rows fit one tile: LoRAMLP itself
+        monkeypatch.setattr(lora_mod, "UNREAD_TILE_BYTES", 64 * model.config.intermediate_size * 4)
+        tiled = model(input_ids=ids).logits
+        assert len(calls) == LAYERS
+        with model.disable_adapter():  # the reference pass: the base alone, tiled the same way
+            base = model(input_ids=ids).logits
+            monkeypatch.setattr(lora_mod, "UNREAD_TILE_BYTES", 2**40)
+            base_whole = model(input_ids=ids).logits
+    torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(base, base_whole, rtol=1e-5, atol=1e-5)
+    assert (base - tiled).abs().max() > 1e-3  # the adapters were on in the first pair
