@@ -174,7 +174,7 @@ def model_info(config: Any) -> ModelInfo:
         if not arch.qkv_bias:  # attention_bias=True also biases o_proj
             attn += hidden
     if arch.qk_norm:
-        attn += 2 * head_dim
+        attn += 2 * head_dim if arch.qk_norm_width == "head" else q_dim + kv_dim
     if arch.attention_sinks:  # one learned attention-sink logit per head
         attn += heads
 

@@ -95,6 +95,8 @@ def describe_fast_paths(model_type: str) -> dict[str, str]:
     arch = arch_for(model_type)
     if model_type in REGISTRY and not arch.gated_mlp:
         report["activations"] = report["lora_mlp"] = _UNGATED.format(model_type)
+    if model_type in REGISTRY and not arch.fused_add_norm:
+        report["add_rmsnorm"] = f"off: {model_type}'s decoder layer is not one it reproduces"
     if arch is not None and arch.moe is not None and arch.moe.grouped:
         # Experts stay frozen (LoRA trains attention); their blocks take the grouped path.
         for name in ("activations", "lora_mlp"):
@@ -218,6 +220,7 @@ class _AttnPlan:
     eager: Callable  # the module's own eager attention (Gemma2's applies softcapping)
     attn_kwargs: Callable[[nn.Module], dict]
     qk_norm: bool
+    qk_norm_projection: bool  # OLMo's q/k norms span the whole projection, before the split into heads
     qkv: Optional[LoRAGroup]  # q/k/v planned once (with its per-step adapter weight cache)
     o: Optional[LoRAGroup]
     rope: Optional[Callable]  # kernel apply_rope; None: the torch rotation
@@ -270,8 +273,10 @@ def _attention_forward(
         if plan.qkv is not None:
             count_fallback("lora_qkv", _lora_runtime_reason((plan.qkv,), hidden_states))
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    if plan.qk_norm_projection:
+        q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
-    if plan.qk_norm:
+    if plan.qk_norm and not plan.qk_norm_projection:
         q, k = self.q_norm(q), self.k_norm(k)
 
     cos, sin = position_embeddings
@@ -587,6 +592,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     eager=eager,
                     attn_kwargs=arch.attn_kwargs,
                     qk_norm=arch.qk_norm,
+                    qk_norm_projection=arch.qk_norm and arch.qk_norm_width == "projection",
                     qkv=LoRAGroup([lora_parts(m) for m in (module.q_proj, module.k_proj, module.v_proj)], nf4)
                     if qkv_reason is None
                     else None,

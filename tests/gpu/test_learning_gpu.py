@@ -151,6 +151,23 @@ SHAPES = {
         rope_theta=10_000.0,
         max_position_embeddings=65_536,
     ),
+    # OLMo-3-7B's layer: norms after attention and the MLP, q/k norms over the whole projections,
+    # a window short enough to cut the 4,096-token rows on its sliding layer.
+    "olmo3": dict(
+        model_type="olmo3",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        sliding_window=1024,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=500_000.0,
+        max_position_embeddings=65_536,
+    ),
 }
 
 # Llama's shape with its own output head: the input table may move to host memory.
@@ -280,6 +297,7 @@ CASES = [
     ("smollm3", {}, {}, ALL),
     ("ministral", {}, {}, ALL),
     ("arcee", {}, {}, ("lora_linears", "rmsnorm:triton", "rope:triton") + CE + ATTN),
+    ("olmo3", {}, {}, ALL),
 ]
 
 

@@ -1,9 +1,14 @@
-"""OLMo-2: q/k RMSNorm and norms after attention and after the MLP.
+"""OLMo-2: norms after attention and after the MLP (post_attention_layernorm, post_feedforward_layernorm;
+none before them, so its layer keeps the stock forward) and q/k RMSNorm over the whole q and k
+projections before they are split into heads."""
 
-Counted as four norms per layer with q/k norms of head_dim each, as the estimate always has; the
-stock layer has two (post-attention, post-feed-forward) and q/k norms over all heads, a few
-thousand parameters apart on a billion-parameter model (pessimistic by design)."""
+from engine.models.arch.spec import Arch, HFClasses
 
-from engine.models.arch.spec import Arch
-
-ARCH = Arch("olmo2", extra_norms=("post_attention_layernorm", "post_feedforward_layernorm"), qk_norm=True)
+ARCH = Arch(
+    "olmo2",
+    HFClasses.with_prefix("Olmo2"),
+    fast_paths=True,
+    qk_norm=True,
+    qk_norm_width="projection",
+    tiny={},
+)

@@ -11,7 +11,9 @@ The facts, by the part of the engine that reads them:
   `fused_add_norm` whether its decoder layers take the fused residual-add + norm forward;
 - norms: `norm` ("rms" or "layer": LayerNorm carries a bias too), `norm_offset` (Gemma scales
   by 1 + w), `extra_norms` (per-layer norms beyond the two around attention and MLP, e.g.
-  Gemma-2's pre/post feed-forward norms), `qk_norm` (per-head RMSNorm on q and k before RoPE);
+  Gemma-2's pre/post feed-forward norms), `qk_norm` (RMSNorm on q and k before RoPE), over each
+  head (`qk_norm_width` "head", Qwen3) or the whole projection before its split into heads
+  ("projection", OLMo-2/3);
 - attention shape: `qkv_bias` (q/k/v biases whatever `attention_bias` says), `attention_sinks`
   (one learned sink logit per head), `sliding_window` (where the window comes from: "module",
   or "config" when the module may not carry it), `softcapping` (logit softcap passed to the
@@ -100,6 +102,7 @@ class Arch:
     norm_offset: float = 0.0
     extra_norms: tuple[str, ...] = ()
     qk_norm: bool = False
+    qk_norm_width: Literal["head", "projection"] = "head"
     qkv_bias: bool = False
     attention_sinks: bool = False
     sliding_window: Optional[Literal["module", "config"]] = None

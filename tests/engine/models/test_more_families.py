@@ -261,12 +261,14 @@ def test_all_linear_names_no_other_module():
     assert wrapped == linears
 
 
-def test_describe_says_an_ungated_mlp_keeps_the_stock_forward():
+def test_describe_says_what_keeps_the_stock_forward():
     from engine.models.patches import describe_fast_paths
 
     arcee = describe_fast_paths("arcee")
     assert arcee["lora_qkv"] == "on" and arcee["rmsnorm"] == "on"
     assert "MLP is not gated" in arcee["lora_mlp"] and "MLP is not gated" in arcee["activations"]
+    olmo3 = describe_fast_paths("olmo3")  # norms after attention and the MLP: no add to fuse before one
+    assert olmo3["lora_mlp"] == olmo3["rope"] == "on" and "not one it reproduces" in olmo3["add_rmsnorm"]
 
 
 def test_a_family_whose_code_ships_with_the_model_names_the_config_field(tmp_path):
