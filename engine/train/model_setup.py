@@ -1,0 +1,100 @@
+"""The session's model step: the base loaded, LoRA attached, the fast paths on, the run's forward,
+and under torchrun the DDP or FSDP2 wrapper the training forwards run through.
+
+`setup_model` returns a ModelSetup; it reads the config and the device the run setup chose
+(engine.train.run_setup) and logs what it loaded and what trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from engine.config import RunConfig
+from engine.train.distributed import DistContext
+from engine.train.objectives.base import Forward
+
+
+@dataclass
+class ModelSetup:
+    """The model the run trains and how a training forward reaches it."""
+
+    model: Any  # the prepared model (engine.train.step.PreparedModel.model)
+    prepared: Any  # engine.train.step.PreparedModel: its offloader and the fast-path report
+    forward: Forward  # the run's forward (fused CE, packed metadata, offloader)
+    ddp: Any  # DDP, or the FSDP2 root: what a training forward runs through; None with one process
+    params: list  # the LoRA parameters, the only ones that train
+
+
+def setup_model(
+    config: RunConfig,
+    device,
+    dist: DistContext,
+    fsdp: bool,
+    init_adapter: Optional[Path],
+    objective,
+    offloader: Callable[[], Any],
+    log: Callable[..., None],
+) -> ModelSetup:
+    """The model with LoRA attached and the fast paths on (engine.train.step.prepare_model).
+    `offloader`: the memory settings' current offloader, asked at each forward (out-of-memory
+    recovery may install or change it mid-run)."""
+    from engine.models.loading import load_model, quiet_third_party
+    from engine.models.lora import attach_lora, lora_parameters
+    from engine.train.step import prepare_model
+
+    t = config.training
+    # FSDP: the whole base goes to host memory once, then one decoder layer at a time to the
+    # device, where each rank keeps its shard (engine.train.fsdp.shard).
+    load_on = "cpu" if fsdp else device
+    log(f"Loading model {config.model.name_or_path} on {load_on} ({config.model.dtype})")
+    model = load_model(config.model, load_on, config.model.dtype)
+    with quiet_third_party():  # PEFT's FutureWarnings about transformers internals
+        model = attach_lora(model, config.lora)
+    if init_adapter is not None:
+        from engine.peft_model import load_init_adapter
+
+        n = load_init_adapter(model, init_adapter)
+        log(f"LoRA starts from the adapter in {init_adapter} ({n} tensors)")
+    # Offloaded checkpointing works under FSDP too: the layer's FSDP hooks run inside the
+    # offloader's Function, gathering the weights for the forward and again for the recompute.
+    prepared = prepare_model(
+        model,
+        config.fast_paths,
+        device,
+        bool(t.gradient_checkpointing),
+        offload=t.offload,
+        auto_reasons=config.auto_reasons,  # an "off" the policy chose says so, with its reason
+    )
+    chunk = config.fast_paths.ce_chunk_tokens
+    forward = Forward(
+        fused_ce=prepared.report.get("fused_ce", "on") == "on",
+        cached_metadata=config.fast_paths.cached_metadata,
+        ce_chunk_tokens=None if chunk == "auto" else int(chunk),
+        offloader=offloader,
+    )
+
+    def loss(model, batch, normalizer):
+        """What DDP's / FSDP's module runs: the objective's loss through the run's forward."""
+        return objective.loss(forward, model, batch, normalizer)
+
+    if fsdp:
+        from engine.train import fsdp as fsdp_shard
+
+        ddp = fsdp_shard.shard(prepared.model, loss, device, dist.world_size)
+        log(
+            f"FSDP2: the base and the adapters are sharded across {dist.world_size} processes "
+            f"({len(fsdp_shard.decoder_layers(prepared.model))} decoder layers and the root)"
+        )
+    else:
+        # Several processes: DDP over the adapters' gradients (None with one process).
+        ddp = dist.wrap(prepared.model, loss, device)
+    model.train()
+    params = lora_parameters(model)
+    n_train = sum(p.numel() for p in params)
+    log(
+        f"LoRA: {n_train:,} trainable parameters; fast paths: "
+        + ", ".join(f"{k}={v}" for k, v in prepared.report.items())
+    )
+    return ModelSetup(prepared.model, prepared, forward, ddp, params)
