@@ -71,20 +71,24 @@ def assert_same_step(got, ref, tol):
     assert any("lora_A" in n and g.abs().max() > 0 for n, g in g0.items())
 
 
+def assert_all_on_but_kept(model_type, report):
+    """Every fast path on, but those the architecture keeps stock: a plain up -> act -> down MLP
+    (Arcee's ReLU²), a layer whose norms come after attention and the MLP (OLMo's)."""
+    arch = arch_for(model_type)
+    kept = {"lora_mlp": "MLP is not gated", "activations": "MLP is not gated"} if not arch.gated_mlp else {}
+    if not arch.fused_add_norm:
+        kept["add_rmsnorm"] = "decoder layer is not one it reproduces"
+    assert {k: v for k, v in report.items() if k not in kept} == {k: "on" for k in FAST_PATHS if k not in kept}
+    assert all(why in report[k] for k, why in kept.items()), report
+
+
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_patched_matches_stock_fp32(model_type):
     model = tiny(model_type)
     ids, pos = packed_batch()
     ref = step(model, ids, pos)
     report = apply_fast_paths(model, FastPathConfig(), CPU)
-    arch = arch_for(model_type)
-    # A plain up -> act -> down MLP keeps its stock forward (Arcee's ReLU²), and so does a layer
-    # whose norms come after attention and the MLP (OLMo's): the rest is on.
-    kept = {"lora_mlp": "MLP is not gated", "activations": "MLP is not gated"} if not arch.gated_mlp else {}
-    if not arch.fused_add_norm:
-        kept["add_rmsnorm"] = "decoder layer is not one it reproduces"
-    assert {k: v for k, v in report.items() if k not in kept} == {k: "on" for k in FAST_PATHS if k not in kept}
-    assert all(why in report[k] for k, why in kept.items()), report
+    assert_all_on_but_kept(model_type, report)
     assert_same_step(step(model, ids, pos), ref, 1e-4)
     # Packing matters: the same tokens as one document give a different loss.
     one_doc = step(model, ids, torch.arange(ids.shape[1]).unsqueeze(0))
@@ -185,15 +189,17 @@ def test_bf16_within_rounding():
         assert rel(got[1][n], ref[1][n]) <= 2 * rel(stock[1][n], ref[1][n]) + 1e-2, n
 
 
-def test_triton_kernels_through_interpreter():
-    """kernel_impl="triton": RMSNorm, in-place RoPE (after Qwen3's q/k norm) and the gated
-    activation run as Triton kernels, through the interpreter on a CPU."""
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo3", "smollm3"])
+def test_triton_kernels_through_interpreter(model_type):
+    """kernel_impl="triton": RMSNorm, in-place RoPE (after Qwen3's per-head and OLMo's whole-projection
+    q/k norms; skipped on SmolLM3's NoPE layer) and the gated activation run as Triton kernels,
+    through the interpreter on a CPU."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
-    model = tiny("qwen3", num_hidden_layers=1)
+    model = tiny(model_type, num_hidden_layers=1) if model_type == "qwen3" else tiny(model_type)
     ids, pos = packed_batch()
     ref = step(model, ids, pos)
-    assert apply_fast_paths(model, FastPathConfig(), CPU, kernel_impl="triton") == ALL_ON
+    assert_all_on_but_kept(model_type, apply_fast_paths(model, FastPathConfig(), CPU, kernel_impl="triton"))
     assert_same_step(step(model, ids, pos), ref, 1e-4)
 
 
