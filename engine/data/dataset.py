@@ -64,6 +64,17 @@ def reasoning_note(rows: int, choice: str) -> str:
     )
 
 
+def untrained_reason(trained: list[bool], limit: int) -> str:
+    """Why an example trains nothing: no answer, or (a template with a long preamble: Command-R7B's
+    default system turn is hundreds of tokens) the cut at max_seq_len removed every answer token."""
+    if any(trained[1:]):
+        return (
+            f"the cut at data.max_seq_len ({limit} tokens) removed every answer token "
+            "(the prompt is longer; raise data.max_seq_len)"
+        )
+    return "no trained tokens (nothing to learn from this row)"
+
+
 def no_usable_rows(cfg: DataConfig, rows: int, skipped: list[tuple[int, str]]) -> DataError:
     """Why a run cannot start: every row was unusable; the first reason, and how many share it."""
     if not skipped:
@@ -123,7 +134,7 @@ def prepare_dataset(cfg: DataConfig, tokenizer, raw=None) -> PreparedData:
                     ids, trained = ids[:limit], trained[:limit]
                     truncated += 1
                 if sum(trained[1:]) == 0:
-                    skipped.append((i, "no trained tokens (nothing to learn from this row)"))
+                    skipped.append((i, untrained_reason(tok.trained, limit)))
                     continue
                 docs.append(ids)
                 masks.append(trained)

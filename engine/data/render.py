@@ -37,8 +37,15 @@ FALLBACK_TEMPLATE = (
 )
 EARLIER_REASONING = ("drop", "final_turn_only", "keep")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# Blanks a template may write between an answer and its end-of-turn token (Llama-2 style "... </s>").
-_GAP = re.compile(r"[ \t]{0,2}")
+# Blanks a template may write between an answer and its end-of-turn token: Llama-2's "... </s>",
+# Nemotron-Nano-v2's "...\n<SPECIAL_12>", Apriel's "...\n<|end|>", Reka's "...\n\n<sep>". They are
+# trained with the token: the model writes them before it stops.
+_GAP = re.compile(r"[ \t\r\n]{0,2}")
+# A user turn put after a conversation whose last answer the template leaves open (_close_last_answers).
+_PROBE = {"role": "user", "content": "?"}
+# The tag right before a reasoning text a template renders in its own way (GLM's "<think>...</think>").
+_THINK_OPEN = re.compile(r"<(?!/)[^<>\s]*think[^<>\s]*>\s*$")
+_THINK_CLOSE = re.compile(r"\s*</[^<>\s]*think[^<>\s]*>\s*")
 
 
 class RowError(ValueError):
@@ -51,6 +58,8 @@ class AnswerSpan:
     end: int  # ... through its end-of-turn token when it has one
     ends_at_marker: bool  # an end-of-turn token follows the content
     reasoning_dropped: bool  # the template rendered the answer without its <think> reasoning
+    content_end: int = -1  # where the content ends (the end-of-turn token follows), when found by search
+    end_added: bool = False  # the template wrote no end-of-turn token after this last answer: one was added
 
 
 @dataclass
@@ -107,7 +116,7 @@ def render(
     try:
         return apply(messages), messages, False
     except _template_errors() as exc:
-        reason = str(exc) or type(exc).__name__
+        reason = (str(exc) or type(exc).__name__) + _tool_use_hint(tokenizer, exc)
         has_system = bool(messages) and messages[0]["role"] == "system"
         if has_system and fold_system:
             folded = fold_system_message(messages)
@@ -122,6 +131,28 @@ def render(
         raise RowError(f"the chat template rejects this row: {reason}") from exc
 
 
+_TOOLS_LOOP = re.compile(r"\bfor\s+\w+\s+in\s+(tools)\b")
+_TOOLS_UNDEFINED = re.compile(r"'(tools|functions)' is undefined")
+
+
+def _tool_use_hint(tokenizer, exc: BaseException) -> str:
+    """What to do when a tool-use template fails for want of tools: Hermes-2-Pro/3's and
+    Command-R+'s "tool_use" templates loop over `tools` (None for a tool-less row: "'NoneType'
+    object is not iterable"), FireFunction-v2's adds `functions` to its system prompt ("'functions'
+    is undefined"). Training passes no tools."""
+    template = getattr(tokenizer, "chat_template", None)
+    said = str(exc)
+    used = _TOOLS_UNDEFINED.search(said)
+    if used is None and isinstance(template, str) and "'NoneType' object is not iterable" in said:
+        used = _TOOLS_LOOP.search(template)
+    if used is None:
+        return ""
+    return (
+        f" (a tool-use chat template: it reads `{used.group(1)}`, which training does not pass; use the "
+        "model's default chat template, e.g. the one named 'default' in tokenizer_config.json)"
+    )
+
+
 def _renders(apply, messages: list[dict]) -> bool:
     try:
         apply(messages)
@@ -130,59 +161,119 @@ def _renders(apply, messages: list[dict]) -> bool:
         return False
 
 
+class _Specials(list):
+    """The tokenizer's special strings, longest first, with the pairs of adjacent characters inside
+    them: a text position whose two neighbours are no such pair cannot be inside a special token
+    (the cheap test _cuts_special makes before looking)."""
+
+    def __init__(self, strings):
+        super().__init__(strings)
+        self.pairs = {s[k : k + 2] for s in self for k in range(len(s) - 1)}
+
+
 def _special_strings(tokenizer) -> list[str]:
     specials = {str(s) for s in (getattr(tokenizer, "all_special_tokens", None) or [])}
     for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
         if getattr(tok, "special", False):
             specials.add(str(tok.content))
     # Longest first, so "<|im_end|>" is matched rather than a shorter marker inside it.
-    return sorted((s for s in specials if s.strip()), key=len, reverse=True)
+    return _Specials(sorted((s for s in specials if s.strip()), key=len, reverse=True))
 
 
-def _end_marker(text: str, at: int, specials: list[str]) -> int:
-    """The end of the end-of-turn token right after position `at` (past a blank or two), or -1."""
-    gap = _GAP.match(text, at).end()
+def _cuts_special(text: str, at: int, specials: list[str]) -> bool:
+    """Whether position `at` falls inside a special token written in `text` (between two of its
+    characters): a match starting or ending there is part of the token's name, not of a message
+    (the answer "OK" inside Cohere's <|END_OF_TURN_TOKEN|>)."""
+    pairs = getattr(specials, "pairs", None)
+    if at <= 0 or at >= len(text) or (pairs is not None and text[at - 1 : at + 1] not in pairs):
+        return False
     for s in specials:
-        if text.startswith(s, gap):
-            return gap + len(s)
+        k = text.find(s, max(0, at - len(s) + 1), at + len(s) - 1)
+        if 0 <= k < at:
+            return True
+    return False
+
+
+def _find(text: str, needle: str, pos: int, specials: list[str]) -> int:
+    """text.find(needle, pos), skipping a match that starts or ends inside a special token."""
+    at = text.find(needle, pos)
+    while at >= 0 and (_cuts_special(text, at, specials) or _cuts_special(text, at + len(needle), specials)):
+        at = text.find(needle, at + 1)
+    return at
+
+
+def _special_at(text: str, at: int, specials: list[str]) -> int:
+    for s in specials:
+        if text.startswith(s, at):
+            return at + len(s)
     return -1
 
 
-def _candidates(content: str) -> list[tuple[str, bool]]:
-    """What an answer may look like in the render: itself, trimmed, or (a template that drops
-    reasoning from it) what follows its </think>."""
-    out = [(content, False), (content.strip(), False)]
-    if "</think>" in content:
-        out.append((content.split("</think>")[-1].strip(), True))
-    return [(c, dropped) for c, dropped in out if c]
+def _end_marker(text: str, at: int, specials: list[str], eos: str | None = None) -> int:
+    """The end of the end-of-turn token right after position `at` (past a blank or two), or -1.
+    A turn that closes with several special tokens in a row, the last of them the EOS (Command-R7B's
+    <|END_RESPONSE|><|END_OF_TURN_TOKEN|>, Command-A's <|END_TEXT|><|END_OF_TURN_TOKEN|>), ends after
+    the EOS: the model has to write them all to stop. A row of specials without the EOS ends after
+    the first (<|eot_id|><|start_header_id|>: the second opens the next turn)."""
+    end = _special_at(text, _GAP.match(text, at).end(), specials)
+    if end < 0 or not eos:
+        return end
+    first, at = end, end
+    while (nxt := _special_at(text, at, specials)) >= 0:
+        if text[at:nxt] == eos:
+            return nxt
+        at = nxt
+    return first
+
+
+def _locate(text: str, content: str, pos: int, specials: list[str]) -> tuple[int, int, bool] | None:
+    """Where an answer is in the render, searching from `pos`: (start, end of its content, whether
+    the template dropped its reasoning), or None. It may be there as written, trimmed, with its
+    reasoning rendered in the template's own way (GLM, StepFun, Ling: "<think>r</think>answer"
+    trimmed or re-spaced; trained from the opening tag), or (a template that drops reasoning from
+    it) only what follows its </think>."""
+    for cand in (content, content.strip()):
+        at = _find(text, cand, pos, specials) if cand else -1
+        if at >= 0:
+            return at, at + len(cand), False
+    if "</think>" not in content:
+        return None
+    before, _, final = content.rpartition("</think>")
+    reasoning, final = before.split("<think>", 1)[-1].strip(), final.strip()
+    if reasoning and final:
+        r = _find(text, reasoning, pos, specials)
+        close = _THINK_CLOSE.match(text, r + len(reasoning)) if r >= 0 else None
+        if close and text.startswith(final, close.end()):
+            opener = _THINK_OPEN.search(text, pos, r)
+            return (opener.start() if opener else r), close.end() + len(final), False
+    at = _find(text, final, pos, specials) if final else -1
+    return (at, at + len(final), True) if at >= 0 else None
 
 
 def answer_spans(tokenizer, messages: list[dict], text: str, specials: list[str] | None = None) -> list[AnswerSpan]:
     """Every assistant answer's span in `text` (the render of `messages`), in order. `specials`:
     the tokenizer's special strings, longest first (_special_strings), when the caller has them."""
     specials = _special_strings(tokenizer) if specials is None else specials
+    eos = getattr(tokenizer, "eos_token", None)
     spans, pos, number = [], 0, 0
     for msg in messages:
         content = msg.get("content") or ""
         if msg["role"] in ("user", "tool"):
             # Past the question, so an answer that repeats it ("OK" after "Say OK") is found after it.
-            at = text.find(content.strip(), pos) if content.strip() else -1
+            at = _find(text, content.strip(), pos, specials) if content.strip() else -1
             pos = at + len(content.strip()) if at >= 0 else pos
             continue
         if msg["role"] != "assistant":
             continue  # a system prompt may sit anywhere (folded into a later turn): never a bound
         number += 1
-        for cand, dropped in _candidates(content):
-            at = text.find(cand, pos)
-            if at >= 0:
-                break
-        else:
+        found = _locate(text, content, pos, specials)
+        if found is None:
             if not content.strip():
                 continue  # an empty answer: nothing to find (its row trains the others)
             raise RowError(f"answer {number} is not in the rendered conversation (the chat template rewrites it)")
-        end = at + len(cand)
-        marker_end = _end_marker(text, end, specials)
-        spans.append(AnswerSpan(at, marker_end if marker_end >= 0 else end, marker_end >= 0, dropped))
+        at, end, dropped = found
+        marker_end = _end_marker(text, end, specials, eos)
+        spans.append(AnswerSpan(at, marker_end if marker_end >= 0 else end, marker_end >= 0, dropped, end))
         pos = spans[-1].end
     return spans
 
@@ -239,6 +330,47 @@ def _render_all(tokenizer, conversations: list[list[dict]], fold_system: bool) -
     return out
 
 
+def _close_last_answers(tokenizer, rendered: list[list], specials: list[str]) -> None:
+    """Give a last answer the end-of-turn token its template leaves off (in place on `rendered`'s
+    [row, text, spans, folded, messages]). GLM-4.5/4.6/4.7 end an answer with the next turn's
+    <|user|> (a stop token of theirs), Apertus writes <|assistant_end|> when the next user turn
+    opens, Hunyuan and Apriel write their end token only when another turn follows: the render of a
+    conversation ends right after its last answer, and trained as it is the model never learns to
+    stop. What the template writes after that answer when a user turn follows (the conversation
+    rendered again with one more user turn) is put after it and trained, as GLM's own fine-tuning
+    script appends <|user|>. A template that writes no special token there either is left as it
+    is (the X-ray says missing_eos)."""
+    open_ = [
+        r
+        for r in rendered
+        if r[2]
+        and r[4][-1]["role"] == "assistant"
+        and not r[2][-1].ends_at_marker
+        and r[2][-1].content_end >= 0
+        and not r[1][r[2][-1].end :].strip()
+    ]
+    if not open_:
+        return
+    eos = getattr(tokenizer, "eos_token", None)
+    probes = _render_all(tokenizer, [r[4] + [_PROBE] for r in open_], fold_system=False)
+    for r, got in zip(open_, probes):
+        if isinstance(got, RowError):
+            continue
+        ptext, pmessages, _ = got
+        try:
+            pspans = answer_spans(tokenizer, pmessages, ptext, specials)
+        except RowError:
+            continue
+        if len(pspans) != len(r[2]) or not pspans[-1].ends_at_marker:
+            continue
+        closing = ptext[pspans[-1].content_end : pspans[-1].end]
+        if _end_marker(closing, 0, specials, eos) != len(closing):
+            continue  # not a blank or two and special tokens only
+        last, text = r[2][-1], r[1]
+        r[1] = text[: last.end] + closing + text[last.end :]
+        r[2][-1] = AnswerSpan(last.start, last.end + len(closing), True, last.reasoning_dropped, last.end, True)
+
+
 def _trained_flags(offsets, spans: list[AnswerSpan]) -> list[bool]:
     """A token is trained when it is not empty and overlaps an answer's span: the test
     `e > s and any(s < span.end and e > span.start)` for every token at once (numpy), since a
@@ -290,7 +422,7 @@ def tokenize_examples(
         ids = list(ids) + ([eos] if eos is not None else [])
         out[i] = Tokenized(ids, [True] * len(ids), text=examples[i])
 
-    rendered: list[tuple[int, str, list[AnswerSpan], bool]] = []  # (row, text, spans, folded)
+    rendered: list[list] = []  # [row, text, spans, folded, messages rendered]
     for i, got in zip(chats, _render_all(tokenizer, [examples[i] for i in chats], fold_system)):
         if isinstance(got, RowError):
             out[i] = got
@@ -304,10 +436,12 @@ def tokenize_examples(
         except RowError as exc:
             out[i] = exc
             continue
-        rendered.append((i, text, spans, folded))
+        rendered.append([i, text, spans, folded, messages])
+    if not generation:
+        _close_last_answers(tokenizer, rendered, specials)
 
-    enc = _encode(tokenizer, [text for _, text, _, _ in rendered], offsets=responses_only)
-    for k, (i, text, spans, folded) in enumerate(rendered):
+    enc = _encode(tokenizer, [text for _, text, _, _, _ in rendered], offsets=responses_only)
+    for k, (i, text, spans, folded, _) in enumerate(rendered):
         ids = list(enc["input_ids"][k])
         if responses_only:
             trained_spans_ = spans[-1:] if earlier_reasoning == "final_turn_only" else spans

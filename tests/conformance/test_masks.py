@@ -4,6 +4,8 @@ token, never any of the next turn and never the system prompt or a question."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine.data.render import tokenize_example
@@ -35,22 +37,37 @@ def check_run(text: str, run: tuple[int, int, int], expected: str) -> bool:
     return lead == 0 or not text[start : start + lead].strip() or start + lead < first_end
 
 
+def as_rendered(content: str, text: str) -> str:
+    """An answer as the template renders it: as written; or its reasoning in the template's own
+    spacing, from the opening <think> (GLM's "<think>r</think>\nanswer", StepFun's one newline);
+    or, a template that drops the reasoning of an answer, what follows its </think>."""
+    if content in text:
+        return content
+    reasoning, _, final = content.rpartition("</think>")
+    reasoning, final = reasoning.replace("<think>", "").strip(), final.strip()
+    pattern = r"<think>\s*" + re.escape(reasoning) + r"\s*</think>\s*" + re.escape(final)
+    found = re.search(pattern, text) if reasoning else None
+    return found.group(0) if found else final
+
+
 def expected_answers(fam, messages: list[dict], text: str) -> list[str]:
-    """Each answer as the template renders it (a template that drops the reasoning of an answer
-    renders what follows its </think>) and the end-of-turn token after it."""
+    """Each answer as the template renders it (as_rendered) and the end-of-turn token after it."""
     answers = [m["content"] for m in messages if m["role"] == "assistant"]
-    out = []
-    for i, content in enumerate(answers):
-        shown = content if content in text else content.split("</think>")[-1].strip()
-        out.append(shown + fam.end_of(last=i == len(answers) - 1))
-    return out
+    return [as_rendered(c, text) + fam.end_of(last=i == len(answers) - 1) for i, c in enumerate(answers)]
+
+
+def training_text(fam, tok, messages: list[dict]) -> str:
+    """The conversation as training tokenizes it: the render, and for a family whose template leaves
+    the last answer without its end-of-turn token (Family.last_end_added), that token after it."""
+    text = tok.apply_chat_template(messages, tokenize=False)
+    return text + fam.end_marker if fam.last_end_added else text
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_trained_tokens_are_each_answer_and_its_end_token(name, family_tokenizer):
     fam, tok = FAMILIES[name], family_tokenizer(name)
     for conv, messages in conversations_for(name).items():
-        text = tok.apply_chat_template(messages, tokenize=False)
+        text = training_text(fam, tok, messages)
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         got = tokenize_example(tok, messages, responses_only=True)
         assert got.ids == enc["input_ids"], f"{name}/{conv}: the training ids are not the rendered text's"

@@ -7,6 +7,7 @@ KEPT_PER_KIND counted, not kept."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -31,8 +32,10 @@ EXTRA = [
 ]
 
 
-def one_row(tok, example, responses_only=True, fold_system=False, final_only=False):
-    """The reference: (ids, trained, text) of one row, or the RowError's message."""
+def one_row(tok, example, responses_only=True, fold_system=False, final_only=False, added_end=None):
+    """The reference: (ids, trained, text) of one row, or the RowError's message. `added_end`: the
+    end-of-turn token a family's template leaves off its last answer (Family.last_end_added), which
+    training puts after it."""
     if isinstance(example, str):
         ids = tok(example, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         return ids, [True] * len(ids), example
@@ -41,6 +44,9 @@ def one_row(tok, example, responses_only=True, fold_system=False, final_only=Fal
         spans = answer_spans(tok, rendered, text)
     except RowError as exc:
         return str(exc)
+    if added_end and spans and spans[-1].end == len(text):
+        text += added_end
+        spans[-1] = dataclasses.replace(spans[-1], end=len(text), ends_at_marker=True, end_added=True)
     spans = spans[-1:] if final_only else spans
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     if not responses_only:
@@ -61,7 +67,9 @@ def test_batched_rows_are_the_one_row_reference(name, family_tokenizer):
         got = tokenize_examples(tok, examples, responses_only, fold, reasoning)
         rejected = 0
         for example, g in zip(examples, got):
-            want = one_row(tok, example, responses_only, fold, reasoning == "final_turn_only")
+            fam = FAMILIES[name]
+            added = fam.end_marker if fam.last_end_added else None
+            want = one_row(tok, example, responses_only, fold, reasoning == "final_turn_only", added)
             if isinstance(want, str):
                 rejected += 1
                 assert isinstance(g, RowError) and str(g) == want, (name, example)

@@ -54,7 +54,11 @@ def one_row_at_a_time(cfg: DataConfig, tok):
                 ids, trained = ids[: cfg.max_seq_len], trained[: cfg.max_seq_len]
                 truncated += 1
             if sum(trained[1:]) == 0:
-                skipped.append((i, "no trained tokens (nothing to learn from this row)"))
+                cut = (
+                    f"the cut at data.max_seq_len ({cfg.max_seq_len} tokens) removed every answer token "
+                    "(the prompt is longer; raise data.max_seq_len)"
+                )
+                skipped.append((i, cut if any(t.trained[1:]) else "no trained tokens (nothing to learn from this row)"))
                 continue
             docs.append(ids)
             masks.append(trained)
