@@ -225,7 +225,7 @@ class _AttnPlan:
     o: Optional[LoRAGroup]
     rope: Optional[Callable]  # kernel apply_rope; None: the torch rotation
     rope_always_inplace: bool  # the forced-Triton path rotates in place even on CPU
-    use_rope: bool = True  # False on SmolLM3's NoPE layers (the module's own `use_rope`)
+    use_rope: bool = True  # False on NoPE layers (SmolLM3's, EXAONE-4's global ones: Arch.uses_rope)
 
 
 def _attention_interface(impl: Optional[str], eager: Callable) -> Callable:
@@ -280,7 +280,7 @@ def _attention_forward(
         q, k = self.q_norm(q), self.k_norm(k)
 
     cos, sin = position_embeddings
-    if not plan.use_rope:  # a layer without position rotation (SmolLM3's NoPE layers)
+    if not plan.use_rope:  # a layer without position rotation (NoPE)
         pass
     elif plan.rope is None:  # transformers' own rotation, op for op (uncounted: rope is off)
         q, k = rope_reference(q, k, cos, sin)
@@ -599,7 +599,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     o=LoRAGroup([lora_parts(module.o_proj)], nf4) if o_reason is None else None,
                     rope=k.apply_rope if rope_reason is None else None,
                     rope_always_inplace=kernel_impl == "triton",
-                    use_rope=bool(getattr(module, "use_rope", True)),
+                    use_rope=arch.uses_rope(module),
                 )
                 _install(module, _attention_forward, plan)
 

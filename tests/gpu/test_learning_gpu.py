@@ -168,6 +168,22 @@ SHAPES = {
         rope_theta=500_000.0,
         max_position_embeddings=65_536,
     ),
+    # EXAONE-4.0-1.2B's layer: a sliding layer (RoPE, a window that cuts the rows) and a global NoPE layer.
+    "exaone4": dict(
+        model_type="exaone4",
+        hidden_size=2048,
+        intermediate_size=4096,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        sliding_window=1024,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=65_536,
+    ),
 }
 
 # Llama's shape with its own output head: the input table may move to host memory.
@@ -298,6 +314,7 @@ CASES = [
     ("ministral", {}, {}, ALL),
     ("arcee", {}, {}, ("lora_linears", "rmsnorm:triton", "rope:triton") + CE + ATTN),
     ("olmo3", {}, {}, ALL),
+    ("exaone4", {}, {}, ALL),
 ]
 
 

@@ -16,7 +16,9 @@ The facts, by the part of the engine that reads them:
   ("projection", OLMo-2/3);
 - attention shape: `qkv_bias` (q/k/v biases whatever `attention_bias` says), `attention_sinks`
   (one learned sink logit per head), `sliding_window` (where the window comes from: "module",
-  or "config" when the module may not carry it), `softcapping` (logit softcap passed to the
+  "config" when the module may not carry it, or "layer_type": the module's window on its sliding
+  layers only, EXAONE-4), `nope_full_layers` (with a window, the full-attention layers take no
+  RoPE: EXAONE-4; SmolLM3's NoPE layers say so themselves, `use_rope`), `softcapping` (logit softcap passed to the
   attention function); GQA and head_dim are config values, read from the config;
 - MLP: `gated_mlp` (gate/up/down; else a plain up -> act -> down);
 - packing: `row_state` (its short convolutions, state-space or linear-attention layers carry state
@@ -105,7 +107,8 @@ class Arch:
     qk_norm_width: Literal["head", "projection"] = "head"
     qkv_bias: bool = False
     attention_sinks: bool = False
-    sliding_window: Optional[Literal["module", "config"]] = None
+    sliding_window: Optional[Literal["module", "config", "layer_type"]] = None
+    nope_full_layers: bool = False
     softcapping: bool = False
     gated_mlp: bool = True
     moe: Optional[MoE] = None
@@ -134,10 +137,20 @@ class Arch:
             window = getattr(module, "sliding_window", None)
             if window is None and self.sliding_window == "config":
                 window = getattr(module.config, "sliding_window", None)
+            if self.sliding_window == "layer_type" and not getattr(module, "is_sliding", False):
+                window = None  # EXAONE-4 sets the window on every module, and uses it on sliding layers
             kwargs["sliding_window"] = window
         if self.softcapping:
             kwargs["softcap"] = getattr(module, "attn_logit_softcapping", None)
         return kwargs
+
+    def uses_rope(self, module: Any) -> bool:
+        """Whether the stock forward of this attention module rotates q and k."""
+        if not getattr(module, "use_rope", True):  # SmolLM3's NoPE layers
+            return False
+        if self.nope_full_layers and getattr(module, "sliding_window", None) is not None:
+            return bool(getattr(module, "is_sliding", False))  # EXAONE-4: global layers are NoPE
+        return True
 
     def logit_scale(self, config: Any) -> float:
         """The factor the stock forward applies to the head's logits (1.0 for most families)."""
