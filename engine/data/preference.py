@@ -28,7 +28,7 @@ from typing import Optional
 from engine.data import plural, shown_row
 from engine.data.formats import ROLE_NAMES
 from engine.data.packing import PackingResult, pack_best_fit_decreasing
-from engine.data.render import ensure_chat_template, render
+from engine.data.render import ensure_chat_template, render, render_closed
 from engine.data.sources import DataError, load_raw
 
 ALIASES = {
@@ -128,7 +128,12 @@ def _ids(tokenizer, messages, generation_prompt=False, fold_system=False) -> lis
 
 
 def _answer_ids(tokenizer, prompt_msgs, prompt_ids, answer_msgs, fold_system=False) -> list[int]:
-    full = _ids(tokenizer, prompt_msgs + answer_msgs, fold_system=fold_system)
+    # With the end-of-turn token a template leaves off the last answer (GLM's <|user|>), as SFT has it.
+    full = list(
+        tokenizer(render_closed(tokenizer, prompt_msgs + answer_msgs, fold_system), add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
     n = 0
     while n < min(len(full), len(prompt_ids)) and full[n] == prompt_ids[n]:
         n += 1

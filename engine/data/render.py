@@ -371,6 +371,22 @@ def _close_last_answers(tokenizer, rendered: list[list], specials: list[str]) ->
         r[2][-1] = AnswerSpan(last.start, last.end + len(closing), True, last.reasoning_dropped, last.end, True)
 
 
+def render_closed(tokenizer, messages: list[dict], fold_system: bool = False) -> str:
+    """render() of a conversation that ends with an answer, with the end-of-turn token the template
+    leaves off that answer put after it, as training puts it (_close_last_answers): what a
+    preference answer's tokens are cut from, so DPO, ORPO, SimPO and KTO teach stopping as SFT does."""
+    text, rendered, _ = render(tokenizer, messages, fold_system)
+    if _marks_generation(tokenizer):
+        return text
+    specials = _special_strings(tokenizer)
+    try:
+        row = [0, text, answer_spans(tokenizer, rendered, text, specials), False, rendered]
+    except RowError:
+        return text  # an answer the template rewrites: its tokens are still what the render adds
+    _close_last_answers(tokenizer, [row], specials)
+    return row[1]
+
+
 def _trained_flags(offsets, spans: list[AnswerSpan]) -> list[bool]:
     """A token is trained when it is not empty and overlaps an answer's span: the test
     `e > s and any(s < span.end and e > span.start)` for every token at once (numpy), since a

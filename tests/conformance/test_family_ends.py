@@ -144,3 +144,17 @@ def test_a_family_trains_from_the_command_line(tmp_path, family_folder, name, ma
     assert " skipped: " not in log  # every row trains (train_cli checks both steps ran and the run finished)
     # GLM drops earlier answers' reasoning as Qwen3 does; Command-R7B keeps it.
     assert ("drops the <think> reasoning of earlier answers in 2 rows" in log) == (name == "glm-4.6")
+
+
+def test_a_preference_answer_gets_the_end_token_the_template_leaves_off(tmp_path, family_tokenizer):
+    import json
+
+    from engine.data.preference import prepare_preference_data
+
+    tok = family_tokenizer("glm-4.6")
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "Capital of Peru?", "chosen": "Lima.", "rejected": "Quito."}) + "\n")
+    data = prepare_preference_data(DataConfig(source=str(path), max_seq_len=128), tok, "paired")
+    _, chosen, rejected = data.examples[0]
+    # What the conversation adds to the prompt (GLM's "\n<think></think>\n" opens the answer), then <|user|>.
+    assert tok.decode(chosen).endswith("\nLima.<|user|>") and tok.decode(rejected).endswith("\nQuito.<|user|>")
