@@ -138,7 +138,10 @@ def _reader(config: Any):
     def get(*names, default=None):
         for n in names:
             for src in (text, config):
-                v = getattr(src, n, None)
+                try:
+                    v = getattr(src, n, None)
+                except Exception:  # Gemma-4 refuses a global read of a per-layer value: take the stored one
+                    v = src.to_dict().get(n)
                 if v is not None:
                     return v
         return default
