@@ -21,6 +21,7 @@ dense path here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -399,6 +400,31 @@ def _set_config_impl(base, name) -> None:
             seen.add(id(cfg))
             if getattr(cfg, "_attn_implementation", None) != name:
                 cfg._attn_implementation = name
+
+
+@contextlib.contextmanager
+def unpacked_attention(model):
+    """The attention implementation from before enable_packed_attention for the duration, then
+    packed again with the same options: what batched padded generation (transformers' generate
+    over left-padded prompts) needs, as no 2-D padding mask reaches the packed function. A model
+    without packed attention is left as it is."""
+    base = hf_model(model)
+    previous = _PREVIOUS.get(base)
+    if previous is None or base.config._attn_implementation != ATTN_NAME:
+        yield
+        return
+    _switch_impl(base, previous)
+    try:
+        yield
+    finally:
+        _switch_impl(base, ATTN_NAME)
+
+
+def _switch_impl(base, name) -> None:
+    try:
+        base.set_attn_implementation(name)
+    except Exception:
+        _set_config_impl(base, name)
 
 
 def disable_packed_attention(model) -> str:

@@ -10,34 +10,47 @@ On a tiny CPU Qwen3 that is ~410 aten ops per layer per token.
 `decode(...)` runs the same model through its own loop instead:
 
 - the KV cache is allocated once at its final length ([B, kv heads, prompt + max_new, head_dim]
-  per layer) and each step writes one slot (`copy_` into a slice; nothing grows);
+  per layer, rounded up to 16 slots) and each step writes one slot (`index_copy_` at a slot
+  held on the device; nothing grows);
 - each layer reuses the fast paths the training forward takes (engine.models.patches' plans):
   the fused LoRA q/k/v and o (`lora_linears`, adapter weights cached per optimizer step), the
   RMSNorm and add+RMSNorm kernels, RoPE, and the patched MLP module; attention is one
-  `scaled_dot_product_attention` over the cache slice, the query heads of each key/value head
-  laid out as the query length (grouped-query attention with no repeated K/V);
+  `scaled_dot_product_attention` over the whole cache under a key mask, the query heads of
+  each key/value head laid out as the query length (grouped-query attention with no repeated
+  K/V);
 - the rotary cos/sin of every generated position are computed once, and the key mask is one
-  [B, S] boolean tensor sliced per step (no per-token mask building);
+  [B, 1, 1, slots] boolean buffer, one slot switched on per step (no per-token mask building).
+  The loop builds its masks itself, so no prompt reads its left padding (the packed attention
+  function gets no padding mask: engine.fastpath.attention.unpacked_attention);
 - the logits are the last position's only; sampling is transformers' own arithmetic, op for
   op (temperature divide, its top-p warper, softmax, one `torch.multinomial` over all rows),
   so a seed gives the same completions as `generate` did;
 - the host reads nothing back per token: whether every row has ended is checked every
-  `STOP_CHECK_EVERY` steps (one sync each), and the tokens come back in one copy at the end.
+  `STOP_CHECK_EVERY` steps (one sync each), and the tokens come back in one copy at the end;
+  the draws made after the last row ended are taken back (the generator's state is kept for
+  each step since the last check), so the RNG then stands where `generate` left it.
 
 Finished rows keep decoding (their input is the pad token, as in `generate`) until the next
 check: dropping them would change the shape of the one multinomial draw per step, so every
 later row's samples would change with the seed, and a fixed batch shape is what a captured
 (CUDA-graph) step would need. On a host-bound GPU a finished row costs nothing measurable.
 
+A layer the fast paths left alone (a CPU run, where the policy turns them off) runs its stock
+modules the same way: PEFT's projections, the stock norms, the torch rotation.
+
 `decode_refusal(model, total_len)` says why a model cannot take this loop (an architecture
-whose attention does more than plain causal softmax attention: softcapping, sinks, a sliding
-window shorter than the sequence; a layer without the attention patch; a sharded model); the
-caller then uses `generate`. It names no architecture: it reads each layer's patch plan.
+outside DECODE_ARCHS, whose forwards scale embeddings, residuals or logits; attention that does
+more than plain causal softmax attention: softcapping, sinks, a sliding window shorter than
+the sequence); the caller then uses `generate`, as it does for a sharded (FSDP) model.
+
+The step is captured as a CUDA graph where `graph_refusal` allows (not for 4-bit bases or
+expert routing); the graph is recorded once per call, as the adapters change every step.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,31 +67,56 @@ PATCH_KIND = "patches"
 STOP_CHECK_EVERY = 8
 
 
+# The architectures whose model and layer forwards are the plain pre-norm decoder this loop
+# repeats (embeddings unscaled, residual adds unscaled, head logits unscaled), each checked
+# against `generate` (tests/engine/train/test_grpo_decoding.py). Others keep `generate`.
+DECODE_ARCHS = frozenset({"llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "smollm3"})
+
+
+@dataclass(frozen=True)
+class _StockAttention:
+    """What the loop reads of an attention module the fast paths left alone: engine.models.
+    patches' plan fields, filled for the stock projections, norms and the torch rotation."""
+
+    qk_norm: bool
+    attn_kwargs: Callable
+    qkv: None = None
+    o: None = None
+    rope: None = None
+    rope_always_inplace: bool = False
+
+
 class _Layers:
     """What the loop reads of a (PEFT-wrapped) causal LM, resolved once per call."""
 
     def __init__(self, model):
+        from engine.models.arch import arch_for
         from engine.models.patches import hf_model
 
         self.hf = hf_model(model)
+        arch = arch_for(self.hf.config.model_type)
         self.decoder = self.hf.get_decoder()
         self.layers = list(self.decoder.layers)
-        self.attn_plans = [_attn_plan(layer) for layer in self.layers]
+        self.attn_plans = [_attn_plan(layer, arch) for layer in self.layers]
         self.layer_plans = [patching.installed(layer, PATCH_KIND) for layer in self.layers]
 
 
-def _attn_plan(layer):
-    attn = getattr(layer, "self_attn", None)
-    patch = None if attn is None else patching.installed(attn, PATCH_KIND)
-    return None if patch is None else patch.plan
+def _attn_plan(layer, arch):
+    """The attention's patch plan, or the stock module's equivalent."""
+    patch = patching.installed(layer.self_attn, PATCH_KIND)
+    return _StockAttention(arch.qk_norm, arch.attn_kwargs) if patch is None else patch.plan
 
 
 def decode_refusal(model, total_len: int) -> Optional[str]:
     """None when `decode` can run `model` for sequences of up to `total_len` tokens, else why not."""
+    from engine.models.arch import arch_for
     from engine.models.patches import hf_model
 
     hf = hf_model(model)
-    cfg = getattr(hf, "config", None)
+    model_type = getattr(getattr(hf, "config", None), "model_type", None)
+    arch = arch_for(model_type)
+    if model_type not in DECODE_ARCHS or arch is None:
+        return f"model_type {model_type!r} is not one the decode loop repeats"
     try:
         decoder = hf.get_decoder()
         layers = list(decoder.layers)
@@ -89,23 +127,13 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
             return f"the decoder has no {name}"
     if getattr(hf, "lm_head", None) is None:
         return "the model has no lm_head"
-    from engine.models.arch import arch_for
-
-    arch = arch_for(getattr(cfg, "model_type", None))
-    if arch is None or arch.logit_scale(cfg) != 1.0:
+    if arch.logit_scale(hf.config) != 1.0:
         return "the head's logits are scaled"
-    if arch.norm_offset:  # Gemma: some transformers versions scale the embeddings in the model's forward
-        return "a Gemma-style model (embeddings scaled by the model's forward)"
     for i, layer in enumerate(layers):
         for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
             if not hasattr(layer, name):
                 return f"layer {i} has no {name}"
-        if hasattr(layer, "pre_feedforward_layernorm") or hasattr(layer, "post_feedforward_layernorm"):
-            return f"layer {i} has sandwich norms"
-        plan = _attn_plan(layer)
-        if plan is None:
-            return f"layer {i}'s attention is not patched (fast paths off for it)"
-        extra = plan.attn_kwargs(layer.self_attn)
+        extra = _attn_plan(layer, arch).attn_kwargs(layer.self_attn)
         window = extra.pop("sliding_window", None)
         if window is not None and window < total_len:
             return f"layer {i} has a sliding window of {window} tokens (< {total_len})"
@@ -241,6 +269,40 @@ def _next_tokens(logits: torch.Tensor, greedy: bool, temperature: float, top_p: 
     return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
+class _RNGTrail:
+    """The sampling generator's state before each draw since the last stop check, so the draws
+    made after every row had ended (up to STOP_CHECK_EVERY - 1 of them) can be taken back:
+    the RNG then moves on exactly as under `generate`, which stopped at that step, and a run's
+    later samples stay the same for a seed. Reading the state is a host copy, no device sync
+    (CUDA's is a seed and an offset)."""
+
+    def __init__(self, device, keep: bool):
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+        self.keep = keep
+        self.states: dict[int, torch.Tensor] = {}
+
+    def _get(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.cuda else torch.get_rng_state()
+
+    def before_draw(self, step: int) -> None:
+        if self.keep:
+            self.states[step] = self._get()
+
+    def forget(self) -> None:
+        self.states.clear()
+
+    def rewind_to(self, step: int) -> None:
+        """The state before `step`'s draw back, when that draw was made."""
+        state = self.states.get(step)
+        if state is None:
+            return
+        if self.cuda:
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+
 class _Step:
     """The decoder layers of one decoding step with static inputs: the embeddings [B, 1, hidden],
     the slot [1], the rotary rows [B, 1, D] and the key mask [B, 1, 1, slots] live in buffers
@@ -354,16 +416,24 @@ def decode(
     unfinished = torch.ones(n, dtype=torch.long, device=device)
     logits = _logits(net, _layers(net, h, cos_p, sin_p, caches, 0, prefill_mask))
     done = max_new_tokens
+    rng = _RNGTrail(device, keep=not greedy)
     for step in range(max_new_tokens):
+        rng.before_draw(step)
         nxt = _next_tokens(logits, greedy, temperature, top_p)
         nxt = nxt * unfinished + pad_id * (1 - unfinished)
         out[:, step] = nxt
         unfinished = unfinished & ~torch.isin(nxt, eos)
         if step + 1 == max_new_tokens:
             break
-        if (step + 1) % STOP_CHECK_EVERY == 0 and not bool(unfinished.any()):
-            done = step + 1
-            break
+        if (step + 1) % STOP_CHECK_EVERY == 0:
+            if not bool(unfinished.any()):
+                # Every row ended at or before this step: generate stopped at the step the last
+                # one ended; the draws after it are taken back, so the RNG moves on as there.
+                last = int(torch.isin(out[:, : step + 1], eos).int().argmax(1).max())
+                rng.rewind_to(last + 1)
+                done = last + 1
+                break
+            rng.forget()
         # The step's inputs into the buffers (copies on the device; the host reads nothing).
         slot = width + step
         step_fn.h.copy_(net.decoder.embed_tokens(nxt[:, None]))

@@ -87,7 +87,18 @@ def sample_completions(
 def generate_completions(
     model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy=False, synced=False
 ):
-    """transformers' `generate` over left-padded prompts: the generated id lists, uncut."""
+    """transformers' `generate` over left-padded prompts: the generated id lists, uncut. The
+    packed attention is switched off around it: it sees no padding mask, so a shorter prompt's
+    tokens would read its padding."""
+    from engine.fastpath.attention import unpacked_attention
+
+    with unpacked_attention(model):
+        return _generate(
+            model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy, synced
+        )
+
+
+def _generate(model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy, synced):
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)

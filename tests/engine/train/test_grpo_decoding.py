@@ -19,9 +19,11 @@ from tests.tiny_models import tiny_model
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], [50]]
 
 
-def patched(model_type="qwen3", **kw):
+def patched(model_type="qwen3", fast=True, **kw):
+    """A tiny LoRA model with the fast paths on (as on a GPU), or stock (the CPU policy's)."""
     model = tiny_model(model_type, lora={}, lora_b_std=0.02, norm_std=0.1, **kw)
-    apply_fast_paths(model, FastPathConfig(), "cpu")
+    if fast:
+        apply_fast_paths(model, FastPathConfig(), "cpu")
     return model.eval()
 
 
@@ -47,9 +49,10 @@ def both(model, group, new, temperature, top_p, eos, greedy=False, seed=3):
 FULL_ATTENTION = {"qwen2": dict(use_sliding_window=False), "mistral": dict(sliding_window=4096)}
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama", "qwen2", "mistral", "smollm3"])
-def test_sampled_and_greedy_completions_equal_generates_for_a_seed(model_type):
-    model = patched(model_type, **FULL_ATTENTION.get(model_type, {}))
+@pytest.mark.parametrize("fast", [True, False], ids=["patched", "stock"])
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "qwen2", "mistral", "smollm3", "qwen3_moe"])
+def test_sampled_and_greedy_completions_equal_generates_for_a_seed(model_type, fast):
+    model = patched(model_type, fast=fast, **FULL_ATTENTION.get(model_type, {}))
     assert decoding.decode_refusal(model, 64) is None  # the loop runs, not the fallback
     eos = {10**6}  # no end: every row runs to max_new_tokens
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
@@ -73,23 +76,45 @@ def test_rows_end_at_their_first_end_token_as_with_generate():
     assert min(lengths) < 20 and max(lengths) == 20
 
 
-def test_the_loop_stops_at_its_next_check_once_every_row_has_ended():
+def test_the_loop_stops_at_its_next_check_once_every_row_has_ended(monkeypatch):
     model = patched()
     vocab = model.get_input_embeddings().weight.shape[0]
     eos = set(range(vocab))  # every first token ends its row
+    forwards = []
+    logits = decoding._logits
+    monkeypatch.setattr(decoding, "_logits", lambda *a: forwards.append(1) or logits(*a))
     with torch.no_grad():
         torch.manual_seed(3)
         rows = decoding.decode(model, PROMPTS, 2, 40, 1.0, 1.0, eos, 0, "cpu")
-    assert all(len(r) == decoding.STOP_CHECK_EVERY for r in rows)  # not 40 steps
-    assert all(t == 0 for r in rows for t in r[1:])  # ended rows hold the pad id
-    ours, ref = both(model, 2, 40, 1.0, 1.0, eos)
-    assert ours == ref and all(len(c) == 1 for c in ours)
+    assert len(forwards) == decoding.STOP_CHECK_EVERY  # the prompt's and 7 steps' (not 40)
+    assert all(len(r) == 1 for r in rows)  # generate's length: up to the step the last row ended
+
+
+@pytest.mark.parametrize("vocab_share", [1, 2])
+def test_after_an_early_end_the_rng_moves_on_as_after_generate(vocab_share):
+    """The draws made between the last row's end and the stop check are taken back: the
+    completions and the next random numbers equal generate's, so a run's later steps do too."""
+    model = patched()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    eos = set(range(0, vocab, vocab_share))  # every token, or every other one, ends a row
+    with torch.no_grad():
+        outs = []
+        for fn in (sample_completions, generate_completions):
+            torch.manual_seed(5)
+            first = fn(model, PROMPTS, 4, 30, 1.0, 1.0, eos, 0, "cpu")
+            second = fn(model, PROMPTS, 4, 30, 1.0, 1.0, eos, 0, "cpu")
+            outs.append((cut(first, eos), cut(second, eos), torch.rand(4)))
+    (a1, a2, ar), (b1, b2, br) = outs
+    assert a1 == b1 and a2 == b2
+    assert torch.equal(ar, br)
+    if vocab_share == 2:
+        assert max(map(len, a1)) > 1  # rows ended at different steps
 
 
 @pytest.mark.parametrize("model_type", ["gemma", "gemma2"])
 def test_a_model_the_loop_refuses_samples_through_generate(model_type):
     model = patched(model_type, attn="eager")
-    assert "Gemma" in decoding.decode_refusal(model, 64)
+    assert model_type in decoding.decode_refusal(model, 64)
     ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
     assert ours == ref
 
@@ -138,3 +163,20 @@ def test_a_decoding_step_runs_fewer_ops_than_generates():
     ours = (ops_per_step(sample_completions, 24) - ops_per_step(sample_completions, 8)) / 16
     ref = (ops_per_step(generate_completions, 24) - ops_per_step(generate_completions, 8)) / 16
     assert ours < 0.85 * ref, (ours, ref)
+
+
+def test_with_packed_attention_on_no_prompt_reads_its_padding():
+    """The session runs with packed attention, which sees no padding mask: generate is switched
+    off it for the call (and back after), and the loop builds its own mask; both give each
+    prompt's greedy answer as it gets alone."""
+    from engine.fastpath.attention import ATTN_NAME, enable_packed_attention
+
+    model = patched("llama")
+    assert enable_packed_attention(model) == "on"
+    eos = {10**6}
+    with torch.no_grad():
+        alone = [generate_completions(model, [p], 1, 12, 1.0, 1.0, eos, 0, "cpu", True)[0] for p in PROMPTS]
+        batched = generate_completions(model, PROMPTS, 1, 12, 1.0, 1.0, eos, 0, "cpu", True)
+        ours = sample_completions(model, PROMPTS, 1, 12, 1.0, 1.0, eos, 0, "cpu", True)
+    assert batched == alone and ours == alone
+    assert model.config._attn_implementation == ATTN_NAME
