@@ -45,12 +45,16 @@ def both(model, group, new, temperature, top_p, eos, greedy=False, seed=3):
     return ours, cut(ref, eos)
 
 
-# The tiny Qwen2 and Mistral configs have an 8-token window, which the loop refuses (below).
-FULL_ATTENTION = {"qwen2": dict(use_sliding_window=False), "mistral": dict(sliding_window=4096)}
+# The tiny Qwen2, Mistral and Ministral configs have an 8-token window, which the loop refuses (below).
+FULL_ATTENTION = {
+    "qwen2": dict(use_sliding_window=False),
+    "mistral": dict(sliding_window=4096),
+    "ministral": dict(layer_types=["full_attention", "full_attention"]),
+}
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["patched", "stock"])
-@pytest.mark.parametrize("model_type", ["qwen3", "llama", "qwen2", "mistral", "smollm3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", sorted(decoding.DECODE_ARCHS))
 def test_sampled_and_greedy_completions_equal_generates_for_a_seed(model_type, fast):
     model = patched(model_type, fast=fast, **FULL_ATTENTION.get(model_type, {}))
     assert decoding.decode_refusal(model, 64) is None  # the loop runs, not the fallback
@@ -119,7 +123,7 @@ def test_a_model_the_loop_refuses_samples_through_generate(model_type):
     assert ours == ref
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral", "ministral"])
 def test_a_sliding_window_shorter_than_the_sequence_is_refused_and_generate_samples(model_type):
     model = patched(model_type)  # windows of 8 tokens
     assert "sliding window of 8" in decoding.decode_refusal(model, 64)
