@@ -6,6 +6,7 @@ fallback), no host read-back per token, and fewer ops per decoding step than `ge
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 import torch
@@ -184,3 +185,18 @@ def test_with_packed_attention_on_no_prompt_reads_its_padding():
         ours = sample_completions(model, PROMPTS, 1, 12, 1.0, 1.0, eos, 0, "cpu", True)
     assert batched == alone and ours == alone
     assert model.config._attn_implementation == ATTN_NAME
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on a CPU")
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_with_the_triton_kernels_the_loop_equals_generate(model_type):
+    """The GPU's layer: Triton RMSNorm, add+RMSNorm and RoPE (in place, on private copies of q
+    and k) through the interpreter, in the loop as in the training forward."""
+    model = tiny_model(model_type, lora={}, lora_b_std=0.02, norm_std=0.1)
+    assert set(apply_fast_paths(model, FastPathConfig(), "cpu", kernel_impl="triton").values()) == {"on"}
+    model.eval()
+    assert decoding.decode_refusal(model, 64) is None
+    ours, ref = both(model, 4, 10, 0.7, 0.9, {10**6})
+    assert ours == ref
+    ours, ref = both(model, 1, 10, 1.0, 1.0, {10**6}, greedy=True)
+    assert ours == ref
