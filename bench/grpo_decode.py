@@ -5,16 +5,18 @@ its time generating, host-bound. This times one group's generation three ways on
 (random bf16 weights built on the device, PEFT LoRA r=16 on every linear layer with random B,
 the engine's fast paths applied, as a run has them), in one process with the same prompts:
 
-- `generate`: transformers' generate, as GRPO sampled before engine.train.decoding
-  (engine.train.objectives.grpo.generate_completions);
+- `old`: transformers' generate with the engine's packed attention on, exactly as GRPO
+  sampled inside a run before engine.train.decoding (the KV-cache steps took the packed
+  function's dense fallback; and it read left padding, see unpacked_attention);
+- `generate`: transformers' generate with sdpa, as GRPO's fallback now runs it (not by default);
 - `eager`: the engine's decode loop with its step run op by op;
 - `graph`: the same loop with its step captured as a CUDA graph (the default on CUDA).
 
 Each is run once short (warm-up: Triton compiles, cuBLAS) and then timed. Prints one JSON line
 per way (seconds, ms per decoding step, completions/s) and whether eager and graph sampled the
-same tokens for the same seed. Takes about a minute on an H200 (most of it `generate`).
+same tokens for the same seed. Takes about a minute on an H200 (most of it `old`).
 
-    python -m bench.grpo_decode [--max-new 256] [--prompts 8] [--group 8] [--skip generate]
+    python -m bench.grpo_decode [--max-new 256] [--prompts 8] [--group 8] [--ways old,generate,eager,graph]
 """
 
 from __future__ import annotations
@@ -57,10 +59,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--skip", default="", help="comma-separated ways to leave out: generate,eager,graph")
+    ap.add_argument("--ways", default="old,eager,graph", help="comma-separated: old,generate,eager,graph")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run on the tiny CPU model")
     args = ap.parse_args(argv)
-    skip = {s for s in args.skip.split(",") if s}
+    ways = [w for w in args.ways.split(",") if w]
     dev = args.device
     cuda = torch.device(dev).type == "cuda"
 
@@ -80,7 +82,16 @@ def main(argv=None) -> int:
     def way(name):
         def fn(new):
             report = {}
-            if name == "generate":
+            if name == "old":
+                from engine.fastpath.attention import disable_packed_attention, enable_packed_attention
+                from engine.train.objectives.grpo import _generate
+
+                enable_packed_attention(model)
+                try:
+                    rows = _generate(model, prompts, args.group, new, 1.0, 1.0, eos, pad, dev, False, False)
+                finally:
+                    disable_packed_attention(model)
+            elif name == "generate":
                 rows = generate_completions(model, prompts, args.group, new, 1.0, 1.0, eos, pad, dev)
             else:
                 graphs = None if name == "graph" else False
@@ -93,9 +104,7 @@ def main(argv=None) -> int:
 
     tokens = {}
     with torch.no_grad():
-        for name in ("generate", "eager", "graph"):
-            if name in skip:
-                continue
+        for name in ways:
             fn = way(name)
             torch.manual_seed(0)
             fn(4)  # warm-up
