@@ -162,13 +162,16 @@ def _renders(apply, messages: list[dict]) -> bool:
 
 
 class _Specials(list):
-    """The tokenizer's special strings, longest first, with the pairs of adjacent characters inside
-    them: a text position whose two neighbours are no such pair cannot be inside a special token
-    (the cheap test _cuts_special makes before looking)."""
+    """The tokenizer's special strings, longest first, and for each pair of adjacent characters the
+    specials that hold it: a text position inside a special token has such a pair around it, so
+    _cuts_special looks only at those specials (none, for the usual "\nA" or ".<" at an answer's ends)."""
 
     def __init__(self, strings):
         super().__init__(strings)
-        self.pairs = {s[k : k + 2] for s in self for k in range(len(s) - 1)}
+        self.by_pair: dict[str, list[str]] = {}
+        for s in self:
+            for pair in {s[k : k + 2] for k in range(len(s) - 1)}:
+                self.by_pair.setdefault(pair, []).append(s)
 
 
 def _special_strings(tokenizer) -> list[str]:
@@ -184,10 +187,10 @@ def _cuts_special(text: str, at: int, specials: list[str]) -> bool:
     """Whether position `at` falls inside a special token written in `text` (between two of its
     characters): a match starting or ending there is part of the token's name, not of a message
     (the answer "OK" inside Cohere's <|END_OF_TURN_TOKEN|>)."""
-    pairs = getattr(specials, "pairs", None)
-    if at <= 0 or at >= len(text) or (pairs is not None and text[at - 1 : at + 1] not in pairs):
+    if at <= 0 or at >= len(text):
         return False
-    for s in specials:
+    by_pair = getattr(specials, "by_pair", None)
+    for s in specials if by_pair is None else by_pair.get(text[at - 1 : at + 1], ()):
         k = text.find(s, max(0, at - len(s) + 1), at + len(s) - 1)
         if 0 <= k < at:
             return True
@@ -294,11 +297,46 @@ def _generation_spans(tokenizer, messages: list[dict], specials: list[str]) -> t
         **getattr(tokenizer, "special_tokens_map", {}),
     )
     text = rendered[0]
+    opening = _generation_opening(tokenizer, messages)
     spans = []
     for start, end in indices[0]:
-        ends = any(text[start:end].rstrip().endswith(s) for s in specials)
-        spans.append(AnswerSpan(start, end, ends, False))
+        # Poolside's Laguna blocks open with the assistant's header, which the generation prompt
+        # already holds: the model never writes it, so it is not trained.
+        skip = _opening_at(text, start, opening)
+        if skip and start + skip < end:
+            start += skip
+        # LFM2.5's and Laguna's blocks run past the end-of-turn token to the newline before the next
+        # turn: that separator is the template's, not the answer's.
+        kept = text[start:end].rstrip()
+        ends = any(kept.endswith(s) for s in specials)
+        spans.append(AnswerSpan(start, start + len(kept) if ends else end, ends, False))
     return text, spans
+
+
+def _opening_at(text: str, at: int, opening: str) -> int:
+    """How much of the generation prompt's opening starts the block at `at`: all of it, or the part
+    the two share up to a token's end (a blank, or a marker's closing '>' or ']'): Laguna-XS's prompt
+    is "<assistant>\n</think>", its block with the answer's own reasoning "<assistant>\n<think>..."."""
+    n = 0
+    while n < len(opening) and at + n < len(text) and text[at + n] == opening[n]:
+        n += 1
+    while 0 < n < len(opening) and not (opening[n - 1].isspace() or opening[n - 1] in ">]"):
+        n -= 1
+    return n
+
+
+def _generation_opening(tokenizer, messages: list[dict]) -> str:
+    """What the generation prompt adds before the first answer (its header: "<assistant>\n</think>"),
+    or "" when the template does not render the prompt as a prefix of the conversation."""
+    first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), 0)
+    if first == 0:
+        return ""
+    try:
+        before = tokenizer.apply_chat_template(messages[:first], tokenize=False)
+        prompt = tokenizer.apply_chat_template(messages[:first], tokenize=False, add_generation_prompt=True)
+    except _template_errors():
+        return ""
+    return prompt[len(before) :] if prompt.startswith(before) else ""
 
 
 def trained_spans(tokenizer, messages: list[dict], fold_system: bool = False) -> tuple[str, list[AnswerSpan]]:

@@ -407,11 +407,15 @@ class Reference:
 # -- lints shared by the kinds -----------------------------------------------------------------
 def turn_end_token(tokenizer) -> Optional[int]:
     """The token right after an assistant message's content in the template (<|im_end|>,
-    <|eot_id|>, </s> ...), when it is a special token; None when the template ends turns with text."""
+    <|eot_id|>, </s> ...), when it is a special token; None when the template ends turns with text.
+    A template that leaves it off the last answer (GLM's <|user|>) gives the one training puts there
+    (engine.data.render.render_closed), so the export stops where the model learned to."""
+    from engine.data.render import render_closed
+
     marker = "\x01TUNESMITH\x01"
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
     try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False)
+        text = render_closed(tokenizer, msgs)
     except Exception:  # templates may refuse odd conversations; then there is nothing to check
         return None
     tail = text.split(marker, 1)[-1] if marker in text else ""

@@ -158,3 +158,29 @@ def test_a_preference_answer_gets_the_end_token_the_template_leaves_off(tmp_path
     _, chosen, rejected = data.examples[0]
     # What the conversation adds to the prompt (GLM's "\n<think></think>\n" opens the answer), then <|user|>.
     assert tok.decode(chosen).endswith("\nLima.<|user|>") and tok.decode(rejected).endswith("\nQuito.<|user|>")
+
+
+def test_an_export_stops_on_the_end_token_training_added(family_tokenizer):
+    # The merged export's generation_config and the Modelfile's stops take the template's end of turn.
+    from engine.export.modelfile import stop_tokens
+    from engine.export.selfcheck import turn_end_token
+
+    tok = family_tokenizer("glm-4.6")
+    assert tok.convert_ids_to_tokens(turn_end_token(tok)) == "<|user|>"
+    assert stop_tokens(tok, []) == ["<|endoftext|>", "<|user|>"]
+
+
+@pytest.mark.parametrize(
+    "name, shown",
+    [
+        ("laguna-xs", "\nAir scatters blue light more than red light.\n</assistant>"),
+        ("lfm2.5-moe", "Air scatters blue light more than red light.<|im_end|>"),
+    ],
+)
+def test_generation_blocks_train_neither_the_prompts_header_nor_the_newline_after(name, shown, family_tokenizer):
+    # Both templates mark answers with {% generation %}: Laguna's block opens with "<assistant>\n</think>",
+    # which the generation prompt holds; both run on to the newline after the end-of-turn token.
+    tok = family_tokenizer(name)
+    assert "{%- generation -%}" in tok.chat_template
+    t = tokenize_example(tok, CONVERSATIONS["single"])
+    assert trained_pieces(tok, t) == [shown]

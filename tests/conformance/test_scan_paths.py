@@ -14,7 +14,7 @@ import pytest
 
 from engine.api import RunConfig, load_tokenizer
 from engine.data import scan, xray
-from engine.data.render import RowError, answer_spans, render, tokenize_example, tokenize_examples
+from engine.data.render import RowError, answer_spans, render, tokenize_example, tokenize_examples, trained_spans
 from tests.conformance.conversations import CONVERSATIONS
 from tests.conformance.families import FAMILIES
 
@@ -41,7 +41,9 @@ def one_row(tok, example, responses_only=True, fold_system=False, final_only=Fal
         return ids, [True] * len(ids), example
     try:
         text, rendered, _ = render(tok, example, fold_system)
-        spans = answer_spans(tok, rendered, text)
+        # A template with {% generation %} blocks marks the answers itself (render.trained_spans).
+        spans = trained_spans(tok, example, fold_system)[1] if "generation" in tok.chat_template else None
+        spans = answer_spans(tok, rendered, text) if spans is None else spans
     except RowError as exc:
         return str(exc)
     if added_end and spans and spans[-1].end == len(text):
