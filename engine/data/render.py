@@ -168,6 +168,7 @@ class _Specials(list):
 
     def __init__(self, strings):
         super().__init__(strings)
+        self.firsts = {s[0] for s in self}  # what a special token can start with
         self.by_pair: dict[str, list[str]] = {}
         for s in self:
             for pair in {s[k : k + 2] for k in range(len(s) - 1)}:
@@ -206,6 +207,9 @@ def _find(text: str, needle: str, pos: int, specials: list[str]) -> int:
 
 
 def _special_at(text: str, at: int, specials: list[str]) -> int:
+    firsts = getattr(specials, "firsts", None)
+    if firsts is not None and (at >= len(text) or text[at] not in firsts):
+        return -1
     for s in specials:
         if text.startswith(s, at):
             return at + len(s)
@@ -218,8 +222,9 @@ def _end_marker(text: str, at: int, specials: list[str], eos: str | None = None)
     <|END_RESPONSE|><|END_OF_TURN_TOKEN|>, Command-A's <|END_TEXT|><|END_OF_TURN_TOKEN|>), ends after
     the EOS: the model has to write them all to stop. A row of specials without the EOS ends after
     the first (<|eot_id|><|start_header_id|>: the second opens the next turn)."""
-    end = _special_at(text, _GAP.match(text, at).end(), specials)
-    if end < 0 or not eos:
+    gap = _GAP.match(text, at).end()
+    end = _special_at(text, gap, specials)
+    if end < 0 or not eos or text[gap:end] == eos:
         return end
     first, at = end, end
     while (nxt := _special_at(text, at, specials)) >= 0:
