@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from engine.export import gguf as gguf_kind
-from tests.conformance.families import FAMILIES, build_family_folder, conversations_for
+from tests.conformance.families import EXPORT_FAMILIES, FAMILIES, build_family_folder, conversations_for
 
 GGUF_MISSING = gguf_kind.missing()
 pytestmark = [
@@ -86,7 +86,7 @@ def make_run(name: str, root: Path) -> Path:
     return run
 
 
-@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in NOT_CONVERTED])
+@pytest.mark.parametrize("name", [n for n in EXPORT_FAMILIES if n not in NOT_CONVERTED])
 def test_gguf_q8_0_of_the_family_is_verified(name, tmp_path, monkeypatch):
     from engine.export import export_and_check, modelfile, selfcheck
 
