@@ -176,8 +176,10 @@ class FastPathConfig:
     keep_attention: bool = True
     # With offload: the recompute of each layer makes only what its backward needs (no MLP
     # down projection, no layer output; gate/up remade a row tile at a time in the backward):
-    # less memory at the backward's peak and fewer matmuls (engine.fastpath.recompute).
-    lean_recompute: bool = True
+    # less memory at the backward's peak and fewer matmuls (engine.fastpath.recompute), for more
+    # small launches. auto: on for models whose step is bound by compute, not launches
+    # (hidden size >= engine.train.step.LEAN_RECOMPUTE_MIN_HIDDEN).
+    lean_recompute: Union[bool, Literal["auto"]] = "auto"
     # The frozen embedding table in host memory (engine.fastpath.host_embed; a tied head
     # streams it, engine.fastpath.host_head): auto moves it when the pre-flight or a step runs
     # out of memory (untied first: no speed cost; tied after the free changes: a copy of the

@@ -114,7 +114,7 @@ class MemorySettings:
                 mode,
                 self.device,
                 bool(self.config.fast_paths.keep_attention),
-                bool(self.config.fast_paths.lean_recompute),
+                self.config.fast_paths.lean_recompute,
             )
             changed.append(f"{mode} offload")
         if changed:
@@ -210,7 +210,7 @@ class MemorySettings:
                 after,
                 self.device,
                 bool(self.config.fast_paths.keep_attention),
-                bool(self.config.fast_paths.lean_recompute),
+                self.config.fast_paths.lean_recompute,
             )
             what = f"{after} offload on"
         self.announce(change, phase, step, what, why)

@@ -104,8 +104,10 @@ def prepare_model(
     if gradient_checkpointing:
         _checkpoint_layers(base)
     offloader, report["offload"] = _install_offload(
-        base, offload, device, gradient_checkpointing, bool(fast_paths.keep_attention), bool(fast_paths.lean_recompute)
+        base, offload, device, gradient_checkpointing, bool(fast_paths.keep_attention), fast_paths.lean_recompute
     )
+    lean, why = lean_recompute_choice(fast_paths.lean_recompute, base)
+    report["lean_recompute"] = f"{'on' if lean else 'off'}: {why}" if offloader is not None else "off: no offload"
     return PreparedModel(model, offloader, _say_policy_offs(report, auto_reasons or {}))
 
 
@@ -165,7 +167,28 @@ def enable_checkpointing(model) -> bool:
     return True
 
 
-def install_offload(model, mode: str, device, keep_attention: bool = True, lean_recompute: bool = True):
+# fast_paths.lean_recompute "auto": on from this hidden size. Measured on the H200 in one run each
+# (bench --ours-variants all-on,lean_recompute=false, docs/gpu-test-log.md 2026-12-02): Qwen3-8B
+# (hidden 4,096) 12,702 against 11,682 tok/s and 17.53 against 18.41 GiB; Qwen3-0.6B (1,024) and
+# Llama-3.2-1B (2,048), whose steps are bound by kernel launches, 45,122 against 55,266 and 44,756
+# against 52,995 tok/s: the row tiles' extra launches cost more than the skipped matmul saves.
+LEAN_RECOMPUTE_MIN_HIDDEN = 4096
+
+
+def lean_recompute_choice(setting, base) -> tuple[bool, str]:
+    """(whether offload's recompute is lean, why) for fast_paths.lean_recompute on this model."""
+    if setting != AUTO:
+        return bool(setting), "set in config"
+    hidden = int(getattr(base.config, "hidden_size", 0) or 0)
+    if hidden >= LEAN_RECOMPUTE_MIN_HIDDEN:
+        return True, f"hidden size {hidden:,} >= {LEAN_RECOMPUTE_MIN_HIDDEN:,}: fewer matmuls, lower peak"
+    return (
+        False,
+        f"hidden size {hidden:,} < {LEAN_RECOMPUTE_MIN_HIDDEN:,}: launch-bound, the row tiles cost more",
+    )
+
+
+def install_offload(model, mode: str, device, keep_attention: bool = True, lean_recompute=AUTO):
     """Offloaded checkpointing on a prepared model whose checkpointing is already on (the
     session's last resort when a step runs out of memory); (the ActivationOffloader or None,
     its report line)."""
@@ -173,7 +196,7 @@ def install_offload(model, mode: str, device, keep_attention: bool = True, lean_
 
 
 def _install_offload(
-    base, mode: str, device: torch.device, gradient_checkpointing: bool, keep_attention: bool, lean: bool = True
+    base, mode: str, device: torch.device, gradient_checkpointing: bool, keep_attention: bool, lean=AUTO
 ):
     """(the installed ActivationOffloader or None, its report line)."""
     from engine.fastpath.offload import ActivationOffloader, decoder_layers
@@ -189,6 +212,7 @@ def _install_offload(
     layers = decoder_layers(base)
     if not layers:
         return None, f"off: {type(base).__name__} has no checkpointed decoder layers"
+    lean = lean_recompute_choice(lean, base)[0]
     offloader = ActivationOffloader(mode, device, keep_attention_allowed=keep_attention, lean_recompute=lean)
     offloader.install(layers)
     where = "" if device.type == "cuda" else " (CPU: the copies stay in host memory and save nothing)"
