@@ -136,9 +136,19 @@ def setup_ours_method(variant: str, fields: dict):
         if wl.kind == "grpo":
             options.update(
                 rewards=describe_rewards(wl),
-                generation="transformers generate, KV cache, adapters on (engine.train.objectives.grpo)",
+                generation=_generation_way(peft, wl),
                 tokenizer=tok.name_or_path,
             )
         return Prepared(step, options, extra, keep=[peft, opt, host, objective])
 
     return setup
+
+
+def _generation_way(model, wl) -> str:
+    """How GRPO's groups are sampled here: the engine's decode loop, or generate where it refuses."""
+    from engine.train.decoding import decode_refusal
+
+    refusal = decode_refusal(model, int(wl.extra.get("max_tokens", 0)) + int(wl.extra["max_new_tokens"]))
+    if refusal is None:
+        return "the engine's decode loop (engine.train.decoding: preallocated KV cache, CUDA graph), adapters on"
+    return f"transformers generate, KV cache, adapters on ({refusal})"
