@@ -69,6 +69,10 @@ class RunFolder(RunLayout):
         """A process is training this run: running.lock names a live process (records.lock_is_live)."""
         return records.lock_is_live(self)
 
+    def trained_elsewhere(self) -> bool:
+        """Another live process is training this run (records.locked_by_another_process)."""
+        return records.locked_by_another_process(self)
+
     # -- history (the Runs page; engine.runs.history) -------------------------------------------
     def last_write(self) -> Optional[float]:
         """When the run's own files were last written (metrics.jsonl, log.txt), or None."""

@@ -119,6 +119,18 @@ def remove_lock(run: RunLayout) -> None:
         pass
 
 
+def locked_by_another_process(run: RunLayout) -> bool:
+    """running.lock names a live process that is not this one: another process is training the run
+    (a lock of this process is one its own earlier session left, which the next may take over)."""
+    if not lock_is_live(run):
+        return False
+    try:
+        info = json.loads(run.lock_file.read_text(encoding="utf-8"))
+        return not (int(info["pid"]) == os.getpid() and info.get("host") in (None, socket.gethostname()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def lock_is_live(run: RunLayout) -> bool:
     """running.lock names a process that is alive (on this machine; a lock from another host is
     taken at its word). A run whose process was killed leaves a lock whose pid is gone: not live."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from engine.config import ConfigError, RunConfig
-from engine.runs import RunFolder, new_run_folder
+from engine.runs import RunFolder, RunFolderError, new_run_folder
 from engine.train.distributed import DistContext, share_from_main
 from engine.train.objectives import objective_for
 
@@ -94,6 +94,12 @@ def plan_run_folder(
     note = ""
     if resume_from is not None:
         folder = RunFolder.of(resume_from)
+        if dist.is_main and folder.trained_elsewhere():
+            # Two processes appending to one run's files and checkpoints would corrupt both.
+            raise RunFolderError(
+                f"{folder.path} is being trained by another process (its running.lock names a live one): "
+                "stop that run first, or resume it from the window that runs it"
+            )
         if dist.is_main:
             folder.check_writable(disk_free)
         return folder, note
