@@ -32,6 +32,13 @@ base's size once, plus a layer in flight per rank. Weights that need a dtype con
 or fp32 folder trained in bf16) become private copies, so then N times the base's size (not
 measured).
 
+A family whose layers carry state along a row (Arch.row_state: LFM2, Jamba, Nemotron-H, Qwen3.5,
+...) is refused too (`row_state_refusal`): engine.train.step runs each document of its packed rows
+as its own forward, every forward gathers each layer from all ranks, and ranks holding different
+numbers of documents would call different numbers of gathers and wait on each other forever. DDP
+has no such wait: its one collective, the gradients' all-reduce, runs once per backward whatever
+the forwards inside it (tests/engine/train/test_fsdp_row_state.py runs two gloo ranks that way).
+
 A 4-bit base is refused up front (engine.config.FSDP_4BIT_REFUSAL). Tried with bitsandbytes 0.50
 on gloo: fully_shard turns a Params4bit (quant_storage bf16) into a plain DTensor and the gathered
 weight comes back without its quant_state ("quant_state is required" in the forward); with the
@@ -42,7 +49,7 @@ read the weight's state, and loading would quantize the whole base on every GPU 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -84,12 +91,38 @@ def mesh_for(device: torch.device, world_size: int):
     return init_device_mesh("cuda" if device.type == "cuda" else "cpu", (world_size,))
 
 
+def row_state_refusal(model_type: Optional[str]) -> Optional[str]:
+    """Why FSDP cannot train `model_type` (a sentence naming it), or None when it can (also for a
+    model_type the engine has no file for: those pack their rows whole)."""
+    from engine.models.arch import arch_for
+
+    arch = arch_for(model_type)
+    if arch is None or not arch.row_state:
+        return None
+    return (
+        f"fsdp cannot train {model_type}: its layers carry state along a row, so each document of a "
+        "packed row is its own forward, and under FSDP every forward gathers each layer from all GPUs; "
+        "GPUs holding different numbers of documents would wait on each other forever. Use DDP "
+        "(training.distributed: ddp; with model.load_in_4bit: true if the 16-bit base does not fit one "
+        "GPU) or one GPU"
+    )
+
+
 def shard(model: nn.Module, loss_fn: Callable, device: torch.device, world_size: int) -> LossModule:
     """fully_shard each decoder layer, then the loss module around `model` as the root; returns
     the root, whose forward(batch, normalizer) is the loss. `model` may sit on the CPU (or the
-    meta device): each unit moves to `device` when it is sharded, one layer at a time."""
+    meta device): each unit moves to `device` when it is sharded, one layer at a time.
+    Refuses (ConfigError) a model `row_state_refusal` refuses: the run's setup refused it before
+    loading when its config.json was on disk; this is the check for one that was not."""
     from torch.distributed.fsdp import fully_shard
 
+    from engine.peft_model import hf_model
+
+    why = row_state_refusal(getattr(hf_model(model).config, "model_type", None))
+    if why:
+        from engine.config import ConfigError
+
+        raise ConfigError("training.distributed", why)
     mesh = mesh_for(device, world_size)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)

@@ -56,17 +56,24 @@ def configure(
     config = policy.apply_defaults(config, profile, info, dist.world_size)
     # What the run learns (training.method): the session asks it and never tests which it is.
     objective = objective_for(config)
-    device = torch.device(dist.device(config.training.device))
-    dist.init(device)
-    why = dist.check_plan(config.training.grad_accum)
-    if why:
-        raise ConfigError(why)
-    # FSDP2 for a base over one card (engine.train.fsdp); one process ignores the setting.
+    # FSDP2 for a base over one card (engine.train.fsdp); one process ignores the setting. Its
+    # refusals come before the process group is joined: every rank raises the same, none waits.
     fsdp = dist.enabled and config.training.distributed == "fsdp"
     if fsdp and config.model.load_in_4bit is True:
         from engine.config import FSDP_4BIT_REFUSAL
 
         raise ConfigError("training.distributed", FSDP_4BIT_REFUSAL)
+    if fsdp and info is not None:  # a config.json not at hand: engine.train.fsdp.shard checks after loading
+        from engine.train.fsdp import row_state_refusal
+
+        why = row_state_refusal(info.model_type)
+        if why:
+            raise ConfigError("training.distributed", why)
+    device = torch.device(dist.device(config.training.device))
+    dist.init(device)
+    why = dist.check_plan(config.training.grad_accum)
+    if why:
+        raise ConfigError(why)
     folder, note = plan_run_folder(config, dist, resume_from, run_dir, disk_free)
     # An earlier adapter to start from (lora.init_adapter), found before the run folder is made;
     # a resume takes its adapter from the checkpoint instead.
