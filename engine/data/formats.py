@@ -2,7 +2,8 @@
 
 Shapes: instruction / input / output (Alpaca-style, also prompt/response, question/answer);
 conversations as a list of messages in OpenAI form ({role, content}) or ShareGPT form
-({from, value}); plain text. `data.columns` maps the canonical names onto the file's columns.
+({from, value}), an answer's reasoning in its content (<think>...</think>) or in a field of its own
+(REASONING_FIELDS); plain text. `data.columns` maps the canonical names onto the file's columns.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ ROLE_NAMES = {
     "system": "system",
     "tool": "tool",
 }
+# Fields a message may carry its reasoning in, apart from its content: OpenAI-style
+# `reasoning_content`, Hugging Face's `reasoning` / `thinking` (the first one set is read).
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 KNOWN_KEYS = {"instruction", "input", "output", "system", "messages", "text"}
 
 
@@ -170,6 +174,28 @@ def _text(value, what: str) -> str:
     return value
 
 
+def _reasoning_of(msg: dict, i: int, message: dict) -> dict:
+    """The reasoning a message carries in a field of its own ({"reasoning": text, "reasoning_field":
+    the field's name}), or {}: engine.data.render hands it to the chat template under the name the
+    template reads. An empty or null field is no reasoning (files write "reasoning_content": null)."""
+    found = [(name, msg[name]) for name in REASONING_FIELDS if msg.get(name) not in (None, "")]
+    if not found:
+        return {}
+    name, text = found[0]
+    for other, value in found:
+        if not isinstance(value, str):
+            raise ValueError(f"message {i} field '{other}' is {type(value).__name__}, not text")
+        if value != text:
+            raise ValueError(f"message {i} has reasoning in both '{name}' and '{other}', and they differ: keep one")
+    if message["role"] != "assistant":
+        role = message["role"]
+        raise ValueError(f"message {i} ({role}) has reasoning in '{name}': only an answer's reasoning is trained")
+    if "<think>" in message["content"] or "</think>" in message["content"]:
+        # Two reasonings for one answer: which one to train is not ours to guess.
+        raise ValueError(f"message {i} has reasoning in '{name}' and a <think> block in its content: keep one")
+    return {"reasoning": text, "reasoning_field": name}
+
+
 def row_to_messages(row: dict, spec: FormatSpec) -> list[dict] | str:
     """Chat messages for a row, or a plain string for text rows. Raises ValueError with a reason."""
     m = spec.mapping
@@ -203,7 +229,9 @@ def row_to_messages(row: dict, spec: FormatSpec) -> list[dict] | str:
         content = msg.get("content", msg.get("value"))
         if role not in ROLE_NAMES:
             raise ValueError(f"message {i} has unknown role {role!r}")
-        messages.append({"role": ROLE_NAMES[role], "content": _text(content, f"message {i} content")})
+        message = {"role": ROLE_NAMES[role], "content": _text(content, f"message {i} content")}
+        message.update(_reasoning_of(msg, i, message))
+        messages.append(message)
     if not any(msg["role"] == "assistant" for msg in messages):
         raise ValueError("the conversation has no assistant message to train on")
     return messages

@@ -103,6 +103,56 @@ def fold_system_message(messages: list[dict]) -> list[dict]:
     return rest
 
 
+# The names templates read a message's reasoning from (Qwen3, DeepSeek-V3.2/V4, Kimi-K2-Thinking:
+# reasoning_content; gpt-oss, LFM2.5: thinking; Solar, Hy3, Laguna: reasoning). A template ignores
+# the names it does not read, so the reasoning is passed under all three.
+REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
+_READS_REASONING = re.compile(r"(?:\.|['\"])(?:reasoning_content|reasoning|thinking)\b")
+THINK_BLOCK = "<think>\n{}\n</think>\n\n"  # an answer's reasoning written into its content
+
+
+def _reasoning_place(tokenizer) -> str:
+    """Where this tokenizer's template takes an answer's reasoning: "field" (it reads one of
+    REASONING_NAMES), "inline" (it reads none, but knows <think> blocks: in its source, as DeepSeek-V3.1's
+    does, or as a token of the vocabulary), or "none"."""
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else ""
+    if _READS_REASONING.search(template):
+        return "field"
+    if "<think>" in template:
+        return "inline"
+    think = tokenizer.convert_tokens_to_ids("<think>") if hasattr(tokenizer, "convert_tokens_to_ids") else None
+    return "inline" if think is not None and think != getattr(tokenizer, "unk_token_id", None) else "none"
+
+
+def with_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
+    """The messages as the template is given them: an answer's reasoning field (formats'
+    "reasoning") under every name of REASONING_NAMES, or written into its content as a <think>
+    block for a template that reads no field, so the template renders it as it renders the same
+    answer with the reasoning written inline. RowError, naming the message and its field, for a
+    template with no place for reasoning at all (dropping it silently would train a different answer)."""
+    if not any(m.get("reasoning") for m in messages):
+        return messages
+    place = _reasoning_place(tokenizer)
+    out = []
+    for k, m in enumerate(messages):
+        text = m.get("reasoning")
+        if text and place == "field":
+            m = {**m, **dict.fromkeys(REASONING_NAMES, text)}
+        elif text and place == "inline":
+            m = {key: value for key, value in m.items() if key not in ("reasoning", "reasoning_field")}
+            m["content"] = THINK_BLOCK.format(text) + m["content"]
+        elif text:
+            field_ = m.get("reasoning_field", "reasoning")
+            raise RowError(
+                f"message {k} has reasoning in '{field_}', and this chat template has no place for it "
+                "(it reads no reasoning field and knows no <think> block); remove the field, or train a "
+                "reasoning model's template"
+            )
+        out.append(m)
+    return out
+
+
 def render(
     tokenizer, messages: list[dict], fold_system: bool = False, generation_prompt: bool = False
 ) -> tuple[str, list[dict], bool]:
@@ -113,6 +163,7 @@ def render(
     def apply(msgs):
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
 
+    messages = with_reasoning(tokenizer, messages)
     try:
         return apply(messages), messages, False
     except _template_errors() as exc:
@@ -274,6 +325,8 @@ def answer_spans(tokenizer, messages: list[dict], text: str, specials: list[str]
         if msg["role"] != "assistant":
             continue  # a system prompt may sit anywhere (folded into a later turn): never a bound
         number += 1
+        if msg.get("reasoning"):  # given to the template in a field: trained with the answer, as if inline
+            content = THINK_BLOCK.format(msg["reasoning"]) + content
         found = _locate(text, content, pos, specials)
         if found is None:
             if not content.strip():
@@ -360,9 +413,10 @@ def _render_all(tokenizer, conversations: list[list[dict]], fold_system: bool) -
     one at a time, so each row gets its own answer or error."""
     if all(conversations):  # an empty one is refused alone (a batch would render it as nothing)
         try:
+            conversations = [with_reasoning(tokenizer, conv) for conv in conversations]
             texts = tokenizer.apply_chat_template(conversations, tokenize=False) if conversations else []
             return [(text, conv, False) for text, conv in zip(texts, conversations)]
-        except _template_errors():
+        except _template_errors():  # RowError too (a ValueError): each row below gets its own
             pass
     out = []
     for conv in conversations:
