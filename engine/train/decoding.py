@@ -41,7 +41,12 @@ modules the same way: PEFT's projections, the stock norms, the torch rotation.
 `decode_refusal(model, total_len)` says why a model cannot take this loop (an architecture
 outside DECODE_ARCHS, whose forwards scale embeddings, residuals or logits; attention that does
 more than plain causal softmax attention: softcapping, sinks, a sliding window shorter than
-the sequence); the caller then uses `generate`, as it does for a sharded (FSDP) model.
+the sequence; a per-layer fact the loop does not repeat: norms beyond the two around attention,
+q/k norms over the whole projection; rotary tables that change with the sequence length); the
+caller counts the reason (engine.counters' `fallback:decode_loop: <reason>`, in the step's
+report) and uses `generate`, as it does for a sharded (FSDP) model. NoPE layers (SmolLM3's,
+Arch.uses_rope) skip the rotation here as in the training forward; q/k norms over each head
+(Qwen3) are applied.
 
 The step is captured as a CUDA graph where `graph_refusal` allows (not for 4-bit bases or
 expert routing); the graph is recorded once per call, as the adapters change every step.
@@ -72,6 +77,9 @@ STOP_CHECK_EVERY = 8
 # against `generate` (tests/engine/train/test_grpo_decoding.py). Others keep `generate`.
 DECODE_ARCHS = frozenset({"llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "smollm3"})
 
+# transformers' rope types whose rotary module recomputes its frequencies as the sequence grows.
+SEQUENCE_LENGTH_ROPE = frozenset({"dynamic", "longrope"})
+
 
 @dataclass(frozen=True)
 class _StockAttention:
@@ -80,6 +88,7 @@ class _StockAttention:
 
     qk_norm: bool
     attn_kwargs: Callable
+    use_rope: bool  # Arch.uses_rope: False on NoPE layers (SmolLM3's)
     qkv: None = None
     o: None = None
     rope: None = None
@@ -104,7 +113,9 @@ class _Layers:
 def _attn_plan(layer, arch):
     """The attention's patch plan, or the stock module's equivalent."""
     patch = patching.installed(layer.self_attn, PATCH_KIND)
-    return _StockAttention(arch.qk_norm, arch.attn_kwargs) if patch is None else patch.plan
+    if patch is None:
+        return _StockAttention(arch.qk_norm, arch.attn_kwargs, arch.uses_rope(layer.self_attn))
+    return patch.plan
 
 
 def decode_refusal(model, total_len: int) -> Optional[str]:
@@ -117,6 +128,12 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
     arch = arch_for(model_type)
     if model_type not in DECODE_ARCHS or arch is None:
         return f"model_type {model_type!r} is not one the decode loop repeats"
+    # The per-layer facts the loop does not repeat (none of DECODE_ARCHS has them today): refused,
+    # so a family added to the list with one of them keeps generate until the loop learns it.
+    if arch.extra_norms:
+        return f"its layers have norms beyond the two the loop applies ({', '.join(arch.extra_norms)})"
+    if arch.qk_norm and arch.qk_norm_width != "head":
+        return "its q/k norms span the whole projection"
     try:
         decoder = hf.get_decoder()
         layers = list(decoder.layers)
@@ -127,6 +144,11 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
             return f"the decoder has no {name}"
     if getattr(hf, "lm_head", None) is None:
         return "the model has no lm_head"
+    rope_type = getattr(decoder.rotary_emb, "rope_type", "default")
+    if rope_type in SEQUENCE_LENGTH_ROPE:
+        # The loop computes every generated position's rotation at once, at the final length;
+        # generate's grows its tables token by token past the original context.
+        return f"its rotary tables change with the sequence length (rope_type {rope_type!r})"
     if arch.logit_scale(hf.config) != 1.0:
         return "the head's logits are scaled"
     for i, layer in enumerate(layers):
@@ -136,7 +158,8 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
         extra = _attn_plan(layer, arch).attn_kwargs(layer.self_attn)
         window = extra.pop("sliding_window", None)
         if window is not None and window < total_len:
-            return f"layer {i} has a sliding window of {window} tokens (< {total_len})"
+            # No length in the reason: it is counted per step (engine.counters), one key a model.
+            return f"layer {i} has a sliding window of {window} tokens, shorter than the sequences"
         extra = {k: v for k, v in extra.items() if v is not None}
         if extra:
             return f"layer {i}'s attention takes {', '.join(sorted(extra))}"
@@ -215,7 +238,7 @@ def _layer(layer, plan, lplan, h, cos, sin, cache, at, mask):
     attn = layer.self_attn
     residual = h
     x = layer.input_layernorm(h)
-    a = _attention(attn, plan, x, cos, sin, getattr(attn, "use_rope", True), cache, at, mask)
+    a = _attention(attn, plan, x, cos, sin, plan.use_rope, cache, at, mask)
     norm = layer.post_attention_layernorm
     fused = lplan is not None and a.dtype == residual.dtype
     fused = fused and (lplan.plan.offset != 0.0 or norm.weight.dtype == a.dtype)

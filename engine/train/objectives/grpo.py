@@ -10,7 +10,8 @@ prompts. `prepare_step` then, for each micro-batch:
    `top_p`, no top-k): the engine's decode loop (engine.train.decoding: a preallocated cache,
    the fast paths, the step captured as a CUDA graph, no per-token host sync), or
    transformers' `generate` for a model the loop refuses or a sharded one, the same draws for
-   a seed either way; each completion ends at its first end-of-turn token;
+   a seed either way (the step's fallbacks then count `decode_loop: <why>`); each completion
+   ends at its first end-of-turn token;
 2. scores each completion with every reward function (each logged separately) and sums them
    with their weights; advantages are normalised per group;
 3. packs the k x G (prompt, completion) documents into one SequenceBatch and, when
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.counters import count_fallback
 from engine.data.collate import PackedBatch
 from engine.train.objectives import register
 from engine.train.objectives.base import LossOutput, Objective
@@ -56,7 +58,18 @@ class PromptBatch(PackedBatch):
 
 
 def sample_completions(
-    model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy=False, synced=False
+    model,
+    prompts,
+    group_size,
+    max_new_tokens,
+    temperature,
+    top_p,
+    eos_ids,
+    pad_id,
+    device,
+    greedy=False,
+    synced=False,
+    report=None,
 ):
     """[len(prompts) * group_size] completion id lists (each group's consecutive), each cut
     after its first token in `eos_ids`; `greedy`: the most likely token each time (the eval).
@@ -67,11 +80,15 @@ def sample_completions(
     The engine's own decode loop (engine.train.decoding: preallocated KV cache, the fast paths,
     no per-token host sync) runs where it can; a model it refuses, and a sharded one, go
     through transformers' `generate` with the same sampling arithmetic (the same completions
-    for a seed)."""
+    for a seed). `report`: a dict whose "generate" is then why `generate` sampled (None: the loop did)."""
     from engine.train.decoding import decode, decode_refusal
 
     width = max(map(len, prompts))
-    if not synced and decode_refusal(model, width + max_new_tokens) is None:
+    why = "a sharded (FSDP) model: every rank steps until all have ended" if synced else None
+    why = why or decode_refusal(model, width + max_new_tokens)
+    if report is not None:
+        report["generate"] = why
+    if why is None:
         rows = decode(model, prompts, group_size, max_new_tokens, temperature, top_p, eos_ids, pad_id, device, greedy)
     else:
         rows = generate_completions(
@@ -174,6 +191,7 @@ class GRPO(Objective):
         for rows, placeholder in micro:
             ids, data = placeholder.example_ids, placeholder.data
             prompts = [data.examples[i][0] for i in ids]
+            sampled: dict = {}
             with ctx.generating():
                 completions = sample_completions(
                     ctx.model,
@@ -186,7 +204,10 @@ class GRPO(Objective):
                     pad,
                     ctx.device,
                     synced=ctx.synced,
+                    report=sampled,
                 )
+            if sampled["generate"]:  # counted after generating(), which sets its block's counts aside
+                count_fallback("decode_loop", sampled["generate"])
             batch, batch_samples = self._score(data, tok, ids, prompts, completions)
             if g.beta:
                 dev = batch.to(ctx.device)

@@ -116,12 +116,55 @@ def test_after_an_early_end_the_rng_moves_on_as_after_generate(vocab_share):
         assert max(map(len, a1)) > 1  # rows ended at different steps
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["patched", "stock"])
+def test_smollm3s_nope_layer_skips_the_rotation_and_the_comparison_sees_it(fast, monkeypatch):
+    """The tiny SmolLM3 has a NoPE layer (Arch.uses_rope False), so the comparison with generate
+    above covers it: the loop's plans say so, and a loop that rotated it anyway would differ."""
+    model = patched("smollm3", fast=fast)
+    net = decoding._Layers(model)
+    assert [p.use_rope for p in net.attn_plans] == [True, False]
+    with torch.no_grad():  # sharp attention in the NoPE layer, so that a rotation there shows
+        for proj in (net.layers[1].self_attn.q_proj, net.layers[1].self_attn.k_proj):
+            proj.base_layer.weight.mul_(8.0)
+    eos = {10**6}
+    ours, ref = both(model, 2, 12, 1.0, 1.0, eos)
+    assert ours == ref
+    rotate = decoding._attention
+    monkeypatch.setattr(
+        decoding, "_attention", lambda a, p, h, cos, sin, _, *rest: rotate(a, p, h, cos, sin, True, *rest)
+    )
+    rotated, _ = both(model, 2, 12, 1.0, 1.0, eos)
+    assert rotated != ref
+
+
 @pytest.mark.parametrize("model_type", ["gemma", "gemma2"])
 def test_a_model_the_loop_refuses_samples_through_generate(model_type):
     model = patched(model_type, attn="eager")
     assert model_type in decoding.decode_refusal(model, 64)
     ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
     assert ours == ref
+    report = {}  # what GRPO's step counts (fallback:decode_loop: <why>)
+    with torch.no_grad():
+        sample_completions(model, PROMPTS, 2, 4, 1.0, 1.0, {10**6}, 0, "cpu", report=report)
+    assert report["generate"] == f"model_type {model_type!r} is not one the decode loop repeats"
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rotary_tables_that_grow_with_the_sequence_are_refused_and_generate_samples(rope_type):
+    rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
+    if rope_type == "longrope":
+        rope.update(short_factor=[1.0] * 8, long_factor=[2.0] * 8, original_max_position_embeddings=32)
+    model = patched("llama", rope_parameters=rope)
+    assert decoding.decode_refusal(model, 64) == (
+        f"its rotary tables change with the sequence length (rope_type {rope_type!r})"
+    )
+    ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
+    assert ours == ref
+    report = {}
+    with torch.no_grad():
+        sample_completions(model, PROMPTS, 1, 4, 1.0, 1.0, {10**6}, 0, "cpu", report=report)
+    assert "rotary tables" in report["generate"]
+    assert decoding.decode_refusal(patched("llama"), 64) is None  # the default rotation is repeated
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "mistral", "ministral"])
