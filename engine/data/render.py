@@ -25,6 +25,7 @@ A template that raises on a row (system role unsupported, roles not alternating)
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -309,13 +310,32 @@ def _locate(text: str, content: str, pos: int, specials: list[str]) -> tuple[int
     return (at, at + len(final), True) if at >= 0 else None
 
 
+def _own_reasoning(tokenizer, before: list[dict], text: str, reasoning: str, pos: int, found, specials):
+    """`found` (an answer found without its reasoning), or the span from its reasoning, for a template
+    that renders a reasoning field between its own markers (gpt-oss's <|channel|>analysis<|message|>,
+    Cohere's <|START_THINKING|>, Solar's <|think|>): what the model writes after the generation prompt
+    of the conversation `before` the answer is trained, those markers with it, as a <think> block is."""
+    at = _find(text, reasoning.strip(), pos, specials)
+    if at < 0 or at >= found[0]:
+        return found  # the template left the reasoning out: it is dropped
+    start = at
+    try:
+        prompt = render(tokenizer, before, generation_prompt=True)[0]
+    except RowError:
+        prompt = ""
+    common = len(os.path.commonprefix([prompt, text[: len(prompt)]]))
+    if pos <= common <= at and common == len(prompt):  # the render continues the generation prompt
+        start = common
+    return start, found[1], False
+
+
 def answer_spans(tokenizer, messages: list[dict], text: str, specials: list[str] | None = None) -> list[AnswerSpan]:
     """Every assistant answer's span in `text` (the render of `messages`), in order. `specials`:
     the tokenizer's special strings, longest first (_special_strings), when the caller has them."""
     specials = _special_strings(tokenizer) if specials is None else specials
     eos = getattr(tokenizer, "eos_token", None)
     spans, pos, number = [], 0, 0
-    for msg in messages:
+    for k, msg in enumerate(messages):
         content = msg.get("content") or ""
         if msg["role"] in ("user", "tool"):
             # Past the question, so an answer that repeats it ("OK" after "Say OK") is found after it.
@@ -328,6 +348,8 @@ def answer_spans(tokenizer, messages: list[dict], text: str, specials: list[str]
         if msg.get("reasoning"):  # given to the template in a field: trained with the answer, as if inline
             content = THINK_BLOCK.format(msg["reasoning"]) + content
         found = _locate(text, content, pos, specials)
+        if found is not None and found[2] and msg.get("reasoning"):
+            found = _own_reasoning(tokenizer, messages[:k], text, msg["reasoning"], pos, found, specials)
         if found is None:
             if not content.strip():
                 continue  # an empty answer: nothing to find (its row trains the others)

@@ -3,7 +3,9 @@ the chat template, on real upstream templates (tests/conformance/families.py): Q
 `reasoning_content` and renders the row exactly as the same row with the reasoning written inline;
 DeepSeek-V3.2's reads `reasoning_content` (and, like its template does without `thinking`, leaves it
 out of the render); DeepSeek-V3.1's reads no field but knows <think> blocks, so the reasoning is
-written into the content; Llama-3.1's has no place for it, so the row is refused, naming the field."""
+written into the content; gpt-oss's reads `thinking` and renders it in its own analysis channel,
+trained from that channel's opening; Llama-3.1's has no place for it, so the row is refused, naming
+the field."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def _tokenizer(name: str):
 
 @pytest.fixture(scope="module")
 def tokenizers() -> dict:
-    return {name: _tokenizer(name) for name in ("qwen3", "deepseek-v3.2", "deepseek-v3.1", "llama-3.1")}
+    names = ("qwen3", "deepseek-v3.2", "deepseek-v3.1", "llama-3.1", "gpt-oss")
+    return {name: _tokenizer(name) for name in names}
 
 
 def _row(field: str | None, answer: str = ANSWER) -> dict:
@@ -97,6 +100,16 @@ def test_deepseek_v31_gets_the_reasoning_inline(tokenizers):
     inline = tokenize_example(tok, row_to_messages(_inline_row(), CONV))
     assert got.text == inline.text and got.trained == inline.trained
     assert ANSWER in _trained_text(tok, got)
+
+
+def test_gpt_oss_trains_its_analysis_channel(tokenizers):
+    tok = tokenizers["gpt-oss"]
+    got = tokenize_example(tok, row_to_messages(_row("reasoning_content"), CONV))
+    trained = _trained_text(tok, got)
+    # The generation prompt ends "<|start|>assistant": the model writes the channel markers itself.
+    assert trained.startswith("<|channel|>analysis<|message|>" + REASONING + "<|end|>")
+    assert trained.endswith("<|channel|>final<|message|>" + ANSWER + "<|return|>")
+    assert "Why is the sky blue?" not in trained and not got.answers[0].reasoning_dropped
 
 
 def test_a_template_without_a_place_for_reasoning_refuses_the_row(tokenizers):
