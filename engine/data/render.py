@@ -25,6 +25,7 @@ A template that raises on a row (system role unsupported, roles not alternating)
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -117,13 +118,19 @@ def _reasoning_place(tokenizer) -> str:
     REASONING_NAMES), "inline" (it reads none, but knows <think> blocks: in its source, as DeepSeek-V3.1's
     does, or as a token of the vocabulary), or "none"."""
     template = getattr(tokenizer, "chat_template", None)
-    template = template if isinstance(template, str) else ""
-    if _READS_REASONING.search(template):
-        return "field"
-    if "<think>" in template:
-        return "inline"
+    place = _template_place(template if isinstance(template, str) else "")
+    if place:
+        return place
     think = tokenizer.convert_tokens_to_ids("<think>") if hasattr(tokenizer, "convert_tokens_to_ids") else None
     return "inline" if think is not None and think != getattr(tokenizer, "unk_token_id", None) else "none"
+
+
+@functools.lru_cache(maxsize=16)
+def _template_place(template: str) -> str | None:
+    """_reasoning_place from the template's source alone, once per template (not once per row)."""
+    if _READS_REASONING.search(template):
+        return "field"
+    return "inline" if "<think>" in template else None
 
 
 def with_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
