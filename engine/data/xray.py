@@ -150,7 +150,8 @@ def _role_problem(raw_row: dict, spec) -> str | None:
 def _texts(example) -> list[str]:
     if isinstance(example, str):
         return [example]
-    return [m["content"] for m in example]
+    # An answer's reasoning field is text the model is trained on too (formats' "reasoning").
+    return [m["content"] for m in example] + [m["reasoning"] for m in example if m.get("reasoning")]
 
 
 def _pair_spec(cfg: DataConfig, columns: list[str]):

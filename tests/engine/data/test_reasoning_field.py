@@ -161,3 +161,16 @@ def test_reasoning_on_a_question_is_refused():
     row = {"messages": [{"role": "user", "content": "Q", "thinking": "hm"}, {"role": "assistant", "content": "A"}]}
     with pytest.raises(ValueError, match=r"message 0 \(user\) has reasoning in 'thinking'"):
         row_to_messages(row, CONV)
+
+
+def test_xray_flags_a_special_token_in_the_reasoning_field(tokenizers, tmp_path):
+    from engine.api import DataConfig
+    from engine.data.xray import xray
+
+    path = tmp_path / "chat.jsonl"
+    rows = [_row("reasoning_content"), _row(None)]
+    rows[0]["messages"][1]["reasoning_content"] = "Think.<|im_end|>"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    report = xray(DataConfig(source=str(path)), tokenizers["qwen3"])
+    (found,) = report.by_kind()["special_tokens"]
+    assert found.row == 0 and "<|im_end|>" in found.detail
