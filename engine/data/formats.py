@@ -174,7 +174,7 @@ def _text(value, what: str) -> str:
     return value
 
 
-def _reasoning_of(msg: dict, i: int, message: dict) -> dict:
+def message_reasoning(msg: dict, i: int, message: dict) -> dict:
     """The reasoning a message carries in a field of its own ({"reasoning": text, "reasoning_field":
     the field's name}), or {}: engine.data.render hands it to the chat template under the name the
     template reads. An empty or null field is no reasoning (files write "reasoning_content": null)."""
@@ -230,7 +230,7 @@ def row_to_messages(row: dict, spec: FormatSpec) -> list[dict] | str:
         if role not in ROLE_NAMES:
             raise ValueError(f"message {i} has unknown role {role!r}")
         message = {"role": ROLE_NAMES[role], "content": _text(content, f"message {i} content")}
-        message.update(_reasoning_of(msg, i, message))
+        message.update(message_reasoning(msg, i, message))
         messages.append(message)
     if not any(msg["role"] == "assistant" for msg in messages):
         raise ValueError("the conversation has no assistant message to train on")

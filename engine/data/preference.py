@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.data import plural, shown_row
-from engine.data.formats import ROLE_NAMES
+from engine.data.formats import ROLE_NAMES, message_reasoning
 from engine.data.packing import PackingResult, pack_best_fit_decreasing
 from engine.data.render import ensure_chat_template, render, render_closed
 from engine.data.sources import DataError, load_raw
@@ -98,7 +98,12 @@ def _messages(value, what: str, role: str) -> list[dict]:
         content = msg.get("content", msg.get("value"))
         if r not in ROLE_NAMES or not isinstance(content, str):
             raise ValueError(f"{what}: message {i} has role {r!r} and content of type {type(content).__name__}")
-        out.append({"role": ROLE_NAMES[r], "content": content})
+        message = {"role": ROLE_NAMES[r], "content": content}
+        try:  # an answer's reasoning in a field of its own, as in SFT data (engine.data.formats)
+            message.update(message_reasoning(msg, i, message))
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+        out.append(message)
     return out
 
 

@@ -174,3 +174,24 @@ def test_xray_flags_a_special_token_in_the_reasoning_field(tokenizers, tmp_path)
     report = xray(DataConfig(source=str(path)), tokenizers["qwen3"])
     (found,) = report.by_kind()["special_tokens"]
     assert found.row == 0 and "<|im_end|>" in found.detail
+
+
+def test_a_preference_pair_trains_the_chosen_answers_reasoning_field(tokenizers, tmp_path):
+    from engine.api import DataConfig
+    from engine.data.preference import prepare_preference_data
+
+    tok = tokenizers["qwen3"]
+    prompt = [{"role": "user", "content": "Why is the sky blue?"}]
+    chosen = [{"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}]
+    rows = [
+        {"prompt": prompt, "chosen": chosen, "rejected": [{"role": "assistant", "content": "It is not."}]},
+        {"prompt": prompt, "chosen": [{**chosen[0], "thinking": 5}], "rejected": chosen},
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    data = prepare_preference_data(DataConfig(source=str(path), max_seq_len=256), tok, "paired")
+    (example,) = data.examples
+    said = tok.decode(example[1])
+    assert REASONING in said and ANSWER in said and "Why is the sky blue?" not in said
+    ((row, why),) = data.skipped
+    assert row == 1 and "column 'chosen': message 0 field 'thinking' is int, not text" in why
