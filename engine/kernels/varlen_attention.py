@@ -21,14 +21,14 @@ in one kernel, dQ by atomic adds), taken when asked for (`backward=` / TUNESMITH
 Launch configurations come from small fixed candidate lists per head dim, one for packed short
 documents and one for long ones (the longest at least LONG_DOCUMENT tokens, a host int the caller
 passes as `max_seqlen`); the autotuner ranks a list once per process per (head dim, flags, bucket),
-never per shape. TUNESMITH_ATTN_TUNING=old brings back the choices of before 2026-12-02 so a
-benchmark can time before and after in one process.
+never per shape. The lists, the untuned defaults and the choice between them live in
+engine.kernels.varlen_attention_configs. TUNESMITH_ATTN_TUNING=old brings back the choices of
+before 2026-12-02 so a benchmark can time before and after in one process.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -39,8 +39,31 @@ import triton.language as tl
 
 from engine.counters import count
 
+# The launch lists (see varlen_attention_configs). Names imported `as` themselves are re-exported:
+# tests and benches read them from this module.
+from engine.kernels.varlen_attention_configs import _DEFAULTS as _DEFAULTS
+from engine.kernels.varlen_attention_configs import (
+    _DKDV_CONFIGS,
+    _DKDV_LONG_CONFIGS,
+    _DQ_CONFIGS,
+    _DQ_LONG_CONFIGS,
+    _FWD_CONFIGS,
+    _FWD_LONG_CONFIGS,
+    _KEY_BLOCK_KINDS,
+    _LONG_KEY,
+    LONG_DOCUMENT,
+    TABLE_BLOCKS,
+    _fixed,
+    _tuned,
+    _use_autotune,
+    tuning,
+)
+from engine.kernels.varlen_attention_configs import _LONG_DEFAULTS as _LONG_DEFAULTS
+from engine.kernels.varlen_attention_configs import TUNING_ENV as TUNING_ENV
+from engine.kernels.varlen_attention_configs import _cfg as _cfg
+from engine.kernels.varlen_attention_configs import _prune as _prune
+
 LOG2E = 1.4426950408889634
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # A table provider maps (kind, block) -> (int32 table [n, 2] on the device, n). kind "q": blocks of
 # queries (forward, dQ), ordered by the keys they visit; kind "k": blocks of keys (dK/dV).
@@ -849,169 +872,14 @@ def _attn_bwd_dq(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configurations
+# Autotuned kernels (their launch lists: engine.kernels.varlen_attention_configs)
 # --------------------------------------------------------------------------------------------
 
-# Block sizes the GPU configs use; tables for both are passed so autotuning may pick either.
-# (engine.fastpath.packed precomputes tables for exactly these sizes when a batch moves to the GPU.)
-TABLE_BLOCKS = (64, 128)
-
-
-def _cfg(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-
-
-# Hopper-minded candidates, few on purpose: each distinct (head_dim, group, flags, dtype) tunes once.
-_FWD_CONFIGS = {
-    64: [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 4)],
-    128: [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 4, 3)],
-    256: [_cfg(64, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2)],
-}
-# dK/dV: BLOCK_N is the key block (table), BLOCK_M the query step (any ratio works).
-_DKDV_CONFIGS = {
-    64: [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 2)],
-    128: [_cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 2)],
-    256: [_cfg(32, 64, 4, 1), _cfg(32, 64, 8, 2), _cfg(16, 64, 4, 2)],
-}
-# dQ: BLOCK_M is the query block (table), BLOCK_N the key step.
-_DQ_CONFIGS = {
-    64: [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
-    128: [_cfg(128, 32, 8, 2), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
-    256: [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 16, 4, 2)],
-}
-_ALL_KEY = ["HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_SOFTCAP"]
-
-# Long documents (the longest at least LONG_DOCUMENT tokens, W6: one of 32,768) tune apart from
-# packed short ones (W1-W3: LogNormal lengths under 2,048): their time is the unmasked middle of
-# the causal triangle, so big tiles, 8 warps and deeper pipelines pay, and a 64-key block would
-# read every later query twice as often. The candidates are chosen by ptxas on sm_90a (Triton 3.9,
-# causal bf16, GROUP 4; `python -m bench.attention_regs`, bench/results/attention_regs.jsonl): the
-# first entry of each list, the untuned default (TUNESMITH_ATTN_AUTOTUNE=0), spills no register,
-# where the old head_dim-64 dK/dV default (32, 128, 4 warps) spills 368 bytes. The others (a few
-# spill up to 200 bytes, the old default among them) are there for the autotuner to rank on the GPU.
-# Head dims without a long list use the short one.
-LONG_DOCUMENT = 4096
-_FWD_LONG_CONFIGS = {
-    64: [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 4, 4), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4)],
-    128: [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 4)],
-}
-_DKDV_LONG_CONFIGS = {
-    64: [_cfg(32, 128, 8, 3), _cfg(32, 128, 8, 5), _cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3)],
-    128: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 2)],
-}
-_DQ_LONG_CONFIGS = {
-    64: [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 3), _cfg(128, 32, 4, 3)],
-    128: [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 32, 8, 2), _cfg(128, 32, 8, 3)],
-}
-
-# TUNESMITH_ATTN_TUNING=old runs the launch choices of before 2026-12-02 (one candidate list for
-# every document length, the dK/dV kernel's carried addresses) so bench.attention_micro can time
-# before and after in one process; "new" (the default) is this module's choice. Read per call.
-TUNING_ENV = "TUNESMITH_ATTN_TUNING"
-TUNINGS = ("new", "old")
-
-
-def tuning() -> str:
-    """The launch choices in force: "new" or "old" (TUNESMITH_ATTN_TUNING)."""
-    value = os.environ.get(TUNING_ENV, "new").strip().lower() or "new"
-    if value not in TUNINGS:
-        raise ValueError(f"{TUNING_ENV}={value!r}: must be one of {', '.join(TUNINGS)}")
-    return value
-
-
-def _nearest(table, d):
-    return table[d] if d in table else table[min(table, key=lambda x: abs(x - d))]
-
-
-def _prune(table, long_table=None):
-    def prune(configs, named_args, **kwargs):
-        d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-        long_docs = kwargs.get("long_docs", named_args.get("long_docs", 0))
-        if long_table is not None and long_docs and d in long_table:
-            return long_table[d]
-        return _nearest(table, d)
-
-    return prune
-
-
-def _short_bench(kernel_call, quantiles):
-    # Short timing windows: a config ranking needs a few runs, not triton's default 100 ms each.
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
-
-
-def _tuned(kernel, table, key=_ALL_KEY, reset_to_zero=None, long_table=None):
-    # reset_to_zero: buffers a kernel adds into (atomics), zeroed before each timed config.
-    # long_table: candidates when the kernel's `long_docs` argument (part of `key`) is set.
-    every = [c for cs in table.values() for c in cs]
-    if long_table is not None:
-        every += [c for cs in long_table.values() for c in cs]
-    opts = dict(configs=every, key=key, prune_configs_by={"early_config_prune": _prune(table, long_table)})
-    if reset_to_zero:
-        opts["reset_to_zero"] = reset_to_zero
-    try:
-        return triton.autotune(**opts, do_bench=_short_bench)(kernel)
-    except TypeError:  # a Triton without the do_bench hook
-        return triton.autotune(**opts)(kernel)
-
-
-_LONG_KEY = _ALL_KEY + ["long_docs"]
 _attn_fwd_tuned = _tuned(_attn_fwd, _FWD_CONFIGS, key=_LONG_KEY, long_table=_FWD_LONG_CONFIGS)
 _attn_bwd_dkdv_tuned = _tuned(
     _attn_bwd_dkdv, _DKDV_CONFIGS, key=_LONG_KEY + ["REBUILD_ADDR"], long_table=_DKDV_LONG_CONFIGS
 )
 _attn_bwd_dq_tuned = _tuned(_attn_bwd_dq, _DQ_CONFIGS, key=_LONG_KEY, long_table=_DQ_LONG_CONFIGS)
-
-# Fixed configs used when autotuning is off (interpreter, TUNESMITH_ATTN_AUTOTUNE=0, or tests
-# that pin blocks): {kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)} per head dim.
-_DEFAULTS = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)},
-    "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 2), 256: (32, 64, 4, 1)},
-    "dq": {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 32, 4, 2)},
-}
-_INTERPRET_BLOCKS = (16, 16)
-
-
-def _first_configs(table):
-    return {d: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for d, (c, *_) in table.items()}
-
-
-# Untuned long-document configs: the first candidate of each long list.
-_LONG_DEFAULTS = {
-    "fwd": _first_configs(_FWD_LONG_CONFIGS),
-    "dkdv": _first_configs(_DKDV_LONG_CONFIGS),
-    "dq": _first_configs(_DQ_LONG_CONFIGS),
-}
-
-
-def _use_autotune() -> bool:
-    return not INTERPRET and os.environ.get("TUNESMITH_ATTN_AUTOTUNE", "1") != "0"
-
-
-# Kernels whose programs own key blocks (their table is indexed by BLOCK_N); the others own query blocks.
-_KEY_BLOCK_KINDS = ("dkdv", "onepass")
-
-
-def _fixed(
-    kind: str, d: int, blocks: Optional[tuple[int, int]], fp32: bool = False, defaults=None, long_docs: bool = False
-):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Pinned `blocks` are (table block, step block):
-    the table block is BLOCK_M for fwd/dq and BLOCK_N (key block) for dkdv and onepass.
-    `defaults` ({head_dim: config}) replaces _DEFAULTS[kind] (the one-pass backward's own table);
-    `long_docs` takes _LONG_DEFAULTS[kind] where it has the head dim."""
-    if blocks is not None:
-        if kind in _KEY_BLOCK_KINDS:
-            return blocks[1], blocks[0], 4, 2
-        return blocks[0], blocks[1], 4, 2
-    if INTERPRET:
-        return _INTERPRET_BLOCKS[0], _INTERPRET_BLOCKS[1], 4, 1
-    if fp32:
-        # fp32 on a GPU is for exact checks, not speed: small tiles fit shared memory at D=256.
-        return 32, 32, 4, 1
-    if defaults is not None:
-        return _nearest(defaults, d)
-    if long_docs and d in _LONG_DEFAULTS.get(kind, {}):
-        return _LONG_DEFAULTS[kind][d]
-    return _nearest(_DEFAULTS[kind], d)
 
 
 class _Launch:

@@ -35,16 +35,8 @@ import triton
 import triton.language as tl
 
 from engine.counters import count_fallback
-from engine.kernels.varlen_attention import (
-    _ALL_KEY,
-    LONG_DOCUMENT,
-    _bwd_delta,
-    _cfg,
-    _Launch,
-    _query_range,
-    _scores,
-    _tuned,
-)
+from engine.kernels.varlen_attention import _bwd_delta, _Launch, _query_range, _scores
+from engine.kernels.varlen_attention_configs import _ALL_KEY, LONG_DOCUMENT, _cfg, _tuned
 
 BACKWARD_ENV = "TUNESMITH_ATTN_BWD"
 BACKWARDS = ("auto", "split", "onepass")
@@ -341,7 +333,7 @@ def _attn_bwd_onepass(
 # Block sizes
 # --------------------------------------------------------------------------------------------
 
-# BLOCK_N is the key block (the table's block, one of varlen_attention.TABLE_BLOCKS), BLOCK_M the
+# BLOCK_N is the key block (the table's block, one of varlen_attention_configs.TABLE_BLOCKS), BLOCK_M the
 # query step. A step's atomics ([BLOCK_M, D] fp32) against its matmuls (5 x BLOCK_M x BLOCK_N x D)
 # fall as BLOCK_N grows, so long documents take 128-key blocks where registers allow; short packed
 # documents take 64, which wastes less of the masked diagonal and gives more programs. Chosen by

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from engine.fastpath.packed import PackedSeqInfo
 from engine.kernels import varlen_attention as va
+from engine.kernels import varlen_attention_configs as va_configs
 from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
 
 
@@ -77,7 +78,7 @@ def test_every_long_candidate_is_exact_at_its_own_tiles(monkeypatch, d, i):
     # interpreter) with the i-th candidate of each long list as the untuned config, so each
     # candidate's real tile shapes are checked against the reference (fp16: fp32 would take
     # _fixed's exact-check tiles).
-    monkeypatch.setattr(va, "INTERPRET", False)
+    monkeypatch.setattr(va_configs, "INTERPRET", False)
     monkeypatch.setenv("TUNESMITH_ATTN_AUTOTUNE", "0")
     monkeypatch.setattr(va, "LONG_DOCUMENT", 64)
     for kind, table in _LONG_LISTS.items():
@@ -106,7 +107,7 @@ def test_long_lists_are_chosen_by_bucket_and_have_block_tables(monkeypatch):
         "dkdv": (va._DKDV_CONFIGS, va._DKDV_LONG_CONFIGS, "BLOCK_N"),
         "dq": (va._DQ_CONFIGS, va._DQ_LONG_CONFIGS, "BLOCK_M"),
     }
-    monkeypatch.setattr(va, "INTERPRET", False)  # _fixed answers the GPU's question
+    monkeypatch.setattr(va_configs, "INTERPRET", False)  # _fixed answers the GPU's question
     for kind, (short, long, table_key) in lists.items():
         prune = va._prune(short, long)
         for d in (64, 128):
