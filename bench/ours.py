@@ -116,11 +116,11 @@ def loss_fn(prepared, fp):
     fused = report.get("fused_ce", "on" if fp.fused_ce is not False else "off") == "on"
     chunk = None if fp.ce_chunk_tokens == "auto" else fp.ce_chunk_tokens
 
-    def run(batch):
+    def run(batch, normalizer=None):
         return forward_loss(
             model,
             batch,
-            normalizer=batch.num_trained_tokens,
+            normalizer=batch.num_trained_tokens if normalizer is None else normalizer,
             fused_ce=fused,
             cached_metadata=fp.cached_metadata,
             ce_chunk_tokens=chunk,
@@ -168,11 +168,16 @@ def setup_ours(variant: str):
         collate_ms = 1e3 * (time.perf_counter() - t0) / max(1, len(packed))
 
         extra = {"collate_ms": round(collate_ms, 2)}
+        graphs = step_graphs(prepared, fp, wl, ctx.device, run, report)
 
         def step(i):
-            batch = packed[i].to(ctx.device)
-            loss = run(batch)
-            loss.backward()
+            if graphs is not None:  # the session's way (engine.train.step_runner)
+                loss = graphs.forward_backward(packed[i], packed[i].num_trained_tokens)
+                extra["cuda_graphs"] = {"captures": graphs.captures, "replays": graphs.replays}
+            else:
+                batch = packed[i].to(ctx.device)
+                loss = run(batch)
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if offloader is not None:  # what the last step did: buffer mode, attention kept
@@ -192,6 +197,27 @@ def setup_ours(variant: str):
         return Prepared(step, options, extra, keep=[model, opt, packed])
 
     return setup
+
+
+def step_graphs(prepared, fp, workload, device, run, report: dict):
+    """The StepGraphs the session would use for this workload (engine.train.step_graph), or None;
+    the report's cuda_graphs line either way."""
+    from engine.train.step_graph import StepGraphs, graph_choice
+
+    on, why = graph_choice(
+        fp.cuda_graphs,
+        device=device,
+        objective="sft",
+        distributed=False,
+        prepared=prepared,
+        model=prepared.model,
+        lora_dropout=float(lora_config(workload).dropout),
+    )
+    report["cuda_graphs"] = f"{'on' if on else 'off'}: {why}"
+    if not on:
+        return None
+    params = [p for p in prepared.model.parameters() if p.requires_grad]
+    return StepGraphs(run, params, device)
 
 
 def _count_trainable(model) -> int:

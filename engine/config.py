@@ -87,6 +87,12 @@ class DataConfig:
     # "final_turn_only" trains only each conversation's last answer, "keep" makes one example per
     # answer so every answer is trained with its reasoning.
     earlier_reasoning: Literal["drop", "final_turn_only", "keep"] = "drop"
+    # The chat template's thinking switch (its `thinking` / `enable_thinking` variable: DeepSeek-V3.2
+    # and V4 render an answer's reasoning only with it on; Qwen3 with it off writes an empty
+    # <think></think> into the prompt), the same in training, eval, the X-ray and the chat. "auto":
+    # on when an answer of the data carries its reasoning in a field (reasoning_content, reasoning,
+    # thinking), else the template's own default; the run records what it used.
+    thinking: Union[bool, Literal["auto"]] = "auto"
     # Tokens per packed row; examples longer than this are truncated or dropped.
     max_seq_len: int = 512
     overlong: Literal["truncate", "drop"] = "truncate"
@@ -192,6 +198,11 @@ class FastPathConfig:
     # instead of dequantized whole before each one. true: on CUDA where the kernel applies (no
     # dense copy of a weight, but 3.5-18x slower per product on the H200); auto/false: dequantize.
     nf4_matmul: Union[bool, Literal["auto"]] = "auto"
+    # SFT micro-batches replayed as CUDA graphs, one per token bucket (engine.train.step_graph):
+    # one call instead of thousands of launches. auto: on CUDA for models whose step is bound by
+    # launches (hidden size < engine.train.step_graph.AUTO_MAX_HIDDEN); never with offload,
+    # several processes, a 4-bit base, MoE routing or dropout (the report says why).
+    cuda_graphs: Union[bool, Literal["auto"]] = "auto"
     ce_chunk_tokens: Union[int, Literal["auto"]] = "auto"
 
 

@@ -114,6 +114,11 @@ HELP = {
         "QLoRA: read the 4-bit base inside each matmul instead of unpacking a full 16-bit copy of "
         "every weight first: a little less memory, much slower. auto: off (unpack, then multiply)."
     ),
+    "fast_paths.cuda_graphs": (
+        "Record each kind of training micro-batch once as a CUDA graph and replay it: one call instead "
+        "of thousands of small launches, which is where small models spend their step. auto: on for "
+        "models of hidden size below 4,096 when nothing in the run needs the host between kernels."
+    ),
     "fast_paths.ce_chunk_tokens": "Tokens per chunk in the fused cross-entropy. auto: by vocabulary size.",
     "output.dir": "Folder where run folders are created.",
     "output.run_name": "Name of this run's folder; auto uses a timestamp.",
@@ -168,6 +173,7 @@ LABELS = {
     "fast_paths.host_embeddings": "embeddings in host memory",
     "fast_paths.tiled_mlp": "tiled MLP",
     "fast_paths.nf4_matmul": "4-bit matmul kernel",
+    "fast_paths.cuda_graphs": "CUDA graphs",
     "fast_paths.ce_chunk_tokens": "tokens per loss chunk",
     "output.dir": "runs folder",
     "output.run_name": "run name",

@@ -20,8 +20,9 @@ Light on purpose (torch, engine.counters and engine.fastpath.quant only): the op
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -346,6 +347,9 @@ class LoRAGroup:
         """
         if any(m is not None and p.layer.disable_adapters for m, p in zip(self._lora, self.parts)):
             return None, (None,) * len(self.parts), ()
+        if _UNCACHED:  # inside a CUDA graph's capture: built in the graph, read by it only
+            count("lora_cache_builds")
+            return _build_weights(ab, self.scales, dtype)
         clock = None if self._owner is None else self._owner.__dict__.get(_CLOCK)
         key = [dtype, clock, 0 if clock is None else clock.generation]
         for t in ab:
@@ -358,6 +362,25 @@ class LoRAGroup:
             # Holding the tensors (in _value's sources) keeps their ids from being reused.
             self._key = key
         return self._value
+
+
+# True while a CUDA graph captures a micro-batch (engine.train.step_graph): each forward, recompute
+# and backward then builds its cast adapter weights inside the graph, so every replay reads the
+# adapters the optimizer left. A copy cached outside the capture would be read by every later
+# replay, one optimizer step stale. A process-wide flag: capture holds the process's GPU work (the
+# backward's worker thread included) until it ends.
+_UNCACHED = False
+
+
+@contextmanager
+def uncached() -> Iterator[None]:
+    """Within the block, LoRAGroup.weights builds fresh each call and caches nothing."""
+    global _UNCACHED
+    _UNCACHED = True
+    try:
+        yield
+    finally:
+        _UNCACHED = False
 
 
 def _build_weights(ab, scales, dtype):

@@ -25,6 +25,7 @@ class ModelSetup:
     forward: Forward  # the run's forward (fused CE, packed metadata, offloader)
     ddp: Any  # DDP, or the FSDP2 root: what a training forward runs through; None with one process
     params: list  # the LoRA parameters, the only ones that train
+    graphs: Any = None  # engine.train.step_graph.StepGraphs where the run's micro-batches replay, else None
 
 
 def setup_model(
@@ -92,9 +93,44 @@ def setup_model(
         ddp = dist.wrap(prepared.model, loss, device)
     model.train()
     params = lora_parameters(model)
+    graphs = _step_graphs(config, device, dist.enabled, objective, prepared, forward, offloader, params)
     n_train = sum(p.numel() for p in params)
     log(
         f"LoRA: {n_train:,} trainable parameters; fast paths: "
         + ", ".join(f"{k}={v}" for k, v in prepared.report.items())
     )
-    return ModelSetup(prepared.model, prepared, forward, ddp, params)
+    return ModelSetup(prepared.model, prepared, forward, ddp, params, graphs)
+
+
+def _step_graphs(config, device, distributed: bool, objective, prepared, forward, offloader, params):
+    """The run's StepGraphs, or None; its line in the fast-path report either way."""
+    from engine.fastpath.host_embed import host_embedding
+    from engine.peft_model import hf_model
+    from engine.train.step_graph import StepGraphs, graph_choice
+
+    model = prepared.model
+    on, why = graph_choice(
+        config.fast_paths.cuda_graphs,
+        device=device,
+        objective=objective.name,
+        distributed=distributed,
+        prepared=prepared,
+        model=model,
+        lora_dropout=float(config.lora.dropout),
+    )
+    prepared.report["cuda_graphs"] = f"{'on' if on else 'off'}: {why}"
+    if not on:
+        return None
+
+    def usable():
+        # The memory recovery may change the run under the graphs (engine.train.recovery).
+        if offloader() is not None:
+            return "offload was turned on to fit the step"
+        if host_embedding(hf_model(model)) is not None:
+            return "the embedding table moved to host memory to fit the step"
+        return None
+
+    def loss(batch, normalizer):
+        return objective.loss(forward, model, batch, normalizer).loss
+
+    return StepGraphs(loss, params, device, usable)

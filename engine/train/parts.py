@@ -128,6 +128,7 @@ def build_parts(
         optimizer,
         tokenizer,
         faults,
+        graphs=built.graphs,
     )
     loss_guard = LossGuard(
         built.params,
@@ -158,7 +159,9 @@ def build_parts(
     row_tokens = data.packing.row_tokens
     evaluator = Evaluator(runner, heldout, t, total, rep, run.folder, row_tokens)
     chat = data.spec.kind != "text"
-    gallery = Gallery(runner, tokenizer, t, heldout, chat, int(config.data.max_seq_len), rep, run.folder)
+    gallery = Gallery(
+        runner, tokenizer, t, heldout, chat, int(config.data.max_seq_len), rep, run.folder, config.data.thinking
+    )
     # The profile's total: an emulated card's cap (TUNESMITH_EMULATE_GPU), not the host GPU's.
     mem_total = run.profile.total_vram if device.type == "cuda" else host_total()
     preflight = Preflight(runner, built.params, run.profile, mem_total, config.auto_fields, rep.emit, rep.log, faults)

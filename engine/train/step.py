@@ -136,11 +136,21 @@ def _checkpoint_layers(base) -> None:
     frozen embeddings). transformers 5 renamed gradient_checkpointing_enable to
     activation_checkpointing_enable and warns (FutureWarning) on every call of the old name;
     the old name is called only where the installed transformers lacks the new one."""
-    kwargs = {"use_reentrant": False}
+    # The RNG state is kept for the recompute only where the model draws random numbers: keeping
+    # it costs a device-state read per layer, and a CUDA graph cannot read it while capturing.
+    kwargs = {"use_reentrant": False, "preserve_rng_state": draws_random(base)}
     if hasattr(base, "activation_checkpointing_enable"):
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def draws_random(base) -> bool:
+    """Whether the model's training forward draws random numbers: a dropout with p > 0 (LoRA's
+    included) or attention dropout in its config."""
+    if float(getattr(base.config, "attention_dropout", 0.0) or 0.0) > 0:
+        return True
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in base.modules())
 
 
 def tile_mlps(model, device) -> str:

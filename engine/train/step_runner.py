@@ -35,10 +35,12 @@ class StepRunner:
         optimizer,
         tokenizer,
         faults=None,
+        graphs=None,
     ):
         self.objective, self.forward, self.model, self.ddp, self.fsdp = objective, forward, model, ddp, fsdp
         self.dist, self.device, self.data, self.plan, self.memory = dist, device, data, plan, memory
         self.optimizer, self.tokenizer, self.faults = optimizer, tokenizer, faults
+        self.graphs = graphs  # engine.train.step_graph.StepGraphs, or None: every forward eager
         self.is_cuda = device.type == "cuda"
 
     # -- batches -----------------------------------------------------------------------------------
@@ -92,10 +94,16 @@ class StepRunner:
         ddp = None if rehearsal else self.ddp
         mine = micro if ddp is None else [mb for k, mb in enumerate(micro) if k % dist.world_size == dist.rank]
         scale = dist.world_size if ddp is not None else 1  # DDP averages; the step wants the sum
+        # CUDA graphs replay training micro-batches; the rehearsal measures the eager step's peak,
+        # and the fault seam's poisoned losses need the eager backward.
+        graphs = self.graphs if ddp is None and not rehearsal and faults is None else None
         for i, (rows, batch) in enumerate(mine):
             last = i == len(mine) - 1
             if faults is not None:
                 faults.check_oom(self.memory.attempt(step, rows, rehearsal), last_micro_batch=last)
+            if graphs is not None:  # SFT only (engine.train.step_graph.graph_choice): no metrics
+                loss_sum += graphs.forward_backward(batch, normalizer)
+                continue
             batch = batch.to(device)
             with self._sync_context(ddp, last):
                 out = ddp(batch, normalizer) if ddp is not None else self.loss(self.model, batch, normalizer)
@@ -147,6 +155,8 @@ class StepRunner:
         import torch
 
         self.optimizer.zero_grad(set_to_none=True)
+        if self.graphs is not None:  # a memory setting changes: graphs are captured again under it
+            self.graphs.reset()
         reset_counters()  # the failed attempt's calls are not the step's
         gc.collect()
         if self.is_cuda:

@@ -1,0 +1,310 @@
+"""CUDA graphs over a micro-batch's forward and backward (`fast_paths.cuda_graphs`).
+
+On a small model a training step is bound by the host, not the GPU: W1's profile shows about
+4,600 kernel launches a step at about 50 us of Python and launch work each, while the GPU waits
+(bench/results/levers.md). A CUDA graph records one micro-batch's launches once; a replay issues
+them all with one call.
+
+A graph replays fixed shapes and addresses, so each micro-batch is mapped to a *bucket*:
+
+- its token count rounded up (`bucket_tokens`); the rest is a padding document of token 0 with
+  no trained target, attended on its own like any document, so it changes no real token;
+- its document count rounded up to a power of two: trailing empty documents in cu_seqlens, which
+  no attention block table names;
+- whether its longest document reaches the attention's long-document launch lists
+  (engine.kernels.varlen_attention.LONG_DOCUMENT), which choose different kernels.
+
+The micro-batch's ids, targets, positions, cu_seqlens and attention block tables are copied into
+its bucket's static tensors (the tables padded with rows of document -1, which the kernels skip:
+the grids stay the size of the bucket's bound). The loss is captured as the sum over trained
+targets times a device scalar holding 1/normalizer, so one graph serves every step's normalizer.
+The LoRA gradients accumulate in place into gradient tensors the graphs own, handed back to the
+parameters before each forward (an optimizer's `zero_grad(set_to_none=True)` drops them).
+
+The first micro-batch of a bucket runs eagerly, on the graphs' own stream: it warms up Triton's
+autotuner, cuBLAS and the allocator there, as capture needs. The second is captured, then
+replayed; later ones are replayed. Inside a capture the LoRA layers build their cast adapter
+weights afresh (engine.fastpath.lora_group.uncached), so every replay reads the adapters the
+optimizer left, never a copy cached outside the graph. What the capture counted (fast-path
+calls, fallbacks) is counted again at each replay.
+
+Where a graph cannot be used (`graph_choice`: CPU, offload, several processes, a method other than
+SFT, ...) the run is eager and the report says why; where it stops being usable mid-run (the
+memory recovery installs offload or moves the embedding table to host memory) the micro-batch
+runs eagerly, counted as a fallback with its reason, never an error.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from engine.config import AUTO
+from engine.counters import count_fallback, current
+from engine.data.collate import IGNORE_INDEX, PackedBatch
+from engine.fastpath.packed import PackedSeqInfo
+
+MIN_DOC_BUCKET = 8  # fewer distinct buckets for batches of a few documents
+# fast_paths.cuda_graphs "auto": on below this hidden size, where steps are launch-bound (W1's,
+# W2's). Above it a step's kernels are long enough to hide the host, and a graph's pool would
+# only hold memory beside the allocator's cache.
+AUTO_MAX_HIDDEN = 4096
+
+
+def bucket_tokens(n: int) -> int:
+    """`n` rounded up to a multiple of 2^(floor(log2 n) - 3) (at least 64): at most 12.5% of
+    padding, about eight buckets per doubling. Best-fit packed rows are nearly full, so a run
+    sees one or two."""
+    step = max(64, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
+
+
+def bucket_docs(n: int) -> int:
+    """`n` documents rounded up to a power of two (at least MIN_DOC_BUCKET)."""
+    return max(MIN_DOC_BUCKET, 1 << max(0, n - 1).bit_length())
+
+
+def graph_choice(setting, *, device, objective: str, distributed: bool, prepared, model, lora_dropout: float):
+    """(whether this run's micro-batches go through CUDA graphs, the report line's reason)."""
+    from engine.fastpath.host_embed import host_embedding
+    from engine.models.arch import row_state
+    from engine.peft_model import hf_model
+
+    if setting is False:
+        return False, "disabled in config"
+    device = torch.device(device)
+    base = hf_model(model)
+    cfg = base.config
+    why = None
+    if device.type != "cuda":
+        why = "CUDA graphs need a CUDA GPU"
+    elif objective != "sft":
+        why = f"{objective} runs more than the next-token loss in a step (reference or sampling passes)"
+    elif distributed:
+        why = "several processes: DDP's and FSDP's hooks run between the kernels"
+    elif prepared.offloader is not None:
+        why = "offload copies layer inputs to host memory and chooses its buffering per step"
+    elif host_embedding(base) is not None:
+        why = "the embedding table is in host memory: a host gather per batch"
+    elif row_state(cfg):
+        why = f"{cfg.model_type} runs each document alone"
+    elif str(prepared.report.get("moe_grouping", "")).startswith("on"):
+        why = "MoE routing sizes its expert groups on the host"
+    elif getattr(cfg, "quantization_config", None) is not None:
+        why = "quantized bases are not captured (not yet checked against the eager step)"
+    elif lora_dropout > 0 or float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
+        why = "dropout draws random numbers that the recompute must draw again"
+    if why is not None:
+        return False, why
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    if setting == AUTO and hidden >= AUTO_MAX_HIDDEN:
+        return False, f"auto: hidden size {hidden:,} >= {AUTO_MAX_HIDDEN:,}, the step's kernels hide the host"
+    return True, "set in config" if setting is True else f"auto: hidden size {hidden:,}, launch-bound"
+
+
+class _Bucket:
+    """One bucket's static inputs, its graph and its captured loss."""
+
+    def __init__(self, key: tuple[int, int, bool], device: torch.device):
+        from engine.kernels.varlen_attention import LONG_DOCUMENT, TABLE_BLOCKS
+
+        tokens, docs, long_docs = key
+        self.key = key
+        # One int64 buffer (ids, targets, positions) and one int32 buffer (cu_seqlens, block
+        # tables): two host-to-device copies a micro-batch.
+        self.wide = torch.zeros(3 * tokens, dtype=torch.int64, device=device)
+        self.table_shapes = [
+            ((kind, block), -(-tokens // block) + docs) for block in TABLE_BLOCKS for kind in ("q", "k")
+        ]
+        narrow = docs + 1 + sum(2 * rows for _, rows in self.table_shapes)
+        self.narrow = torch.zeros(narrow, dtype=torch.int32, device=device)
+        ids, targets, positions = self.wide.view(3, tokens)
+        cu = self.narrow[: docs + 1]
+        # The grid and kernel choices: the bound of the bucket (kernels read the real lengths
+        # from cu_seqlens; max_seqlen only picks the launch lists and sizes non-Triton grids).
+        max_seqlen = tokens if long_docs else min(tokens, LONG_DOCUMENT - 1)
+        # lengths: not per micro-batch; nothing on the graphed path reads them (offload and
+        # per-document families are refused by graph_choice).
+        self.info = PackedSeqInfo([tokens], cu, max_seqlen, positions, tokens)
+        start = docs + 1
+        for key_, rows in self.table_shapes:
+            table = self.narrow[start : start + 2 * rows].view(rows, 2)
+            self.info._tables[key_] = (table, rows)
+            start += 2 * rows
+        self.info._device_cache[str(device)] = self.info  # already on the device
+        self.batch = PackedBatch(ids.unsqueeze(0), targets.unsqueeze(0), self.info, tokens, 0)
+        self.warmed = False
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.loss: Optional[torch.Tensor] = None
+        self.counts: dict[str, int] = {}
+
+    def fill(self, batch: PackedBatch) -> None:
+        """Copy a host micro-batch into the static tensors (queued on the current stream)."""
+        from engine.kernels.varlen_attention import host_block_table
+
+        tokens, docs, _ = self.key
+        n = batch.num_tokens
+        lengths = [int(x) for x in batch.info.lengths]
+        ids, targets, positions = batch.input_ids.reshape(-1), batch.targets.reshape(-1), batch.info.position_ids
+        if n < tokens:  # the padding document
+            pad = tokens - n
+            ids = torch.cat([ids, torch.zeros(pad, dtype=torch.int64)])
+            targets = torch.cat([targets, torch.full((pad,), IGNORE_INDEX, dtype=torch.int64)])
+            positions = torch.cat([positions, torch.arange(pad, dtype=torch.int64)])
+            lengths.append(pad)
+        cu = torch.full((docs + 1,), tokens, dtype=torch.int32)
+        cu[0] = 0
+        cu[1 : len(lengths) + 1] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+        parts = [cu]
+        for (kind, block), rows in self.table_shapes:
+            table = torch.zeros(rows, 2, dtype=torch.int32)
+            table[:, 0] = -1
+            real = host_block_table(lengths, block, kind)
+            table[: real.shape[0]] = real
+            parts.append(table.reshape(-1))
+        wide, narrow = torch.cat([ids, targets, positions]), torch.cat(parts)
+        if self.wide.is_cuda:  # pinned: queued on the stream, the host does not wait
+            wide, narrow = wide.pin_memory(), narrow.pin_memory()
+        self.wide.copy_(wide, non_blocking=True)
+        self.narrow.copy_(narrow, non_blocking=True)
+
+
+class StepGraphs:
+    """The run's CUDA graphs, one per bucket. `loss_fn(device batch, normalizer)` -> the scalar
+    loss (sum over trained targets / normalizer) whose backward a micro-batch runs; `params`: the
+    trainable parameters whose gradients the graphs accumulate into; `usable()` -> None, or why
+    the graphs cannot run now (checked at each micro-batch)."""
+
+    def __init__(self, loss_fn: Callable, params, device, usable: Callable[[], Optional[str]] = lambda: None):
+        self.loss_fn = loss_fn
+        self.params = [p for p in params if p.requires_grad]
+        self.device = torch.device(device)
+        self.usable = usable
+        self.buckets: dict[tuple[int, int, bool], _Bucket] = {}
+        self.stream = torch.cuda.Stream(self.device)
+        self.pool = None
+        self.grads: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+        self.inv_norm = torch.ones((), dtype=torch.float32, device=self.device)
+        self.broken: Optional[str] = None  # why capture failed; the run stays eager from then on
+        self.captures = 0
+        self.replays = 0
+
+    # -- the run's use ---------------------------------------------------------------------------
+    def why_not(self) -> Optional[str]:
+        """None when the next micro-batch can go through a graph, else why not."""
+        return self.broken or self.usable()
+
+    def forward_backward(self, batch: PackedBatch, normalizer) -> torch.Tensor:
+        """Forward and backward of one host micro-batch (its gradients added to the parameters');
+        the detached loss. Falls back to the eager step, counted, when the graphs cannot run."""
+        why = self.why_not()
+        if why is not None:
+            count_fallback("cuda_graphs", why)
+            self.reset()
+            return self._eager(batch, normalizer, own_stream=False)
+        key = self.key(batch)
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = _Bucket(key, self.device)
+        self._attach_grads()
+        if not bucket.warmed:
+            loss = self._eager(batch, normalizer, own_stream=True)
+            bucket.warmed = True
+            return loss
+        bucket.fill(batch)
+        self.inv_norm.fill_(1.0 / float(normalizer))
+        if bucket.graph is None:
+            try:
+                self._capture(bucket)
+            except Exception as exc:
+                from engine.train.recovery import is_oom
+
+                if is_oom(exc):
+                    raise  # the step's memory recovery handles it (and calls reset)
+                self.broken = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+                self.reset()
+                count_fallback("cuda_graphs", self.broken)
+                return self._eager(batch, normalizer, own_stream=False)
+        bucket.graph.replay()
+        self.replays += 1
+        counters = current()
+        for k, v in bucket.counts.items():
+            counters[k] = counters.get(k, 0) + v
+        return bucket.loss.clone()
+
+    def reset(self) -> None:
+        """Drop every graph and its memory (a memory setting changed, or the graphs cannot run)."""
+        if not self.buckets and self.pool is None:
+            return
+        self.buckets.clear()
+        self.pool = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    @staticmethod
+    def key(batch: PackedBatch) -> tuple[int, int, bool]:
+        from engine.kernels.varlen_attention import LONG_DOCUMENT
+
+        tokens = bucket_tokens(batch.num_tokens)
+        docs = len(batch.info.lengths) + (1 if tokens > batch.num_tokens else 0)
+        return tokens, bucket_docs(docs), max(batch.info.lengths) >= LONG_DOCUMENT
+
+    # -- inside ----------------------------------------------------------------------------------
+    def _attach_grads(self) -> None:
+        """Give each parameter its graph-owned gradient tensor (zeroed where it had none; its
+        value copied where it had another)."""
+        if self.grads is None:
+            self.grads = [(p, torch.zeros_like(p) if p.grad is None else p.grad) for p in self.params]
+        zero = []
+        for p, g in self.grads:
+            if p.grad is g:
+                continue
+            if p.grad is None:
+                zero.append(g)
+            else:
+                g.copy_(p.grad)
+            p.grad = g
+        if zero:
+            torch._foreach_zero_(zero)
+
+    def _eager(self, batch: PackedBatch, normalizer, own_stream: bool) -> torch.Tensor:
+        """The micro-batch without a graph: on the graphs' stream for a bucket's first (its
+        warm-up), else on the current stream."""
+        if not own_stream:
+            dev = batch.to(self.device)
+            loss = self.loss_fn(dev, normalizer)
+            loss.backward()
+            dev.info.free()
+            return loss.detach()
+        here = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(here)
+        with torch.cuda.stream(self.stream):
+            dev = batch.to(self.device)
+            loss = self.loss_fn(dev, normalizer)
+            loss.backward()
+            loss = loss.detach()
+        here.wait_stream(self.stream)
+        loss.record_stream(here)  # read on this stream, made on the graphs'
+        dev.info.free()
+        return loss
+
+    def _capture(self, bucket: _Bucket) -> None:
+        from engine.fastpath.lora_group import uncached
+
+        graph = torch.cuda.CUDAGraph()
+        counters = current()
+        before = dict(counters)
+        with counters.set_aside():
+            with uncached(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                loss = self.loss_fn(bucket.batch, 1.0) * self.inv_norm
+                loss.backward()
+                bucket.loss = loss.detach()
+            bucket.counts = {k: v - before.get(k, 0) for k, v in counters.items() if v != before.get(k, 0)}
+        if self.pool is None:
+            self.pool = graph.pool()
+        bucket.graph = graph
+        self.captures += 1
+        # The warm-up's activations were cached for the graphs' stream; the graph has its own pool.
+        torch.cuda.empty_cache()
