@@ -11,6 +11,7 @@ from typing import Any
 from engine.hardware.kinds import CPU_PLAN_FRACTION, KIND_RULES, KindRules
 from engine.hardware.profile import GiB, HardwareProfile, MiB
 from engine.models import estimate as est
+from engine.models.arch import arch_for
 
 # Used to size the cross-entropy chunk when the model is not known yet: a large modern
 # vocabulary (Qwen), so the chunk is never too big for the model that does get loaded.
@@ -128,6 +129,14 @@ class Sizer:
         # gathered whole, with the next one prefetched (two layers of 16-bit weights).
         layer = parts.weights / max(1, self.info.num_layers)
         return parts.total - parts.weights + int(parts.weights / self.shards + 2 * layer)
+
+
+def carries_row_state(info: est.ModelInfo | None) -> bool:
+    """Whether the model's layers carry state along a row (Arch.row_state: LFM2, Jamba, Nemotron-H,
+    Qwen3.5, ...): each document of a packed row runs as its own forward, so activation offload does
+    not run for it (engine.train.step) and FSDP cannot train it (engine.train.fsdp)."""
+    arch = arch_for(getattr(info, "model_type", None)) if info is not None else None
+    return arch is not None and arch.row_state
 
 
 def training_mode(load_in_4bit: Any, dtype: str) -> str:

@@ -16,6 +16,7 @@ from engine.hardware.budget import (
     Decision,
     Sizer,
     _gib,
+    carries_row_state,
 )
 from engine.hardware.profile import GiB, HardwareProfile, MiB
 from engine.models import estimate as est
@@ -66,10 +67,17 @@ def checkpointing_default(budget: Budget, size: Sizer, mode: str, target: int, i
     )
 
 
-def offload_off_reason(profile: HardwareProfile, budget: Budget, ckpt: bool) -> str | None:
+def offload_off_reason(
+    profile: HardwareProfile, budget: Budget, ckpt: bool, info: est.ModelInfo | None = None
+) -> str | None:
     """Why activation offload is off whatever the memory, or None when it depends on memory."""
     if not budget.on_gpu:
         return "CPU: activations already live in host memory"
+    if carries_row_state(info):  # engine.train.step installs no offloader for these
+        return (
+            f"{info.model_type} runs each document of a row as its own forward (its layers carry state along "
+            "a row), and offload's per-layer slots hold one forward's inputs"
+        )
     if profile.integrated_memory:
         return (
             "unified memory: the host and the GPU share it, so moving "
@@ -90,7 +98,7 @@ def planned_offload(
     """The offload the micro-batch is sized with, before `offload_default` settles it beside
     that micro-batch. A datacenter card sizes without offload when a busy micro-batch fits
     without it; the consumer kinds offload whenever they checkpoint."""
-    if offload_off_reason(profile, budget, ckpt):
+    if offload_off_reason(profile, budget, ckpt, size.info if size is not None else None):
         return "off"
     if budget.rules.offload == "when_needed" and size is not None and size.info is not None:
         if size(mode, _busy_tokens(budget, size.seq), ckpt, "off") <= budget.memory:
@@ -148,7 +156,7 @@ def offload_default(
     """Activation offload: off where it cannot help (CPU, unified memory, no checkpointing) and
     on a datacenter card when the micro-batch fits without it; else double-buffered when the
     budget leaves room for the second buffer, else single."""
-    off = offload_off_reason(profile, budget, ckpt)
+    off = offload_off_reason(profile, budget, ckpt, size.info)
     if off:
         return "off", off
     rules = budget.rules

@@ -15,6 +15,7 @@ from engine.hardware.budget import (
     Sizer,
     _cap,
     _gib,
+    carries_row_state,
 )
 from engine.hardware.profile import HardwareProfile
 from engine.models import estimate as est
@@ -58,7 +59,9 @@ def load_in_4bit_default(profile: HardwareProfile, budget: Budget, size: Sizer) 
     if size.info is None:
         return False, "model size not known yet; 16-bit (set load_in_4bit: true for a model near the VRAM size)"
     seq, rules = size.seq, budget.rules
-    lean = size("lora16", seq, True, "off" if profile.integrated_memory else "single")
+    # Offload cannot help on unified memory, nor for a family whose documents run one by one.
+    no_offload = profile.integrated_memory or carries_row_state(size.info)
+    lean = size("lora16", seq, True, "off" if no_offload else "single")
     if lean > budget.memory:
         return True, f"16-bit LoRA needs ~{_gib(lean)} even at one {seq}-token row, over the {budget}"
     if rules.prefer_4bit:
@@ -88,11 +91,17 @@ def load_in_4bit_for_fsdp() -> Decision:
 FSDP_WEIGHTS_SHARE = 0.8
 
 
-def distributed_default(budget: Budget, info: est.ModelInfo | None, load_in_4bit: Any) -> Decision:
+def distributed_default(
+    budget: Budget, info: est.ModelInfo | None, load_in_4bit: Any, size: Sizer | None = None
+) -> Decision:
     """How several processes share the work (one process ignores it): DDP (the whole base on
     every device, adapter gradients all-reduced) unless the 16-bit base alone takes more than
     FSDP_WEIGHTS_SHARE of one device's budget, then FSDP2 (the base sharded per decoder layer).
-    A 4-bit base stays DDP. On a CPU it says what happens there: one process, nothing shared."""
+    A 4-bit base stays DDP. A family whose layers carry state along a row (Arch.row_state) cannot
+    be trained under FSDP (engine.train.fsdp.row_state_refusal): it stays DDP while one row fits
+    one device (`size`: the run's Sizer), and where it does not, the reason says so and the run's
+    setup refuses it with that reason before anything loads. On a CPU it says what happens there:
+    one process, nothing shared."""
     if not budget.on_gpu:
         return "ddp", (
             "CPU: one process trains and nothing is distributed (ddp and fsdp share the work of several "
@@ -104,6 +113,8 @@ def distributed_default(budget: Budget, info: est.ModelInfo | None, load_in_4bit
         return "ddp", "model size not known yet: each GPU holds the whole base"
     weights = info.num_params * 2
     if weights > FSDP_WEIGHTS_SHARE * budget.memory:
+        if carries_row_state(info):
+            return _row_state_distributed(budget, info, weights, size)
         return "fsdp", (
             f"the 16-bit base of {_params(info)} parameters (~{_gib(weights)}) leaves too little of one device's "
             f"{budget} for training: FSDP2 shards it across the GPUs"
@@ -111,6 +122,30 @@ def distributed_default(budget: Budget, info: est.ModelInfo | None, load_in_4bit
     return "ddp", (
         f"the 16-bit base (~{_gib(weights)}) fits one device's {budget} with room to train: each GPU holds it, "
         "only the adapter gradients travel"
+    )
+
+
+def _row_state_distributed(budget: Budget, info: est.ModelInfo, weights: int, size: Sizer | None) -> Decision:
+    """DDP or (refused) FSDP for a row-state family whose 16-bit base crowds one device: DDP when a
+    checkpointed row fits the budget without offload (offload is off for these families: each
+    document runs alone, engine.train.step), else "fsdp" with the reason the setup refuses it."""
+    model_type = info.model_type
+    carries = (
+        f"{model_type}'s layers carry state along a row, so each document is its own forward, and under FSDP "
+        "GPUs holding different numbers of documents would wait on each other forever"
+    )
+    one_row = size("lora16", size.seq, True, "off") if size is not None and size.info is not None else None
+    if one_row is not None and one_row <= budget.memory:
+        return "ddp", (
+            f"{carries}: FSDP cannot train it. Its 16-bit base of {_params(info)} parameters (~{_gib(weights)}) "
+            f"crowds one device's {budget}, but one {size.seq}-token row fits (~{_gib(one_row)}): DDP, each GPU "
+            "holds the base whole (smaller micro-batches)"
+        )
+    need = f" (one {size.seq}-token row needs ~{_gib(one_row)})" if one_row is not None else ""
+    return "fsdp", (
+        f"the 16-bit base of {_params(info)} parameters (~{_gib(weights)}) does not fit one device's {budget}"
+        f"{need}, and FSDP, which would shard it, cannot train {model_type}: {carries}. Set model.load_in_4bit: "
+        "true (DDP, each GPU holding a 4-bit base), a shorter data.max_seq_len, or train on GPUs with more memory"
     )
 
 

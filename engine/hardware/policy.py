@@ -200,7 +200,7 @@ def resolve_defaults(
     if t.distributed == "fsdp":
         out.fill("model.load_in_4bit", load_in_4bit_for_fsdp)
     out.fill("model.load_in_4bit", lambda: load_in_4bit_default(profile, budget, size))
-    out.fill("training.distributed", lambda: distributed_default(budget, info, m.load_in_4bit))
+    out.fill("training.distributed", lambda: distributed_default(budget, info, m.load_in_4bit, size))
     if world_size > 1 and t.distributed == "fsdp" and info is not None:
         size = replace(size, shards=world_size)
         out.notes["memory.sharded"] = (

@@ -67,6 +67,9 @@ def configure(
         from engine.train.fsdp import row_state_refusal
 
         why = row_state_refusal(info.model_type)
+        if why and "training.distributed" in config.auto_fields:
+            # The policy chose fsdp because the base does not fit one GPU: its reason says that too.
+            why = f"auto chose fsdp: {config.auto_reasons['training.distributed']}"
         if why:
             raise ConfigError("training.distributed", why)
     device = torch.device(dist.device(config.training.device))
