@@ -32,16 +32,25 @@ def load_chat_model(model_cfg: ModelConfig, adapter: str | Path | None = None, d
 
 
 def generate_reply(
-    model, tokenizer, prompt: str | list[dict], max_new_tokens: int = 48, temperature: float = 0.0
+    model,
+    tokenizer,
+    prompt: str | list[dict],
+    max_new_tokens: int = 48,
+    temperature: float = 0.0,
+    thinking: bool | str | None = None,
 ) -> str:
-    """The assistant's reply to `prompt` (a user message, or a whole message list)."""
+    """The assistant's reply to `prompt` (a user message, or a whole message list). `thinking`: the
+    run's data.thinking (its config.yaml), so the prompt opens as training rendered it (Qwen3's
+    empty <think></think> with it off, DeepSeek-V3.2's <think> with it on); "auto"/None: the
+    template's default."""
     import torch
 
-    from engine.data.render import ensure_chat_template
+    from engine.data.render import ensure_chat_template, thinking_vars
 
     ensure_chat_template(tokenizer)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    switch = thinking_vars(tokenizer, thinking)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **switch)
     enc = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(model.device)
     sample = temperature > 0
     with torch.no_grad():

@@ -23,6 +23,7 @@ class ChatModel:
                 f"cannot find the run's config.yaml above {self.adapter_dir}, so the base model is unknown"
             )
         self.base_name = cfg.model.name_or_path
+        self.thinking = cfg.data.thinking  # the template's thinking switch the run trained with
         self.model, self.tokenizer = load_chat_model(cfg.model, self.adapter_dir, device="auto")
         self.device = str(self.model.device)
         self._lock = threading.Lock()
@@ -32,9 +33,9 @@ class ChatModel:
 
         with self._lock:
             if use_adapter:
-                return generate_reply(self.model, self.tokenizer, prompt, max_new_tokens)
+                return generate_reply(self.model, self.tokenizer, prompt, max_new_tokens, thinking=self.thinking)
             with self.model.disable_adapter():  # PEFT: the same weights without the adapter
-                return generate_reply(self.model, self.tokenizer, prompt, max_new_tokens)
+                return generate_reply(self.model, self.tokenizer, prompt, max_new_tokens, thinking=self.thinking)
 
 
 def load_chat_model(source: str) -> ChatModel:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from engine.config import DataConfig
 from engine.data import plural, shown_row
-from engine.data.formats import FormatSpec, detect_format, row_to_messages
+from engine.data.formats import FormatSpec, data_thinking, detect_format, row_to_messages
 from engine.data.packing import PackingResult, pack_best_fit_decreasing
-from engine.data.render import ensure_chat_template, tokenize_rows
+from engine.data.render import ensure_chat_template, thinking_vars, tokenize_rows
 from engine.data.sources import DataError, load_raw
 
 
@@ -31,6 +31,9 @@ class PreparedData:
     dropped_overlong: int = 0
     used_fallback_template: bool = False
     notes: list[str] = field(default_factory=list)  # one sentence each, said once for the whole set
+    # The thinking switch the template was given (data.thinking resolved; None: the template's default).
+    thinking: bool | None = None
+    thinking_said: str = ""  # thinking_note: which of the template's variables it was, for the log
 
     def summary(self) -> dict:
         lengths = [len(d) for d in self.docs]
@@ -88,6 +91,15 @@ def no_usable_rows(cfg: DataConfig, rows: int, skipped: list[tuple[int, str]]) -
     )
 
 
+def thinking_note(tokenizer, thinking: bool | None) -> str:
+    """The one sentence saying which thinking switch the template was given, or "" (none it reads)."""
+    names = list(thinking_vars(tokenizer, thinking))
+    if not names:
+        return ""
+    said = " and ".join(f"{n}={'true' if thinking else 'false'}" for n in names)
+    return f"The chat template renders with {said} (data.thinking), in training, eval and the chat"
+
+
 def _row_batches(raw):
     """(index of the first row, [rows]) in batches: engine.data.scan.Rows' own (the packing view's,
     with its progress and stop check) or, for a plain data set, the same batches without them."""
@@ -100,6 +112,7 @@ def prepare_dataset(cfg: DataConfig, tokenizer, raw=None) -> PreparedData:
     raw = load_raw(cfg) if raw is None else raw
     spec = detect_format(list(raw.column_names), cfg.format, cfg.columns, cfg.source)
     fallback = ensure_chat_template(tokenizer) if spec.kind != "text" else False
+    thinking = data_thinking(cfg.thinking, raw, spec)
     docs, masks, skipped = [], [], []
     truncated = dropped = dropped_reasoning = 0
     limit = cfg.max_seq_len
@@ -115,7 +128,12 @@ def prepare_dataset(cfg: DataConfig, tokenizer, raw=None) -> PreparedData:
         readable = [ex for ex in examples if not isinstance(ex, ValueError)]
         toks = iter(
             tokenize_rows(
-                tokenizer, readable, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
+                tokenizer,
+                readable,
+                cfg.train_on_responses_only,
+                cfg.fold_system_message,
+                cfg.earlier_reasoning,
+                thinking,
             )
         )
         for i, example in enumerate(examples, start):
@@ -142,4 +160,6 @@ def prepare_dataset(cfg: DataConfig, tokenizer, raw=None) -> PreparedData:
         raise no_usable_rows(cfg, len(raw), skipped)
     notes = [reasoning_note(dropped_reasoning, cfg.earlier_reasoning)] if dropped_reasoning else []
     packing = pack_best_fit_decreasing([len(d) for d in docs], limit)
-    return PreparedData(docs, masks, packing, spec, len(raw), skipped, truncated, dropped, fallback, notes)
+    prepared = PreparedData(docs, masks, packing, spec, len(raw), skipped, truncated, dropped, fallback, notes)
+    prepared.thinking, prepared.thinking_said = thinking, thinking_note(tokenizer, thinking)
+    return prepared

@@ -196,6 +196,41 @@ def message_reasoning(msg: dict, i: int, message: dict) -> dict:
     return {"reasoning": text, "reasoning_field": name}
 
 
+def _has_reasoning(messages) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and any(m.get(name) not in (None, "") for name in REASONING_FIELDS) for m in messages
+    )
+
+
+def carries_reasoning(raw, spec: FormatSpec, batch: int = 1000) -> bool:
+    """Whether an answer of the data carries its reasoning in a field of its own (REASONING_FIELDS):
+    what data.thinking "auto" turns the template's thinking on for. `raw`: a datasets.Dataset, or
+    engine.data.scan.Rows over one (its first len(raw) rows). The Arrow column's type answers at
+    once when no message has such a field; else the rows are read in slices up to the first."""
+    if spec.kind != "conversations":
+        return False
+    ds, column, total = getattr(raw, "ds", raw), spec.mapping["messages"], len(raw)
+    try:
+        kind = ds.data.schema.field(column).type
+        if not any(name in REASONING_FIELDS for name in getattr(kind.value_type, "names", REASONING_FIELDS)):
+            return False
+    except AttributeError:  # not Arrow-backed, or not a list of structs: read the rows
+        pass
+    for start in range(0, total, batch):
+        if any(map(_has_reasoning, ds[start : min(total, start + batch)][column])):
+            return True
+    return False
+
+
+def data_thinking(setting, raw, spec: FormatSpec) -> bool | None:
+    """data.thinking (`setting`) as the chat template is given it (engine.data.render.thinking_vars):
+    true/false as set; "auto" is on when an answer of `raw` carries its reasoning in a field of its
+    own (carries_reasoning), else None: the template's own default."""
+    if isinstance(setting, bool):
+        return setting
+    return True if carries_reasoning(raw, spec) else None
+
+
 def row_to_messages(row: dict, spec: FormatSpec) -> list[dict] | str:
     """Chat messages for a row, or a plain string for text rows. Raises ValueError with a reason."""
     m = spec.mapping

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.data import plural, shown_row
-from engine.data.formats import ROLE_NAMES, message_reasoning
+from engine.data.formats import ROLE_NAMES, FormatSpec, carries_reasoning, message_reasoning
 from engine.data.packing import PackingResult, pack_best_fit_decreasing
 from engine.data.render import ensure_chat_template, render, render_closed
 from engine.data.sources import DataError, load_raw
@@ -124,18 +124,18 @@ def reference_example(row: dict, spec: PreferenceSpec):
     return _messages(row.get(m["prompt"]), f"column '{m['prompt']}'", "user") + chosen
 
 
-def _ids(tokenizer, messages, generation_prompt=False, fold_system=False) -> list[int]:
+def _ids(tokenizer, messages, generation_prompt=False, fold_system=False, thinking=None) -> list[int]:
     """The conversation's tokens through the one render (engine.data.render): a template that
     rejects the row gives a RowError (a ValueError: the row is skipped with its reason), and
     data.fold_system_message folds a system message the template has no turn for, as for SFT."""
-    text, _, _ = render(tokenizer, messages, fold_system, generation_prompt)
+    text, _, _ = render(tokenizer, messages, fold_system, generation_prompt, thinking)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _answer_ids(tokenizer, prompt_msgs, prompt_ids, answer_msgs, fold_system=False) -> list[int]:
+def _answer_ids(tokenizer, prompt_msgs, prompt_ids, answer_msgs, fold_system=False, thinking=None) -> list[int]:
     # With the end-of-turn token a template leaves off the last answer (GLM's <|user|>), as SFT has it.
     full = list(
-        tokenizer(render_closed(tokenizer, prompt_msgs + answer_msgs, fold_system), add_special_tokens=False)[
+        tokenizer(render_closed(tokenizer, prompt_msgs + answer_msgs, fold_system, thinking), add_special_tokens=False)[
             "input_ids"
         ]
     )
@@ -180,6 +180,7 @@ class PreferenceData:
     truncated: int = 0
     used_fallback_template: bool = False
     notes: list[str] = field(default_factory=list)  # sentences the run log says once
+    thinking: Optional[bool] = None  # the template's thinking switch (data.thinking resolved)
 
     def summary(self) -> dict:
         return {
@@ -208,6 +209,16 @@ def _fit(prompt, answers, limit, overlong):
     return [a[:room] for a in answers], True
 
 
+def preference_thinking(setting, raw, spec: PreferenceSpec) -> bool | None:
+    """data.thinking for preference data, as formats.data_thinking for SFT: "auto" is on when an
+    answer (chosen, rejected or completion) carries its reasoning in a field, else None."""
+    if isinstance(setting, bool):
+        return setting
+    answers = [spec.mapping[k] for k in ("chosen", "rejected", "completion") if k in spec.mapping]
+    found = any(carries_reasoning(raw, FormatSpec("conversations", {"messages": c})) for c in answers)
+    return True if found else None
+
+
 def prepare_preference_data(cfg, tokenizer, kind: str, extra_tokens: int = 0, raw=None) -> PreferenceData:
     """Read, detect, render and tokenize `kind` data per DataConfig `cfg`, then pack.
 
@@ -221,6 +232,7 @@ def prepare_preference_data(cfg, tokenizer, kind: str, extra_tokens: int = 0, ra
     m = spec.mapping
     limit = cfg.max_seq_len
     fold = bool(getattr(cfg, "fold_system_message", False))
+    thinking = preference_thinking(getattr(cfg, "thinking", "auto"), raw, spec)
     examples, docs, labels, rows, row_ids, skipped = [], [], [], [], [], []
     truncated = 0
     for i, row in enumerate(raw):
@@ -235,9 +247,9 @@ def prepare_preference_data(cfg, tokenizer, kind: str, extra_tokens: int = 0, ra
                         _messages(row.get(m["chosen"]), f"column '{m['chosen']}'", "assistant"),
                         _messages(row.get(m["rejected"]), f"column '{m['rejected']}'", "assistant"),
                     )
-                p = _ids(tokenizer, prompt, generation_prompt=True, fold_system=fold)
-                c = _answer_ids(tokenizer, prompt, p, chosen, fold)
-                r = _answer_ids(tokenizer, prompt, p, rejected, fold)
+                p = _ids(tokenizer, prompt, True, fold, thinking)
+                c = _answer_ids(tokenizer, prompt, p, chosen, fold, thinking)
+                r = _answer_ids(tokenizer, prompt, p, rejected, fold, thinking)
                 if c == r:
                     raise ValueError("chosen and rejected are the same answer (nothing to prefer)")
                 answers, cut = _fit(p, [c, r], limit, cfg.overlong)
@@ -255,13 +267,13 @@ def prepare_preference_data(cfg, tokenizer, kind: str, extra_tokens: int = 0, ra
                 label = row.get(m["label"])
                 if not isinstance(label, bool) and label not in (0, 1):
                     raise ValueError(f"column '{m['label']}' is {label!r}, not true/false")
-                p = _ids(tokenizer, prompt, generation_prompt=True, fold_system=fold)
-                c = _answer_ids(tokenizer, prompt, p, answer, fold)
+                p = _ids(tokenizer, prompt, True, fold, thinking)
+                c = _answer_ids(tokenizer, prompt, p, answer, fold, thinking)
                 examples.append((p, c))
                 labels.append(bool(label))
             else:
                 prompt = _messages(row.get(m["prompt"]), f"column '{m['prompt']}'", "user")
-                p = _ids(tokenizer, prompt, generation_prompt=True, fold_system=fold)
+                p = _ids(tokenizer, prompt, True, fold, thinking)
                 if len(p) >= limit:
                     raise ValueError(f"the prompt takes {len(p)} tokens, more than a row's {limit}")
                 examples.append((p,))
@@ -283,9 +295,11 @@ def prepare_preference_data(cfg, tokenizer, kind: str, extra_tokens: int = 0, ra
         )
     else:
         packing = pack_best_fit_decreasing([len(d) for d in docs], limit)
-    return PreferenceData(
+    data = PreferenceData(
         kind, examples, docs, packing, spec, len(raw), labels, rows, row_ids, skipped, truncated, fallback
     )
+    data.thinking = thinking
+    return data
 
 
 def _kl_twins(examples, labels, row_ids, skipped, limit, overlong):
@@ -327,6 +341,7 @@ def pair_findings(cfg, tokenizer, raw, spec: PreferenceSpec):
     ensure_chat_template(tokenizer)
     m, limit = spec.mapping, cfg.max_seq_len
     fold = bool(getattr(cfg, "fold_system_message", False))
+    thinking = preference_thinking(getattr(cfg, "thinking", "auto"), raw, spec)
     lengths, findings = [], []
     for i, row in enumerate(raw):
         sides = {}
@@ -359,9 +374,9 @@ def pair_findings(cfg, tokenizer, raw, spec: PreferenceSpec):
                 prompt = _messages(row.get(m["prompt"]), f"column '{m['prompt']}'", "user")
             else:
                 prompt, chosen, rejected = _shared_prompt(chosen, rejected)
-            p = _ids(tokenizer, prompt, generation_prompt=True, fold_system=fold)
-            c = _answer_ids(tokenizer, prompt, p, chosen, fold)
-            r = _answer_ids(tokenizer, prompt, p, rejected, fold)
+            p = _ids(tokenizer, prompt, True, fold, thinking)
+            c = _answer_ids(tokenizer, prompt, p, chosen, fold, thinking)
+            r = _answer_ids(tokenizer, prompt, p, rejected, fold, thinking)
         except ValueError as exc:
             if not (differs and "share no prompt" in str(exc)):  # said above: the prompts differ
                 findings.append(("unreadable", i, str(exc)))

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from engine.config import DataConfig
 from engine.data import plural, shown_row
-from engine.data.formats import FormatSpec, UnmatchedColumns, detect_format, row_to_messages
+from engine.data.formats import FormatSpec, UnmatchedColumns, data_thinking, detect_format, row_to_messages
 from engine.data.render import ensure_chat_template, tokenize_example
 from engine.data.sources import DataError, load_raw, resolve_source
 
@@ -217,7 +217,12 @@ def render_example(tokenizer, cfg: DataConfig, index: int, method: str = "sft") 
         raise DataError(f"row {shown_row(index)}: {exc}") from exc
     try:
         tok = tokenize_example(
-            tokenizer, example, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
+            tokenizer,
+            example,
+            cfg.train_on_responses_only,
+            cfg.fold_system_message,
+            cfg.earlier_reasoning,
+            _thinking(cfg, ds, spec),
         )
     except ValueError as exc:  # render.RowError: the template rejects the row (training drops it)
         raise DataError(f"row {shown_row(index)}: {exc}") from exc
@@ -225,6 +230,19 @@ def render_example(tokenizer, cfg: DataConfig, index: int, method: str = "sft") 
     ids, trained = tok.ids[: cfg.max_seq_len], tok.trained[: cfg.max_seq_len]
     pieces = list(zip(token_pieces(tokenizer, tok.text, tok.ids)[: len(ids)], map(bool, trained)))
     return RenderedExample(index, pieces, len(ids), sum(trained), truncated, fallback)
+
+
+_THINKING_CACHE: dict[tuple, Any] = {}
+
+
+def _thinking(cfg: DataConfig, ds, spec: FormatSpec):
+    """data.thinking for the window's data set, as training resolves it (formats.data_thinking), read
+    once per data set and column rather than once per example shown."""
+    key = (id(ds), len(ds), spec.kind, tuple(spec.mapping.items()), cfg.thinking)
+    if key not in _THINKING_CACHE:
+        _THINKING_CACHE.clear()
+        _THINKING_CACHE[key] = data_thinking(cfg.thinking, ds, spec)
+    return _THINKING_CACHE[key]
 
 
 def _piece_of(tokenizer, token_id: int) -> str:

@@ -18,6 +18,15 @@ rendered. A Qwen3 answer without reasoning as the final turn renders after an em
 `<think>\\n\\n</think>\\n\\n` block: that block is NOT trained (it is what Qwen3's template writes
 into the prompt when thinking is off), only the answer and <|im_end|>.
 
+The thinking switch (data.thinking): some templates render an answer's reasoning only when a
+template variable says so (DeepSeek-V3.2/V4's `thinking`, Kimi-K3's `thinking`) or change the
+generation prompt with it (Qwen3's `enable_thinking`: false writes an empty <think></think> block
+into it). `thinking` (True/False; None: the template's default) is passed under each of those names
+the template reads (template_switches), in every render here, so training, the X-ray, the preview
+and the chat render one conversation alike. An answer whose reasoning block the generation prompt
+opens (DeepSeek-V3.2 with thinking on ends its prompt with "<think>") is trained from the end of
+that prompt: the model never writes the opening tag.
+
 A template that raises on a row (system role unsupported, roles not alternating) gives a RowError
 (a ValueError) naming the reason, so the row is dropped and reported, never the run stopped; with
 `fold_system` the system message is folded into the first user turn first (Gemma-2's templates).
@@ -47,6 +56,7 @@ _GAP = re.compile(r"[ \t\r\n]{0,2}")
 _PROBE = {"role": "user", "content": "?"}
 # The tag right before a reasoning text a template renders in its own way (GLM's "<think>...</think>").
 _THINK_OPEN = re.compile(r"<(?!/)[^<>\s]*think[^<>\s]*>\s*$")
+_THINK_OPEN_AT = re.compile(r"<(?!/)[^<>\s]*think[^<>\s]*>")
 _THINK_CLOSE = re.compile(r"\s*</[^<>\s]*think[^<>\s]*>\s*")
 
 
@@ -133,6 +143,38 @@ def _template_place(template: str) -> str | None:
     return "inline" if "<think>" in template else None
 
 
+# The template variables that switch a template's thinking on or off, by their names in the template.
+THINKING_SWITCHES = ("thinking", "enable_thinking")
+_GENERATION_BLOCK = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
+
+
+@functools.lru_cache(maxsize=16)
+def template_switches(template: str) -> tuple[str, ...]:
+    """The names of THINKING_SWITCHES this template reads from its context: what jinja2 finds
+    undeclared in its source (a message's `thinking` field, `message.thinking`, is not one), so a
+    name is passed only to a template that reads it. () for a template jinja2 cannot parse."""
+    from jinja2 import TemplateSyntaxError, meta
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(extensions=[loopcontrols])
+    try:  # transformers' {% generation %} tag is its own extension: left out, it changes no name
+        names = meta.find_undeclared_variables(env.parse(_GENERATION_BLOCK.sub("", template)))
+    except TemplateSyntaxError:
+        return ()
+    return tuple(name for name in THINKING_SWITCHES if name in names)
+
+
+def thinking_vars(tokenizer, thinking) -> dict:
+    """The keyword arguments that pass `thinking` to this tokenizer's chat template: {name: thinking}
+    for each switch it reads (template_switches); {} for None or "auto" (the template's default: a
+    run's config.yaml keeps "auto" when its data carried no reasoning field, so the chat reads it so)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(thinking, bool) or not isinstance(template, str):
+        return {}
+    return dict.fromkeys(template_switches(template), thinking)
+
+
 def with_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
     """The messages as the template is given them: an answer's reasoning field (formats'
     "reasoning") under every name of REASONING_NAMES, or written into its content as a <think>
@@ -162,14 +204,19 @@ def with_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
 
 
 def render(
-    tokenizer, messages: list[dict], fold_system: bool = False, generation_prompt: bool = False
+    tokenizer,
+    messages: list[dict],
+    fold_system: bool = False,
+    generation_prompt: bool = False,
+    thinking: bool | None = None,
 ) -> tuple[str, list[dict], bool]:
     """(rendered text, the messages rendered, whether the system message was folded). RowError
     when the template rejects the row. `generation_prompt`: end with the assistant's opening (a
-    prompt that generation or a preference answer continues)."""
+    prompt that generation or a preference answer continues). `thinking`: the switch (thinking_vars)."""
+    switch = thinking_vars(tokenizer, thinking)
 
     def apply(msgs):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt, **switch)
 
     messages = with_reasoning(tokenizer, messages)
     try:
@@ -317,7 +364,7 @@ def _locate(text: str, content: str, pos: int, specials: list[str]) -> tuple[int
     return (at, at + len(final), True) if at >= 0 else None
 
 
-def _own_reasoning(tokenizer, before: list[dict], text: str, reasoning: str, pos: int, found, specials):
+def _own_reasoning(tokenizer, before: list[dict], text: str, reasoning: str, pos: int, found, specials, thinking=None):
     """`found` (an answer found without its reasoning), or the span from its reasoning, for a template
     that renders a reasoning field between its own markers (gpt-oss's <|channel|>analysis<|message|>,
     Cohere's <|START_THINKING|>, Solar's <|think|>): what the model writes after the generation prompt
@@ -327,7 +374,7 @@ def _own_reasoning(tokenizer, before: list[dict], text: str, reasoning: str, pos
         return found  # the template left the reasoning out: it is dropped
     start = at
     try:
-        prompt = render(tokenizer, before, generation_prompt=True)[0]
+        prompt = render(tokenizer, before, generation_prompt=True, thinking=thinking)[0]
     except RowError:
         prompt = ""
     common = len(os.path.commonprefix([prompt, text[: len(prompt)]]))
@@ -336,9 +383,25 @@ def _own_reasoning(tokenizer, before: list[dict], text: str, reasoning: str, pos
     return start, found[1], False
 
 
-def answer_spans(tokenizer, messages: list[dict], text: str, specials: list[str] | None = None) -> list[AnswerSpan]:
+def _past_prompt(tokenizer, before: list[dict], text: str, found, thinking) -> tuple:
+    """`found` (an answer found from its reasoning's opening tag) starting where the generation prompt
+    of the conversation `before` it ends, when that prompt already holds the tag (DeepSeek-V3.2's with
+    thinking on ends "<｜Assistant｜><think>"): the model never writes what its prompt holds."""
+    try:
+        prompt = render(tokenizer, before, generation_prompt=True, thinking=thinking)[0]
+    except RowError:
+        return found
+    if found[0] < len(prompt) < found[1] and text.startswith(prompt):
+        return len(prompt), found[1], found[2]
+    return found
+
+
+def answer_spans(
+    tokenizer, messages: list[dict], text: str, specials: list[str] | None = None, thinking: bool | None = None
+) -> list[AnswerSpan]:
     """Every assistant answer's span in `text` (the render of `messages`), in order. `specials`:
-    the tokenizer's special strings, longest first (_special_strings), when the caller has them."""
+    the tokenizer's special strings, longest first (_special_strings), when the caller has them.
+    `thinking`: the switch `text` was rendered with."""
     specials = _special_strings(tokenizer) if specials is None else specials
     eos = getattr(tokenizer, "eos_token", None)
     spans, pos, number = [], 0, 0
@@ -356,7 +419,9 @@ def answer_spans(tokenizer, messages: list[dict], text: str, specials: list[str]
             content = THINK_BLOCK.format(msg["reasoning"]) + content
         found = _locate(text, content, pos, specials)
         if found is not None and found[2] and msg.get("reasoning"):
-            found = _own_reasoning(tokenizer, messages[:k], text, msg["reasoning"], pos, found, specials)
+            found = _own_reasoning(tokenizer, messages[:k], text, msg["reasoning"], pos, found, specials, thinking)
+        if found is not None and thinking is True and msg.get("reasoning") and _THINK_OPEN_AT.match(text, found[0]):
+            found = _past_prompt(tokenizer, messages[:k], text, found, thinking)
         if found is None:
             if not content.strip():
                 continue  # an empty answer: nothing to find (its row trains the others)
@@ -373,7 +438,9 @@ def _marks_generation(tokenizer) -> bool:
     return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
 
 
-def _generation_spans(tokenizer, messages: list[dict], specials: list[str]) -> tuple[str, list[AnswerSpan]]:
+def _generation_spans(
+    tokenizer, messages: list[dict], specials: list[str], thinking: bool | None = None
+) -> tuple[str, list[AnswerSpan]]:
     """The render and the `{% generation %}` spans, for a template that marks them (_marks_generation)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -382,9 +449,10 @@ def _generation_spans(tokenizer, messages: list[dict], specials: list[str]) -> t
         chat_template=tokenizer.chat_template,
         return_assistant_tokens_mask=True,
         **getattr(tokenizer, "special_tokens_map", {}),
+        **thinking_vars(tokenizer, thinking),
     )
     text = rendered[0]
-    opening = _generation_opening(tokenizer, messages)
+    opening = _generation_opening(tokenizer, messages, thinking)
     spans = []
     for start, end in indices[0]:
         # Poolside's Laguna blocks open with the assistant's header, which the generation prompt
@@ -412,30 +480,33 @@ def _opening_at(text: str, at: int, opening: str) -> int:
     return n
 
 
-def _generation_opening(tokenizer, messages: list[dict]) -> str:
+def _generation_opening(tokenizer, messages: list[dict], thinking: bool | None = None) -> str:
     """What the generation prompt adds before the first answer (its header: "<assistant>\n</think>"),
     or "" when the template does not render the prompt as a prefix of the conversation."""
     first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), 0)
     if first == 0:
         return ""
     try:
-        before = tokenizer.apply_chat_template(messages[:first], tokenize=False)
-        prompt = tokenizer.apply_chat_template(messages[:first], tokenize=False, add_generation_prompt=True)
+        switch = thinking_vars(tokenizer, thinking)
+        before = tokenizer.apply_chat_template(messages[:first], tokenize=False, **switch)
+        prompt = tokenizer.apply_chat_template(messages[:first], tokenize=False, add_generation_prompt=True, **switch)
     except _template_errors():
         return ""
     return prompt[len(before) :] if prompt.startswith(before) else ""
 
 
-def trained_spans(tokenizer, messages: list[dict], fold_system: bool = False) -> tuple[str, list[AnswerSpan]]:
+def trained_spans(
+    tokenizer, messages: list[dict], fold_system: bool = False, thinking: bool | None = None
+) -> tuple[str, list[AnswerSpan]]:
     """The rendered text and each assistant answer's span (content + end-of-turn token)."""
-    text, rendered, _ = render(tokenizer, messages, fold_system)
+    text, rendered, _ = render(tokenizer, messages, fold_system, thinking=thinking)
     specials = _special_strings(tokenizer)
     if _marks_generation(tokenizer):
-        return _generation_spans(tokenizer, rendered, specials)
-    return text, answer_spans(tokenizer, rendered, text, specials)
+        return _generation_spans(tokenizer, rendered, specials, thinking)
+    return text, answer_spans(tokenizer, rendered, text, specials, thinking)
 
 
-def _render_all(tokenizer, conversations: list[list[dict]], fold_system: bool) -> list:
+def _render_all(tokenizer, conversations: list[list[dict]], fold_system: bool, thinking: bool | None = None) -> list:
     """render() of each conversation: (text, messages rendered, folded), or the RowError it raises.
     One apply_chat_template call renders them all (transformers renders a list of conversations one
     by one with the same code, without its per-call set-up); when a row raises, they are rendered
@@ -443,20 +514,21 @@ def _render_all(tokenizer, conversations: list[list[dict]], fold_system: bool) -
     if all(conversations):  # an empty one is refused alone (a batch would render it as nothing)
         try:
             conversations = [with_reasoning(tokenizer, conv) for conv in conversations]
-            texts = tokenizer.apply_chat_template(conversations, tokenize=False) if conversations else []
+            switch = thinking_vars(tokenizer, thinking)
+            texts = tokenizer.apply_chat_template(conversations, tokenize=False, **switch) if conversations else []
             return [(text, conv, False) for text, conv in zip(texts, conversations)]
         except _template_errors():  # RowError too (a ValueError): each row below gets its own
             pass
     out = []
     for conv in conversations:
         try:
-            out.append(render(tokenizer, conv, fold_system))
+            out.append(render(tokenizer, conv, fold_system, thinking=thinking))
         except RowError as exc:
             out.append(exc)
     return out
 
 
-def _close_last_answers(tokenizer, rendered: list[list], specials: list[str]) -> None:
+def _close_last_answers(tokenizer, rendered: list[list], specials: list[str], thinking: bool | None = None) -> None:
     """Give a last answer the end-of-turn token its template leaves off (in place on `rendered`'s
     [row, text, spans, folded, messages]). GLM-4.5/4.6/4.7 end an answer with the next turn's
     <|user|> (a stop token of theirs), Apertus writes <|assistant_end|> when the next user turn
@@ -478,13 +550,13 @@ def _close_last_answers(tokenizer, rendered: list[list], specials: list[str]) ->
     if not open_:
         return
     eos = getattr(tokenizer, "eos_token", None)
-    probes = _render_all(tokenizer, [r[4] + [_PROBE] for r in open_], fold_system=False)
+    probes = _render_all(tokenizer, [r[4] + [_PROBE] for r in open_], False, thinking)
     for r, got in zip(open_, probes):
         if isinstance(got, RowError):
             continue
         ptext, pmessages, _ = got
         try:
-            pspans = answer_spans(tokenizer, pmessages, ptext, specials)
+            pspans = answer_spans(tokenizer, pmessages, ptext, specials, thinking)
         except RowError:
             continue
         if len(pspans) != len(r[2]) or not pspans[-1].ends_at_marker:
@@ -497,19 +569,19 @@ def _close_last_answers(tokenizer, rendered: list[list], specials: list[str]) ->
         r[2][-1] = AnswerSpan(last.start, last.end + len(closing), True, last.reasoning_dropped, last.end, True)
 
 
-def render_closed(tokenizer, messages: list[dict], fold_system: bool = False) -> str:
+def render_closed(tokenizer, messages: list[dict], fold_system: bool = False, thinking: bool | None = None) -> str:
     """render() of a conversation that ends with an answer, with the end-of-turn token the template
     leaves off that answer put after it, as training puts it (_close_last_answers): what a
     preference answer's tokens are cut from, so DPO, ORPO, SimPO and KTO teach stopping as SFT does."""
-    text, rendered, _ = render(tokenizer, messages, fold_system)
+    text, rendered, _ = render(tokenizer, messages, fold_system, thinking=thinking)
     if _marks_generation(tokenizer):
         return text
     specials = _special_strings(tokenizer)
     try:
-        row = [0, text, answer_spans(tokenizer, rendered, text, specials), False, rendered]
+        row = [0, text, answer_spans(tokenizer, rendered, text, specials, thinking), False, rendered]
     except RowError:
         return text  # an answer the template rewrites: its tokens are still what the render adds
-    _close_last_answers(tokenizer, [row], specials)
+    _close_last_answers(tokenizer, [row], specials, thinking)
     return row[1]
 
 
@@ -547,6 +619,7 @@ def tokenize_examples(
     responses_only: bool = True,
     fold_system: bool = False,
     earlier_reasoning: str = "drop",
+    thinking: bool | None = None,
 ) -> list:
     """tokenize_example for many rows at once: for each example its Tokenized, or the RowError that
     row raises. The same steps, row for row, with what is per tokenizer done once (its special
@@ -565,22 +638,22 @@ def tokenize_examples(
         out[i] = Tokenized(ids, [True] * len(ids), text=examples[i])
 
     rendered: list[list] = []  # [row, text, spans, folded, messages rendered]
-    for i, got in zip(chats, _render_all(tokenizer, [examples[i] for i in chats], fold_system)):
+    for i, got in zip(chats, _render_all(tokenizer, [examples[i] for i in chats], fold_system, thinking)):
         if isinstance(got, RowError):
             out[i] = got
             continue
         text, messages, folded = got
         try:
             if generation:  # the template's own marks; the text tokenized stays the render above
-                spans = _generation_spans(tokenizer, messages, specials)[1]
+                spans = _generation_spans(tokenizer, messages, specials, thinking)[1]
             else:
-                spans = answer_spans(tokenizer, messages, text, specials)
+                spans = answer_spans(tokenizer, messages, text, specials, thinking)
         except RowError as exc:
             out[i] = exc
             continue
         rendered.append([i, text, spans, folded, messages])
     if not generation:
-        _close_last_answers(tokenizer, rendered, specials)
+        _close_last_answers(tokenizer, rendered, specials, thinking)
 
     enc = _encode(tokenizer, [text for _, text, _, _, _ in rendered], offsets=responses_only)
     for k, (i, text, spans, folded, _) in enumerate(rendered):
@@ -600,11 +673,13 @@ def tokenize_example(
     responses_only: bool = True,
     fold_system: bool = False,
     earlier_reasoning: str = "drop",
+    thinking: bool | None = None,
 ) -> Tokenized:
     """Token ids and trained flags for one row (messages from formats.row_to_messages, or text).
     For earlier_reasoning "keep" this is the whole conversation as rendered (what the window shows);
-    tokenize_rows gives the examples training uses. RowError when the template cannot render it."""
-    (got,) = tokenize_examples(tokenizer, [example], responses_only, fold_system, earlier_reasoning)
+    tokenize_rows gives the examples training uses. RowError when the template cannot render it.
+    `thinking`: the switch passed to the template (thinking_vars; None: its default)."""
+    (got,) = tokenize_examples(tokenizer, [example], responses_only, fold_system, earlier_reasoning, thinking)
     if isinstance(got, RowError):
         raise got
     return got
@@ -616,13 +691,14 @@ def tokenize_rows(
     responses_only: bool = True,
     fold_system: bool = False,
     earlier_reasoning: str = "drop",
+    thinking: bool | None = None,
 ) -> list:
     """The examples each row trains, for many rows at once (tokenize_examples' batches): for each row
     a list of Tokenized, or the RowError it raises. One example per row, or (earlier_reasoning "keep",
     and the template dropped the reasoning of an earlier answer) one per answer, each ending at its
     answer, which alone is trained, with its reasoning rendered; a row whose part the template
     rejects is that part's RowError."""
-    wholes = tokenize_examples(tokenizer, examples, responses_only, fold_system, earlier_reasoning)
+    wholes = tokenize_examples(tokenizer, examples, responses_only, fold_system, earlier_reasoning, thinking)
     out: list = [got if isinstance(got, RowError) else [got] for got in wholes]
     if earlier_reasoning != "keep":
         return out
@@ -635,7 +711,9 @@ def tokenize_rows(
         for k, msg in enumerate(example)
         if msg["role"] == "assistant"
     ]
-    parts = tokenize_examples(tokenizer, [part for _, part in split], responses_only, fold_system, "final_turn_only")
+    parts = tokenize_examples(
+        tokenizer, [part for _, part in split], responses_only, fold_system, "final_turn_only", thinking
+    )
     for i in {i for i, _ in split}:
         out[i] = []
     for (i, _), got in zip(split, parts):

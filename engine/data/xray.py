@@ -40,7 +40,7 @@ from typing import Sequence
 
 from engine.config import DataConfig
 from engine.data import shown_row
-from engine.data.formats import ROLE_NAMES, detect_format, row_to_messages
+from engine.data.formats import ROLE_NAMES, data_thinking, detect_format, row_to_messages
 from engine.data.render import RowError, ensure_chat_template, tokenize_examples
 from engine.data.sources import load_raw
 
@@ -195,6 +195,7 @@ def xray(cfg: DataConfig, tokenizer, raw=None) -> XRay:
         ensure_chat_template(tokenizer)
     out = XRay(len(raw), cfg.max_seq_len, array("I"))
     checks = _RowChecks(out, tokenizer, cfg)
+    thinking = data_thinking(cfg.thinking, raw, spec)
     for start, batch in _row_batches(raw):
         rows = []  # (row, its roles finding or None, messages or text, or the ValueError that says why not)
         for i, row in enumerate(batch, start):
@@ -206,7 +207,12 @@ def xray(cfg: DataConfig, tokenizer, raw=None) -> XRay:
         readable = [example for _, _, example in rows if not isinstance(example, ValueError)]
         toks = iter(
             tokenize_examples(
-                tokenizer, readable, cfg.train_on_responses_only, cfg.fold_system_message, cfg.earlier_reasoning
+                tokenizer,
+                readable,
+                cfg.train_on_responses_only,
+                cfg.fold_system_message,
+                cfg.earlier_reasoning,
+                thinking,
             )
         )
         for i, why, example in rows:  # in row order, each row's findings in the order the page lists them

@@ -170,16 +170,17 @@ def _reader(cfg, columns: list[str]):
 
 def make_probes(tokenizer, examples: list, data=None) -> list[Probe]:
     """The examples as training renders them (`data`, the run's DataConfig: its
-    fold_system_message and earlier_reasoning); a row the template rejects is left out, as
+    fold_system_message, earlier_reasoning and thinking); a row the template rejects is left out, as
     training leaves it out."""
     from engine.data.render import render, tokenize_example
 
     fold = bool(getattr(data, "fold_system_message", False))
     earlier = getattr(data, "earlier_reasoning", "drop") or "drop"
+    thinking = getattr(data, "thinking", None)  # as the run recorded it ("auto": the template's default)
     probes = []
     for ex in examples:
         try:
-            tok = tokenize_example(tokenizer, ex, responses_only=True, fold_system=fold, earlier_reasoning=earlier)
+            tok = tokenize_example(tokenizer, ex, True, fold, earlier, thinking)
         except ValueError:
             continue  # a row training would skip as well
         positions = [t for t in range(len(tok.ids) - 1) if tok.trained[t + 1]]
@@ -191,10 +192,10 @@ def make_probes(tokenizer, examples: list, data=None) -> list[Probe]:
         else:
             last_user = max(i for i, m in enumerate(ex) if m["role"] != "assistant")
             head = ex[: last_user + 1]
-            head_text, _, _ = render(tokenizer, head, fold, generation_prompt=True)
+            head_text, _, _ = render(tokenizer, head, fold, generation_prompt=True, thinking=thinking)
             prompt_ids = list(tokenizer(head_text, add_special_tokens=False)["input_ids"])
             prompt = head[-1]["content"]
-            text = tok.text or render(tokenizer, ex, fold)[0]
+            text = tok.text or render(tokenizer, ex, fold, thinking=thinking)[0]
         probes.append(Probe(ex if not isinstance(ex, str) else [], tok.ids, positions, prompt_ids, prompt, text))
     return probes
 

@@ -33,10 +33,22 @@ def load_data(config: RunConfig, objective, log: Callable[..., None]) -> LoadedD
     log(f"Loading tokenizer and data ({config.data.source})")
     tokenizer = load_tokenizer(config.model)
     data = objective.prepare_data(tokenizer)
+    record_thinking(config, getattr(data, "thinking", None))
     data, heldout, heldout_note = objective.held_out(data, tokenizer)
     summary = data.summary()
     summary["eval_examples"] = len(heldout) if heldout is not None else 0
     return LoadedData(tokenizer, data, heldout, heldout_note, summary)
+
+
+def record_thinking(config: RunConfig, thinking) -> None:
+    """data.thinking "auto" as the data resolved it (true: an answer carries its reasoning in a field),
+    written into the config like a hardware choice, so the held-out file renders alike and the saved
+    config.yaml tells the chat and the exports which switch the model was trained with."""
+    if config.data.thinking == "auto" and thinking is not None:
+        config.data.thinking = bool(thinking)
+        if "data.thinking" not in config.auto_fields:
+            config.auto_fields.append("data.thinking")
+        config.auto_reasons["data.thinking"] = "an answer of the data carries its reasoning in a field"
 
 
 def data_notes(loaded: LoadedData, max_seq_len: int) -> list[tuple[str, str]]:
@@ -48,6 +60,8 @@ def data_notes(loaded: LoadedData, max_seq_len: int) -> list[tuple[str, str]]:
     if data.used_fallback_template:
         notes.append(("The tokenizer has no chat template; using a plain ChatML template", "warning"))
     notes += [(note, "warning") for note in data.notes]
+    if getattr(data, "thinking_said", ""):
+        notes.append((data.thinking_said, "info"))
     for idx, reason in data.skipped[:SKIPPED_SHOWN]:
         notes.append((f"Row {shown_row(idx)} skipped: {reason}", "warning"))
     if len(data.skipped) > SKIPPED_SHOWN:

@@ -185,15 +185,19 @@ def prompt_ids_of(doc: list[int], trained: list[bool]) -> list[int]:
     return list(doc[: max(1, min(TEXT_PROMPT_TOKENS, len(doc) // 2))])
 
 
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+def encode_prompt(tokenizer, text: str, chat: bool, thinking=None) -> list[int]:
     """A typed prompt as the model sees it: a user turn through the chat template with the
-    assistant's turn opened (as the Chat page does), or plain text for a text-format run."""
+    assistant's turn opened (as the Chat page does, with the run's data.thinking), or plain text
+    for a text-format run."""
     if chat:
-        from engine.data.render import ensure_chat_template
+        from engine.data.render import ensure_chat_template, thinking_vars
 
         ensure_chat_template(tokenizer)
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": text}],
+            tokenize=False,
+            add_generation_prompt=True,
+            **thinking_vars(tokenizer, thinking),
         )
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
     return list(tokenizer(text)["input_ids"])

@@ -21,13 +21,18 @@ class Gallery:
     """`runner`: the StepRunner (model, device, FSDP root); `chat`: the run renders chats (a
     typed prompt goes through the chat template); `reporter`, `folder`: where answers go."""
 
-    def __init__(self, runner, tokenizer, training, held_out, chat: bool, max_len: int, reporter, folder):
+    def __init__(
+        self, runner, tokenizer, training, held_out, chat: bool, max_len: int, reporter, folder, thinking=None
+    ):
         from engine.train import evaluation
 
         self.runner, self.tokenizer, self.chat, self.max_len = runner, tokenizer, chat, max_len
+        self.thinking = thinking  # data.thinking: typed prompts open the answer as training rendered it
         self.reporter, self.folder, self.dist = reporter, folder, runner.dist
         if training.gallery_prompts:
-            self.prompts = [(p, evaluation.encode_prompt(tokenizer, p, chat)) for p in training.gallery_prompts]
+            self.prompts = [
+                (p, evaluation.encode_prompt(tokenizer, p, chat, thinking)) for p in training.gallery_prompts
+            ]
         elif held_out is not None and training.gallery_size:
             self.prompts = [
                 (tokenizer.decode(ids, skip_special_tokens=True).strip(), ids)

@@ -24,5 +24,5 @@ def probe(control, gallery, several: bool, prompt: str, max_new_tokens: int) -> 
         step = control.paused_at
         if step is None or gallery is None:
             raise ProbeUnavailable("The run is not paused: pause it to talk to its current weights.")
-        ids = evaluation.encode_prompt(gallery.tokenizer, prompt, gallery.chat)
+        ids = evaluation.encode_prompt(gallery.tokenizer, prompt, gallery.chat, gallery.thinking)
         return step, gallery.answers([ids], max_new_tokens, device=gallery.runner.device)[0]
