@@ -118,10 +118,21 @@ class Sizer:
     r: int
     ce_chunk_tokens: int
     shards: int = 1  # FSDP across this many processes: each device holds 1/shards of the base
+    # Offload's recompute will be lean (fast_path_choices.lean_recompute_planned): an offloaded
+    # step's estimate counts the MLP backward's row tiles instead of the whole gate and up.
+    lean_recompute: bool = False
 
     def __call__(self, mode: str, tokens: int, ckpt: bool, offload: str) -> int:
         parts = est.estimate_breakdown(
-            self.info, self.seq, self.r, mode, tokens, ckpt, offload=offload, ce_chunk_tokens=self.ce_chunk_tokens
+            self.info,
+            self.seq,
+            self.r,
+            mode,
+            tokens,
+            ckpt,
+            offload=offload,
+            ce_chunk_tokens=self.ce_chunk_tokens,
+            lean_recompute=self.lean_recompute,
         )
         if self.shards <= 1:
             return parts.total

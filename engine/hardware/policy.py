@@ -61,6 +61,7 @@ from engine.hardware.budget import (
 from engine.hardware.fast_path_choices import (
     ce_chunk_default,
     kernels_default,
+    lean_recompute_planned,
     moe_grouping_default,
     packed_attention_default,
 )
@@ -124,6 +125,7 @@ __all__ = [
     "kernels_default",
     "packed_attention_default",
     "moe_grouping_default",
+    "lean_recompute_planned",
     "Defaults",
     "resolve_defaults",
     "apply_defaults",
@@ -196,7 +198,9 @@ def resolve_defaults(
     out.warnings += machine_warnings(t.device, profile, budget)
     out.fill("model.dtype", lambda: dtype_default(profile, budget))
     out.fill("fast_paths.ce_chunk_tokens", lambda: ce_chunk_default(info, budget))
-    size = Sizer(info, seq, cfg.lora.r, fp.ce_chunk_tokens)
+    kernels = kernels_default(profile, budget)  # filled below; the estimate asks what it will be
+    lean = lean_recompute_planned(fp, cfg.lora.dropout, info, kernels[0])
+    size = Sizer(info, seq, cfg.lora.r, fp.ce_chunk_tokens, lean_recompute=lean)
     if t.distributed == "fsdp":
         out.fill("model.load_in_4bit", load_in_4bit_for_fsdp)
     out.fill("model.load_in_4bit", lambda: load_in_4bit_default(profile, budget, size))
@@ -219,7 +223,6 @@ def resolve_defaults(
         "training.offload",
         lambda: offload_default(profile, budget, size, mode, tokens, ckpt),
     )
-    kernels = kernels_default(profile, budget)
     for name in ("kernels", "lora_autograd", "fused_ce"):
         out.fill(f"fast_paths.{name}", lambda: kernels)
     out.fill("fast_paths.packed_attention", lambda: packed_attention_default(kernels[0]))

@@ -5,8 +5,8 @@ GQA, gated MLP, MoE experts, norms, tied or untied head), with each family's fac
 plain MLP, q/k/v biases, q/k norms, norms per layer, sinks, expert biases) from its file under
 engine/models/arch/ (unknown families: engine.models.arch.GENERIC). `estimate_vram(...)` adds up what a
 LoRA / QLoRA run keeps on the device: base weights, LoRA parameters with their gradients and
-AdamW state, activations (with or without checkpointing, with or without offload), the
-cross-entropy chunk and a fixed overhead. `fit_verdict` turns an estimate and a device size
+AdamW state, activations (with or without checkpointing, with or without offload and its lean
+recompute: `lean_recompute_saving`), the cross-entropy chunk and a fixed overhead. `fit_verdict` turns an estimate and a device size
 into "fits" / "tight" / "will not fit". The hardware defaults policy (`engine.hardware`) uses
 these to choose 4-bit loading, micro-batch size and checkpointing.
 
@@ -43,6 +43,12 @@ FRAGMENTATION = 0.05
 DEFAULT_CE_CHUNK = 1024
 # Fraction of device memory a run may plan to use before it is called "tight".
 FIT_FRACTION = 0.85
+# fast_paths.lean_recompute's MLP backward (engine.fastpath.lora.LoRAMLPUnread) remakes gate and up
+# a row tile at a time, each [rows, intermediate] tile about this size (engine.fastpath.lora's
+# UNREAD_TILE_BYTES; tests/engine/models/test_estimate_lean_recompute.py holds them equal), with at
+# most this many such tiles alive at once (gate, up, dh, dgate, dup).
+LEAN_TILE_BYTES = 48 * MiB
+LEAN_TILES_LIVE = 5
 
 
 @dataclass
@@ -308,6 +314,7 @@ def estimate_breakdown(
     *,
     offload: Literal["off", "single", "double"] = "off",
     ce_chunk_tokens: int | None = DEFAULT_CE_CHUNK,
+    lean_recompute: bool = False,
 ) -> VramEstimate:
     """Memory of one LoRA training step, by part; see `estimate_vram`."""
     if mode not in MODES:
@@ -346,6 +353,8 @@ def estimate_breakdown(
         activations = info.num_layers * layer_full
     # Backward of one layer holds its saved tensors and their gradients at once.
     working = 2 * layer_full
+    if lean_recompute and gradient_checkpointing and offload != "off":
+        working -= lean_recompute_saving(info, tokens, mode)
 
     if ce_chunk_tokens:
         chunk = min(ce_chunk_tokens, tokens)
@@ -362,6 +371,25 @@ def estimate_breakdown(
     )
 
 
+def lean_recompute_saving(info: ModelInfo, tokens: int, mode: Mode = "lora16") -> int:
+    """Bytes fast_paths.lean_recompute takes off one layer's backward under offload
+    (engine.fastpath.recompute): the recompute keeps neither gate nor up ([tokens, intermediate]
+    each) for the backward, which remakes them and their gradients a row tile at a time. Counted
+    conservatively: the two kept tensors less the tiles alive at once, nothing for the skipped
+    down projection, layer output or normed inputs (Qwen3-8B at 16,384 tokens: 768 - 240 = 528 MiB,
+    where the measured peak fell 0.88 GiB, 18.41 -> 17.53). None for a 4-bit base (QLoRA keeps the
+    full MLP backward: engine.fastpath.lora.mlp_can_skip_output) or MoE layers (no dense MLP)."""
+    inter = info.intermediate_size
+    if mode == "qlora4" or info.is_moe or not inter:
+        return 0
+    act_bytes = 4 if mode == "lora32" else 2
+    # engine.fastpath.lora._tile_rows: rows of a tile of about LEAN_TILE_BYTES, a multiple of 64.
+    rows = max(64, LEAN_TILE_BYTES // (inter * act_bytes) // 64 * 64)
+    kept = 2 * tokens * inter * act_bytes
+    tiles = LEAN_TILES_LIVE * min(tokens, rows) * inter * act_bytes
+    return max(0, kept - tiles)
+
+
 def estimate_vram(
     info: ModelInfo,
     seq_len: int,
@@ -372,6 +400,7 @@ def estimate_vram(
     *,
     offload: Literal["off", "single", "double"] = "off",
     ce_chunk_tokens: int | None = DEFAULT_CE_CHUNK,
+    lean_recompute: bool = False,
 ) -> int:
     """Bytes of device memory one LoRA training step needs (peak, estimated).
 
@@ -379,7 +408,9 @@ def estimate_vram(
     CPU case). tokens_per_micro_batch: tokens in one packed micro-batch (default: seq_len, one
     row). seq_len is the packed row length; attention is the varlen kind, so memory grows with
     the tokens of the micro-batch, not with seq_len squared. ce_chunk_tokens: chunk of the
-    fused cross-entropy, or None for a plain loss that materializes all logits.
+    fused cross-entropy, or None for a plain loss that materializes all logits. lean_recompute:
+    offload's recompute will be lean (fast_paths.lean_recompute on, a patched 16-bit dense
+    model: `lean_recompute_saving`); False budgets the full recompute of a layer.
     """
     return estimate_breakdown(
         info,
@@ -390,6 +421,7 @@ def estimate_vram(
         gradient_checkpointing,
         offload=offload,
         ce_chunk_tokens=ce_chunk_tokens,
+        lean_recompute=lean_recompute,
     ).total
 
 
