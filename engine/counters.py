@@ -256,7 +256,13 @@ FALLBACK_KINDS: dict[str, tuple[str, ...]] = {
     "lora_mlp": ("lora_mlp",),
     "packed_attention": ("packed_attention",),
     "moe": ("moe_grouping",),
+    # GRPO sampled through transformers' `generate` (engine.train.objectives.grpo): the objective's
+    # report names the path the same (Objective.fast_paths).
+    "decode_loop": ("decode_loop",),
 }
+# Fast paths seen only through their fallbacks: the decode loop samples inside
+# StepContext.generating(), whose counts are set aside, so only its refusal is counted.
+_SEEN_BY_FALLBACK = frozenset({"decode_loop"})
 
 
 def requested(status: str) -> bool:
@@ -273,8 +279,9 @@ def requested_but_not_run(
     `fallbacks`: one step's StepMetrics.fast_path_calls / .fallbacks. A requested path
     "did not run" when none of its calls were counted; it "ran on some layers only" when it ran
     but a module of its kind also fell back to the stock path; on a CUDA `device`, a kernel
-    path that ran only its torch reference says so. Paths this module cannot observe (offload,
-    cached_metadata) are never listed. Empty when everything requested ran everywhere.
+    path that ran only its torch reference says so. A path seen only through its fallbacks
+    (GRPO's decode_loop) "fell back" when one was counted. Paths this module cannot observe
+    (offload, cached_metadata) are never listed. Empty when everything requested ran everywhere.
     """
     fallbacks = fallbacks or {}
     why: dict[str, list[str]] = {}
@@ -287,10 +294,16 @@ def requested_but_not_run(
     out: dict[str, str] = {}
     for path, status in report.items():
         keys = _RAN_BY.get(path)
-        if keys is None or not requested(str(status)):
+        if not requested(str(status)):
+            continue
+        reasons = "; ".join(why.get(path, []))
+        if path in _SEEN_BY_FALLBACK:
+            if reasons:
+                out[path] = f"fell back: {reasons}"
+            continue
+        if keys is None:
             continue
         ran = {k: calls.get(k, 0) for k in keys if calls.get(k, 0)}
-        reasons = "; ".join(why.get(path, []))
         if not ran:
             out[path] = "did not run" + (f": {reasons}" if reasons else "")
         elif reasons:

@@ -68,6 +68,7 @@ def setup_model(
         offload=t.offload,
         auto_reasons=config.auto_reasons,  # an "off" the policy chose says so, with its reason
     )
+    prepared.report.update(objective.fast_paths)  # the method's own (GRPO's decode loop), one report
     chunk = config.fast_paths.ce_chunk_tokens
     forward = Forward(
         fused_ce=prepared.report.get("fused_ce", "on") == "on",

@@ -58,6 +58,14 @@ def one_sentence(text: str) -> str:
     return line if len(line) <= 300 else line[:297] + "…"
 
 
+# What a fast path's fallback cost, for the paths that are not a layer's kernels (those ran the
+# stock layer): GRPO's decode loop (engine.train.decoding), whose refusal is counted as
+# fallback:decode_loop with its reason.
+_FELL_BACK_TO = {
+    "decode_loop": "GRPO sampled its completions through transformers' generate, slower than the engine's decode loop",
+}
+
+
 class MonitorPanel(QWidget):
     pause_requested = Signal()
     resume_requested = Signal()
@@ -426,9 +434,11 @@ class MonitorPanel(QWidget):
                 self.append_log(f"fast path {path} was requested but in step {m.step} {what}", "warning")
         if new or not self.fast_path_warning:
             lines = "; ".join(f"{path} {what}" for path, what in missing.items())
+            layers = any(path not in _FELL_BACK_TO for path in missing)
+            costs = ["Those layers ran the slower stock path"] if layers else []
+            costs += [_FELL_BACK_TO[path] for path in missing if path in _FELL_BACK_TO]
             self.fast_path_warning = (
-                f"Step {m.step}: requested fast paths did not all run: {lines}. "
-                "Those layers ran the slower stock path (see the log)."
+                f"Step {m.step}: requested fast paths did not all run: {lines}. {'; '.join(costs)} (see the log)."
             )
             self.banner.show_message(self.fast_path_warning, "warning")
 

@@ -166,6 +166,10 @@ class Objective:
     # progress: an on-policy GRPO loss is ~0 (advantages sum to zero per group), so any ordinary
     # step is "many times the median". NaN and inf are guarded either way.
     loss_is_progress: ClassVar[bool] = True
+    # Fast paths of the method's own (name -> "on..." or "off: why"), added to the run's fast-path
+    # report beside the model's; a step that falls back counts `fallback:<name>: <why>`
+    # (engine.counters), which the Monitor names. GRPO: its decode loop.
+    fast_paths: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config):
         self.config = config  # the resolved RunConfig

@@ -139,6 +139,9 @@ def _generate(model, prompts, group_size, max_new_tokens, temperature, top_p, eo
 class GRPO(Objective):
     name = "grpo"
     loss_is_progress = False  # ~0 in value each step: the spike check would stop ordinary runs
+    # Sampling through the engine's decode loop is asked for; a step that samples through
+    # `generate` instead counts fallback:decode_loop with why, and the Monitor shows it.
+    fast_paths = {"decode_loop": "on: the engine's decode loop samples the completions where the model allows"}
 
     def __init__(self, config):
         super().__init__(config)
