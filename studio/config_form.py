@@ -27,13 +27,14 @@ from PySide6.QtWidgets import (
 from engine.api import AUTO, RunConfig
 from studio.field_help import HELP, SECTION_TITLES, label
 
-# Fields edited on other pages (Model, Data), by the Train page's method selector
+# Fields edited on other pages (Model, Data: its thinking switch too), by the Train page's method selector
 # (studio.widgets.method_picker) or its gallery box (one prompt per line), or not meant for a form.
 SKIP = {
     "model.name_or_path",
     "data.source",
     "data.format",
     "data.columns",
+    "data.thinking",
     "training.method",
     "training.gallery_prompts",
 }

@@ -73,6 +73,12 @@ HELP = {
         "200 and only for 200+ examples. 0: no held-out split."
     ),
     "data.eval_source": "A separate file of held-out examples for the eval loss, in the same format as the data.",
+    "data.thinking": (
+        "The chat template's thinking switch (its thinking / enable_thinking variable), the same in training, "
+        "eval and the Chat page. on: DeepSeek-V3.2 and V4 render and train an answer's reasoning; off: Qwen3 "
+        "opens its answers with an empty <think></think> and trains the answer only. auto: on when an answer "
+        "carries its reasoning in a field (reasoning_content, reasoning, thinking), else the template's default."
+    ),
     "output.tensorboard": (
         "Write loss, learning rate, memory and eval loss to <run>/tensorboard/ (pip install tensorboard)."
     ),
@@ -140,6 +146,7 @@ LABELS = {
     "data.train_on_responses_only": "train on answers only",
     "data.fold_system_message": "fold system message into first question",
     "data.earlier_reasoning": "earlier turns' reasoning",
+    "data.thinking": "thinking",
     "data.max_seq_len": "tokens per row (max)",
     "data.overlong": "examples longer than a row",
     "data.max_examples": "use first N examples",

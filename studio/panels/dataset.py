@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
 
 from engine.api import DATA_FINDINGS, METHOD_DATA, PACKING_SAMPLE, shown_row
 from studio import data_bridge
+from studio.field_help import HELP
 from studio.panels.common import Banner, caption, card, title
 from studio.tasks import cancel, run_task
 from studio.widgets.column_mapping import ColumnMappingEditor
@@ -47,6 +48,8 @@ from studio.widgets.token_mask_view import TokenMaskView
 FILE_FILTER = "Data sets (*.jsonl *.json *.csv *.parquet);;All files (*)"
 MAX_PROBLEMS_SHOWN = 2000
 EXAMPLE_TAB, XRAY_TAB = 1, 4  # indices in the page's tabs: Rows, Example, Packing, Problems, X-ray
+# data.thinking's choices: the combo's words and the config's values.
+THINKING_CHOICES = (("auto: on when answers carry reasoning", "auto"), ("on", True), ("off", False))
 
 
 def _get(obj, *names, default=None):
@@ -56,6 +59,11 @@ def _get(obj, *names, default=None):
         if hasattr(obj, n):
             return getattr(obj, n)
     return default
+
+
+def _same(a, b) -> bool:
+    """Two data.thinking values alike ("auto", True, False: True is not 1 here)."""
+    return type(a) is type(b) and a == b
 
 
 def _sentence(text: str) -> str:
@@ -162,6 +170,15 @@ class DataPanel(QWidget):
         map_card, map_lay = card()
         map_lay.addWidget(QLabel("<b>Format and columns</b>"))
         map_lay.addWidget(self.mapping)
+        # The chat template's thinking switch (data.thinking): the example, packing and X-ray follow it.
+        self.thinking = QComboBox()
+        for text, value in THINKING_CHOICES:
+            self.thinking.addItem(text, value)
+        self.thinking.setToolTip(f"<b>data.thinking</b><br>{HELP['data.thinking']}")
+        think_row = QHBoxLayout()
+        think_row.addWidget(QLabel("Thinking"))
+        think_row.addWidget(self.thinking, 1)
+        map_lay.addLayout(think_row)
         map_lay.addStretch(1)
 
         # Example tab.
@@ -243,6 +260,9 @@ class DataPanel(QWidget):
         # The method decides what the data is read as (pairs, KTO rows, GRPO's prompts, or SFT's).
         self._read_for = METHOD_DATA.get(self.method())
         state.changed.connect(self._method_changed)
+        self._show_thinking()
+        self.thinking.currentIndexChanged.connect(self._thinking_chosen)
+        state.changed.connect(lambda path: self._show_thinking() if path in ("", "data.thinking") else None)
 
     def method(self) -> str:
         return str(self.state.get("training.method") or "sft")
@@ -253,6 +273,21 @@ class DataPanel(QWidget):
         self._read_for = METHOD_DATA.get(self.method())
         if self.preview is not None or self.loading:
             self.reload()
+
+    def _show_thinking(self) -> None:
+        value = self.state.get("data.thinking")
+        index = next((i for i, (_, v) in enumerate(THINKING_CHOICES) if _same(v, value)), 0)
+        self.thinking.blockSignals(True)
+        self.thinking.setCurrentIndex(index)
+        self.thinking.blockSignals(False)
+
+    def _thinking_chosen(self, index: int) -> None:
+        value = THINKING_CHOICES[index][1]
+        if _same(self.state.get("data.thinking"), value):
+            return
+        self.state.set("data.thinking", value)
+        if self.preview is not None or self.loading:
+            self.reload()  # the example, the packing and the X-ray render with the new switch
 
     # -- choosing the source ----------------------------------------------------------------
     def _browse(self) -> None:
