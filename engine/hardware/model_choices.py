@@ -134,17 +134,20 @@ def _row_state_distributed(budget: Budget, info: est.ModelInfo, weights: int, si
         f"{model_type}'s layers carry state along a row, so each document is its own forward, and under FSDP "
         "GPUs holding different numbers of documents would wait on each other forever"
     )
-    one_row = size("lora16", size.seq, True, "off") if size is not None and size.info is not None else None
-    if one_row is not None and one_row <= budget.memory:
+    # Without the run's Sizer only the base itself can be weighed.
+    sized = size is not None and size.info is not None
+    need = size("lora16", size.seq, True, "off") if sized else weights
+    what = f"one {size.seq}-token row" if sized else "the base alone"
+    if need <= budget.memory:
         return "ddp", (
             f"{carries}: FSDP cannot train it. Its 16-bit base of {_params(info)} parameters (~{_gib(weights)}) "
-            f"crowds one device's {budget}, but one {size.seq}-token row fits (~{_gib(one_row)}): DDP, each GPU "
-            "holds the base whole (smaller micro-batches)"
+            f"crowds one device's {budget}, but {what} fits (~{_gib(need)}): DDP, each GPU holds the base "
+            "whole (smaller micro-batches)"
         )
-    need = f" (one {size.seq}-token row needs ~{_gib(one_row)})" if one_row is not None else ""
+    needs = f" ({what} needs ~{_gib(need)})" if sized else ""
     return "fsdp", (
         f"the 16-bit base of {_params(info)} parameters (~{_gib(weights)}) does not fit one device's {budget}"
-        f"{need}, and FSDP, which would shard it, cannot train {model_type}: {carries}. Set model.load_in_4bit: "
+        f"{needs}, and FSDP, which would shard it, cannot train {model_type}: {carries}. Set model.load_in_4bit: "
         "true (DDP, each GPU holding a 4-bit base), a shorter data.max_seq_len, or train on GPUs with more memory"
     )
 
