@@ -236,7 +236,7 @@ def write(
         tokenizer = trained_tokenizer(source)
         mf_name = companions[0] if companions else modelfile.MODELFILE
         info = modelfile.write_modelfile(
-            out, name, tokenizer, gen, runtime_adds_bos=_adds_bos(out / name), name=mf_name
+            out, name, tokenizer, gen, runtime_adds_bos=_adds_bos(out / name), name=mf_name, thinking=_thinking(source)
         )
     finally:
         if scratch is not None:
@@ -461,7 +461,7 @@ def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT,
                 )
             )
 
-        lints.append(_lint_prompt_tokens(llm, tok, ref, folder))
+        lints.append(_lint_prompt_tokens(llm, tok, ref, folder, source))
 
         # llama.cpp's tokenizer against the trained one, on the rendered held-out conversations.
         bad = 0
@@ -508,7 +508,18 @@ def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT,
     return selfcheck.verdict("gguf", path, KIND.limits(quant=quant), metrics, lints, out, ref)
 
 
-def _lint_prompt_tokens(llm, tok, ref, folder: Path):
+def _thinking(source):
+    """The run's data.thinking (its config.yaml), which the Modelfile's template renders with; None
+    without a run config (the template's default)."""
+    from engine.export import ExportError
+
+    try:
+        return source.config().data.thinking
+    except ExportError:
+        return None
+
+
+def _lint_prompt_tokens(llm, tok, ref, folder: Path, source=None):
     """What Ollama feeds the model: the Modelfile's TEMPLATE rendered for each held-out prompt,
     tokenized by llama.cpp with the BOS it adds itself, must be the tokens the trained model saw
     (no second BOS, nothing lost)."""
@@ -519,7 +530,7 @@ def _lint_prompt_tokens(llm, tok, ref, folder: Path):
     if path is None:
         return Lint("modelfile", False, "there is no Modelfile beside the GGUF")
     adds_bos = _adds_bos(Path(llm.model_path))
-    tr = modelfile.translate(tok, runtime_adds_bos=adds_bos)
+    tr = modelfile.translate(tok, runtime_adds_bos=adds_bos, thinking=_thinking(source))
     written = modelfile.read_modelfile(path)["template"]
     if tr.template is None or written != tr.template:
         reason = tr.reason or "the Modelfile's TEMPLATE is not the translation of the tokenizer's template"

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from engine.data.render import SYSTEM_JOIN, fold_system_message
+from engine.data.render import SYSTEM_JOIN, fold_system_message, thinking_vars
 
 _MARK = "\x02{}\x03"  # marker contents no template changes
 _WS = " \t\n\r\v\f"  # what trimming removes, here and in the Go template (ASCII whitespace)
@@ -212,8 +212,10 @@ def _lit(text: str) -> str:
 
 
 # -- reading a template's shape --------------------------------------------------------------
-def _render(tokenizer, messages, gen=True) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+def _render(tokenizer, messages, gen=True, thinking=None) -> str:
+    """The template's render, with the run's thinking switch (data.thinking) as training gave it."""
+    switch = thinking_vars(tokenizer, thinking)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **switch)
 
 
 def _msgs(*roles: str) -> list[dict]:
@@ -249,10 +251,11 @@ def _tail_after(tokenizer, text: str, follow: str) -> str:
     return os.path.commonprefix([text, follow])
 
 
-def read_shape(tokenizer) -> Shape:
-    """The template's parts, from renders with marker contents; _NoShape when it has another shape."""
-    one = _split(_render(tokenizer, _msgs("user")), 1)
-    three = _split(_render(tokenizer, _msgs("user", "assistant", "user")), 3)
+def read_shape(tokenizer, thinking=None) -> Shape:
+    """The template's parts, from renders with marker contents (and the run's thinking switch);
+    _NoShape when it has another shape."""
+    one = _split(_render(tokenizer, _msgs("user"), thinking=thinking), 1)
+    three = _split(_render(tokenizer, _msgs("user", "assistant", "user"), thinking=thinking), 3)
     if one is None or three is None:
         raise _NoShape("the template changes or drops message contents")
     bos = tokenizer.bos_token or ""
@@ -260,9 +263,9 @@ def read_shape(tokenizer) -> Shape:
     start, end = one[0][len(bos) :], one[1]
     if three[0] != one[0] or three[3] != end:
         raise _NoShape("the template renders the first or last turn differently in a longer conversation")
-    user_end = _tail_after(tokenizer, _split(_render(tokenizer, _msgs("user"), gen=False), 1)[1], three[1])
+    user_end = _tail_after(tokenizer, _split(_render(tokenizer, _msgs("user"), False, thinking), 1)[1], three[1])
     assistant_end = _tail_after(
-        tokenizer, _split(_render(tokenizer, _msgs("user", "assistant"), gen=False), 2)[2], three[2]
+        tokenizer, _split(_render(tokenizer, _msgs("user", "assistant"), False, thinking), 2)[2], three[2]
     )
     user_start = three[2][len(assistant_end) :]
     if not start.endswith(user_start) or not end.startswith(user_end):
@@ -274,15 +277,15 @@ def read_shape(tokenizer) -> Shape:
         assistant=(three[1][len(user_end) :], assistant_end),
         gen=end[len(user_end) :],
     )
-    _read_system(tokenizer, shape)
-    _read_rules(tokenizer, shape)
+    _read_system(tokenizer, shape, thinking)
+    _read_rules(tokenizer, shape, thinking)
     return shape
 
 
-def _read_system(tokenizer, s: Shape) -> None:
+def _read_system(tokenizer, s: Shape, thinking=None) -> None:
     try:
-        text = _render(tokenizer, _msgs("system", "user"))
-        text4 = _render(tokenizer, _msgs("system", "user", "assistant", "user"))
+        text = _render(tokenizer, _msgs("system", "user"), thinking=thinking)
+        text4 = _render(tokenizer, _msgs("system", "user", "assistant", "user"), thinking=thinking)
     except Exception:  # templates that refuse a system message (Gemma-2) raise on purpose
         s.system = "joined"
         return
@@ -324,11 +327,11 @@ _PROBES = {
 }
 
 
-def _read_rules(tokenizer, s: Shape) -> None:
+def _read_rules(tokenizer, s: Shape, thinking=None) -> None:
     for slot, probes in _PROBES.items():
         if slot == "system" and s.system in ("none", "joined"):
             continue
-        seen = [(probe, _render(tokenizer, _probe_messages(slot, probe))) for probe in probes]
+        seen = [(probe, _render(tokenizer, _probe_messages(slot, probe), thinking=thinking)) for probe in probes]
         for name in CONTENT_RULES:
             trial = Shape(**{**s.__dict__, "rules": {**s.rules, slot: name}})
             if all(trial.render(_probe_messages(slot, p)) == text for p, text in seen):
@@ -394,22 +397,24 @@ class Translation:
         return self.shape.render(messages, with_bos=not self.bos_dropped)
 
 
-def translate(tokenizer, runtime_adds_bos: bool = False) -> Translation:
+def translate(tokenizer, runtime_adds_bos: bool = False, thinking=None) -> Translation:
     """The tokenizer's chat template as an Ollama Go template, checked on the `checks()`
     conversations. `runtime_adds_bos`: llama.cpp adds the BOS token itself, so the template
-    leaves out a literal one (two BOS tokens otherwise)."""
+    leaves out a literal one (two BOS tokens otherwise). `thinking`: the run's data.thinking, so
+    the Go template renders what training rendered (Qwen3 off: the empty <think></think> opening
+    each answer)."""
     source = getattr(tokenizer, "chat_template", None)
     if not source:
         return Translation(None, "the tokenizer has no chat template")
     try:
-        shape = read_shape(tokenizer)
+        shape = read_shape(tokenizer, thinking)
     except _NoShape as exc:
         return Translation(None, str(exc))
     except Exception as exc:  # a template can raise on purpose; that is its answer
         return Translation(None, f"the template cannot render a plain user/assistant conversation ({exc})")
     for msgs in checks(system=shape.system != "none"):
         try:
-            want = _render(tokenizer, fold_system(msgs) if shape.system == "joined" else msgs)
+            want = _render(tokenizer, fold_system(msgs) if shape.system == "joined" else msgs, thinking=thinking)
         except Exception:  # a conversation this template refuses is not one Ollama must render
             continue
         if shape.render(msgs) != want:
@@ -524,10 +529,11 @@ def write_modelfile(
     gen_config: dict,
     runtime_adds_bos: bool = False,
     name: str = MODELFILE,
+    thinking=None,
 ) -> dict:
     """Write the Modelfile `folder/name` for the GGUF `gguf_name` beside it; returns what it holds
     (template translated or why not, stops, parameters) for the export report."""
-    tr = translate(tokenizer, runtime_adds_bos)
+    tr = translate(tokenizer, runtime_adds_bos, thinking)
     eos = gen_config.get("eos_token_id")
     gen_eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
     stops = stop_tokens(tokenizer, gen_eos)
