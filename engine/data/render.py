@@ -383,6 +383,26 @@ def _own_reasoning(tokenizer, before: list[dict], text: str, reasoning: str, pos
     return start, found[1], False
 
 
+_OPENS_REASONING: dict[tuple, bool] = {}
+
+
+def _prompt_opens_reasoning(tokenizer, thinking) -> bool:
+    """Whether this template's generation prompt, with this switch, ends with a reasoning block's
+    opening tag (DeepSeek-V3.2's "<think>" with thinking on; not Qwen3's): only then is an answer's
+    span moved past the prompt (_past_prompt, one more render per answer). Once per template and switch."""
+    template = getattr(tokenizer, "chat_template", None)
+    key = (template, thinking if isinstance(thinking, bool) else None)
+    if key not in _OPENS_REASONING:
+        try:
+            prompt = render(tokenizer, [_PROBE], generation_prompt=True, thinking=thinking)[0]
+        except RowError:
+            prompt = ""
+        if len(_OPENS_REASONING) > 16:
+            _OPENS_REASONING.clear()
+        _OPENS_REASONING[key] = bool(_THINK_OPEN.search(prompt))
+    return _OPENS_REASONING[key]
+
+
 def _past_prompt(tokenizer, before: list[dict], text: str, found, thinking) -> tuple:
     """`found` (an answer found from its reasoning's opening tag) starting where the generation prompt
     of the conversation `before` it ends, when that prompt already holds the tag (DeepSeek-V3.2's with
@@ -421,7 +441,8 @@ def answer_spans(
         if found is not None and found[2] and msg.get("reasoning"):
             found = _own_reasoning(tokenizer, messages[:k], text, msg["reasoning"], pos, found, specials, thinking)
         if found is not None and thinking is True and msg.get("reasoning") and _THINK_OPEN_AT.match(text, found[0]):
-            found = _past_prompt(tokenizer, messages[:k], text, found, thinking)
+            if _prompt_opens_reasoning(tokenizer, thinking):
+                found = _past_prompt(tokenizer, messages[:k], text, found, thinking)
         if found is None:
             if not content.strip():
                 continue  # an empty answer: nothing to find (its row trains the others)
