@@ -103,6 +103,27 @@ def graph_choice(setting, *, device, objective: str, distributed: bool, prepared
     return True, "set in config" if setting is True else f"auto: hidden size {hidden:,}, launch-bound"
 
 
+# Block sizes an attention launch may tile documents with: the autotuned lists' (TABLE_BLOCKS), the
+# fixed configs' (engine.kernels.varlen_attention_configs._fixed: 64/128; 32 in fp32, 16 under the
+# interpreter). A bucket holds a static table for each; a capture records which it read, and only
+# those are refilled before a replay.
+STATIC_BLOCKS = (16, 32, 64, 128)
+
+
+class _StaticInfo(PackedSeqInfo):
+    """A bucket's packed metadata: its block tables are the static ones, filled per micro-batch.
+    A table it does not hold is an error (the capture fails and the run stays eager), never one
+    built from lengths that are not the micro-batch's."""
+
+    def block_table(self, kind: str, block: int):
+        try:
+            table = self._tables[(kind, block)]
+        except KeyError:
+            raise RuntimeError(f"a CUDA graph bucket has no attention table for {kind} blocks of {block}") from None
+        self.requested.add((kind, block))
+        return table
+
+
 class _Bucket:
     """One bucket's static inputs, its graph and its captured loss."""
 
@@ -114,9 +135,8 @@ class _Bucket:
         # One int64 buffer (ids, targets, positions) and one int32 buffer (cu_seqlens, block
         # tables): two host-to-device copies a micro-batch.
         self.wide = torch.zeros(3 * tokens, dtype=torch.int64, device=device)
-        self.table_shapes = [
-            ((kind, block), -(-tokens // block) + docs) for block in TABLE_BLOCKS for kind in ("q", "k")
-        ]
+        blocks = sorted(set(TABLE_BLOCKS) | set(STATIC_BLOCKS))
+        self.table_shapes = [((kind, block), -(-tokens // block) + docs) for block in blocks for kind in ("q", "k")]
         narrow = docs + 1 + sum(2 * rows for _, rows in self.table_shapes)
         self.narrow = torch.zeros(narrow, dtype=torch.int32, device=device)
         ids, targets, positions = self.wide.view(3, tokens)
@@ -126,7 +146,8 @@ class _Bucket:
         max_seqlen = tokens if long_docs else min(tokens, LONG_DOCUMENT - 1)
         # lengths: not per micro-batch; nothing on the graphed path reads them (offload and
         # per-document families are refused by graph_choice).
-        self.info = PackedSeqInfo([tokens], cu, max_seqlen, positions, tokens)
+        self.info = _StaticInfo([tokens], cu, max_seqlen, positions, tokens)
+        self.info.requested = set()
         start = docs + 1
         for key_, rows in self.table_shapes:
             table = self.narrow[start : start + 2 * rows].view(rows, 2)
@@ -134,6 +155,7 @@ class _Bucket:
             start += 2 * rows
         self.info._device_cache[str(device)] = self.info  # already on the device
         self.batch = PackedBatch(ids.unsqueeze(0), targets.unsqueeze(0), self.info, tokens, 0)
+        self.used: Optional[set] = None  # the tables the graph reads: None until captured (then all are filled)
         self.warmed = False
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.loss: Optional[torch.Tensor] = None
@@ -157,11 +179,12 @@ class _Bucket:
         cu[0] = 0
         cu[1 : len(lengths) + 1] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
         parts = [cu]
-        for (kind, block), rows in self.table_shapes:
+        for key, rows in self.table_shapes:
             table = torch.zeros(rows, 2, dtype=torch.int32)
             table[:, 0] = -1
-            real = host_block_table(lengths, block, kind)
-            table[: real.shape[0]] = real
+            if self.used is None or key in self.used:  # a table no graph reads is left empty
+                real = host_block_table(lengths, key[1], key[0])
+                table[: real.shape[0]] = real
             parts.append(table.reshape(-1))
         wide, narrow = torch.cat([ids, targets, positions]), torch.cat(parts)
         if self.wide.is_cuda:  # pinned: queued on the stream, the host does not wait
@@ -302,6 +325,7 @@ class StepGraphs:
                 loss.backward()
                 bucket.loss = loss.detach()
             bucket.counts = {k: v - before.get(k, 0) for k, v in counters.items() if v != before.get(k, 0)}
+        bucket.used = set(bucket.info.requested)
         if self.pool is None:
             self.pool = graph.pool()
         bucket.graph = graph

@@ -11,7 +11,15 @@ from engine.config import FastPathConfig
 from engine.data.collate import PackedBatch
 from engine.kernels.varlen_attention import TABLE_BLOCKS, host_block_table
 from engine.train.step import forward_loss, prepare_model
-from engine.train.step_graph import MIN_DOC_BUCKET, StepGraphs, _Bucket, bucket_docs, bucket_tokens, graph_choice
+from engine.train.step_graph import (
+    MIN_DOC_BUCKET,
+    STATIC_BLOCKS,
+    StepGraphs,
+    _Bucket,
+    bucket_docs,
+    bucket_tokens,
+    graph_choice,
+)
 from tests.tiny_models import tiny_model
 
 
@@ -52,7 +60,10 @@ def test_a_filled_bucket_holds_the_batch_then_padding_then_empty_documents():
         real = host_block_table([5, 9, 3, 47], block, kind)
         assert torch.equal(table[: real.shape[0]], real)
         assert (table[real.shape[0] :, 0] == -1).all()
-    assert {k for k, _ in b.table_shapes} == {(kind, blk) for blk in TABLE_BLOCKS for kind in ("q", "k")}
+    blocks = set(TABLE_BLOCKS) | set(STATIC_BLOCKS)
+    assert {k for k, _ in b.table_shapes} == {(kind, blk) for blk in blocks for kind in ("q", "k")}
+    with pytest.raises(RuntimeError, match="no attention table"):  # never one built from other lengths
+        info.block_table("q", 8)
 
 
 def test_refilling_a_bucket_leaves_nothing_of_the_batch_before():
@@ -66,12 +77,17 @@ def test_refilling_a_bucket_leaves_nothing_of_the_batch_before():
     assert torch.equal(b.wide, fresh.wide) and torch.equal(b.narrow, fresh.narrow)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_the_bucket_batch_gives_the_batch_own_loss_and_gradients(family):
-    """What a graph replays (normalizer 1, times 1/normalizer) against the eager micro-batch."""
+@pytest.mark.parametrize(("family", "backend"), [("qwen3", None), ("llama", None), ("qwen3", "triton")])
+def test_the_bucket_batch_gives_the_batch_own_loss_and_gradients(family, backend):
+    """What a graph replays (normalizer 1, times 1/normalizer) against the eager micro-batch; with
+    the Triton attention (the interpreter here) its block tables are the bucket's static ones."""
+    from engine.fastpath.attention import enable_packed_attention
+
     torch.manual_seed(0)
     model = tiny_model(family, lora={}, lora_b_std=0.02)
     prepared = prepare_model(model, FastPathConfig(), torch.device("cpu"), True)
+    if backend is not None:
+        assert enable_packed_attention(model, backend=backend) == "on"
     model.train()
     batch = _batch([7, 12, 4, 9], vocab=model.config.vocab_size)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -89,6 +105,8 @@ def test_the_bucket_batch_gives_the_batch_own_loss_and_gradients(family):
     bucket.fill(batch)
     inv = torch.tensor(1.0 / batch.num_trained_tokens)
     loss, grads = run(bucket.batch, 1.0)
+    if backend == "triton":  # the kernels read the bucket's tables (those a replay refills)
+        assert bucket.info.requested
     # The graph's loss: the sum times 1/normalizer (engine.train.step_graph._capture).
     torch.testing.assert_close(loss * inv, eager_loss, rtol=1e-5, atol=1e-6)
     for g, e in zip(grads, eager_grads):
