@@ -10,6 +10,7 @@ one after another.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -280,8 +281,12 @@ def token_pieces(tokenizer, text: str, ids: list[int]) -> list[str]:
 def _render_preference(tokenizer, cfg: DataConfig, ds, index: int, kind: str) -> RenderedExample:
     """One preference row as training packs it: prompt + chosen, prompt + rejected (answers
     trained); KTO: prompt + answer."""
-    from engine.data.preference import prepare_preference_data
+    from engine.data.preference import detect_preference_format, preference_thinking, prepare_preference_data
 
+    # data.thinking "auto" read over the whole data set, as training reads it, not this row alone.
+    spec = detect_preference_format(list(ds.column_names), kind, cfg.columns, cfg.source)
+    thinking = preference_thinking(cfg.thinking, ds, spec)
+    cfg = dataclasses.replace(cfg, thinking=thinking) if thinking is not None else cfg
     try:
         data = prepare_preference_data(cfg, tokenizer, kind, raw=ds.select([index]))
     except DataError as exc:

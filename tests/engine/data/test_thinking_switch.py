@@ -192,3 +192,26 @@ def test_tunesmith_train_reads_the_switch_from_the_yaml_and_records_it(tmp_path)
     assert "renders with enable_thinking=false (data.thinking)" in out.stdout + out.stderr
     recorded = RunConfig.load(tmp_path / "run" / "config.yaml")
     assert recorded.data.thinking is False and "data.thinking" not in recorded.auto_fields
+
+
+def test_preference_pairs_render_with_the_switch(tmp_path, tokenizers):
+    from engine.data.preference import prepare_preference_data
+
+    tok = tokenizers["deepseek-v3.2"]
+    prompt = [{"role": "user", "content": "Why is the sky blue?"}]
+    chosen = [{"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}]
+    rows = [{"prompt": prompt, "chosen": chosen, "rejected": [{"role": "assistant", "content": "It is not."}]}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    on = prepare_preference_data(DataConfig(source=str(path), max_seq_len=256), tok, "paired")
+    assert on.thinking is True
+    (p, c, r) = on.examples[0]
+    assert (
+        tok.decode(p).endswith("<｜Assistant｜><think>") and tok.decode(c) == REASONING + "</think>" + ANSWER + DS_END
+    )
+    # Off (the template's default), DeepSeek-V3.2's prompt ends "<think></think>" but its answers render
+    # after a bare "</think>": the prompt is no prefix of the conversation, and the pair is refused.
+    from engine.data.sources import DataError
+
+    with pytest.raises(DataError, match="does not render the prompt as a prefix"):
+        prepare_preference_data(DataConfig(source=str(path), max_seq_len=256, thinking=False), tok, "paired")
