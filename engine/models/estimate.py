@@ -6,9 +6,9 @@ plain MLP, q/k/v biases, q/k norms, norms per layer, sinks, expert biases) from 
 engine/models/arch/ (unknown families: engine.models.arch.GENERIC). `estimate_vram(...)` adds up what a
 LoRA / QLoRA run keeps on the device: base weights, LoRA parameters with their gradients and
 AdamW state, activations (with or without checkpointing, with or without offload and its lean
-recompute: `lean_recompute_saving`), the cross-entropy chunk and a fixed overhead. `fit_verdict` turns an estimate and a device size
-into "fits" / "tight" / "will not fit". The hardware defaults policy (`engine.hardware`) uses
-these to choose 4-bit loading, micro-batch size and checkpointing.
+recompute: `lean_recompute_saving`), the cross-entropy chunk and a fixed overhead. `fit_verdict`
+turns an estimate and a device size into "fits" / "tight" / "will not fit". The hardware defaults
+policy (`engine.hardware`) uses these to choose 4-bit loading, micro-batch size and checkpointing.
 
 The numbers are deliberately a little pessimistic: they decide defaults, and a default that
 runs out of memory is worse than one that leaves some memory unused.
