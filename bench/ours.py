@@ -217,7 +217,8 @@ def step_graphs(prepared, fp, workload, device, run, report: dict):
     if not on:
         return None
     params = [p for p in prepared.model.parameters() if p.requires_grad]
-    return StepGraphs(run, params, device)
+    off = prepared.offloader
+    return StepGraphs(run, params, device, version=lambda: None if off is None else off.host_generation)
 
 
 def _count_trainable(model) -> int:

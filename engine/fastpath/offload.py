@@ -104,7 +104,14 @@ class _Slot:
 class ActivationOffloader:
     """Parks decoder-layer inputs in host memory; installs itself as the layers' checkpoint function."""
 
-    def __init__(self, mode: str, device, keep_attention_allowed: bool = True, lean_recompute: bool = True):
+    def __init__(
+        self,
+        mode: str,
+        device,
+        keep_attention_allowed: bool = True,
+        lean_recompute: bool = True,
+        keep_rng: bool = True,
+    ):
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {MODES}, not {mode!r}")
         self.mode = mode  # what was asked for
@@ -123,6 +130,13 @@ class ActivationOffloader:
         # FastPathConfig.lean_recompute: the recompute tells the layer its output is unread
         # (engine.fastpath.recompute), so a patched layer skips what only the output needs.
         self.lean_recompute = bool(lean_recompute)
+        # Keep each layer's RNG state for its recompute only where the model draws random numbers
+        # (engine.train.step.draws_random): reading it costs a device-state read per layer, and a
+        # CUDA graph cannot read it while capturing.
+        self.keep_rng = bool(keep_rng)
+        # Advanced whenever a slot's pinned host buffer is (re)allocated: a CUDA graph captured
+        # before reads and writes the old buffers' addresses (engine.train.step_graph recaptures).
+        self.host_generation = 0
         # An input that always requires grad, so every layer's backward runs even when the
         # first layer's input (frozen embeddings) needs no gradient.
         self._grad_anchor = torch.empty(0, device=self.device, requires_grad=True)
@@ -216,6 +230,7 @@ class ActivationOffloader:
             return
         if slot.host is None or slot.host.numel() < n or slot.host.dtype != hidden.dtype:
             slot.host = torch.empty(n, dtype=hidden.dtype, device="cpu", pin_memory=self.cuda)
+            self.host_generation += 1
         slot.shape, slot.dtype, slot.numel = tuple(hidden.shape), hidden.dtype, n
         slot.device_copy, slot.ready, slot.saved = None, None, True
         src = hidden.detach().reshape(-1)
@@ -346,7 +361,7 @@ class OffloadedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, offloader: ActivationOffloader, index: int, fn: Callable, anchor, hidden):
         ctx.offloader, ctx.index, ctx.fn = offloader, index, fn
-        ctx.rng = RngState.capture(hidden.device)
+        ctx.rng = RngState.capture(hidden.device) if offloader.keep_rng else None
         kept = offloader.slots[index].attention
         with torch.no_grad(), _passing(kept, "keep" if offloader._keep_attention else None) as extra:
             out = fn(hidden, **extra)
@@ -369,7 +384,7 @@ class OffloadedLayer(torch.autograd.Function):
         kept = off.slots[ctx.index].attention
         with (
             torch.enable_grad(),
-            ctx.rng.restored(),
+            ctx.rng.restored() if ctx.rng is not None else contextlib.nullcontext(),
             _passing(kept, "reuse" if kept.outputs else None) as extra,
             recompute.recomputing(off.lean_recompute),
         ):

@@ -124,14 +124,18 @@ def _step_graphs(config, device, distributed: bool, objective, prepared, forward
         return None
 
     def usable():
-        # The memory recovery may change the run under the graphs (engine.train.recovery).
-        if offloader() is not None:
-            return "offload was turned on to fit the step"
+        # The memory recovery may change the run under the graphs (engine.train.recovery); a
+        # change it makes drops the graphs (StepRunner.drop_partial_step), and they are captured
+        # again under it, except for this one.
         if host_embedding(hf_model(model)) is not None:
             return "the embedding table moved to host memory to fit the step"
         return None
 
+    def version():
+        off = offloader()  # its pinned host buffers, which the graphs copy layer inputs to
+        return None if off is None else (id(off), off.host_generation)
+
     def loss(batch, normalizer):
         return objective.loss(forward, model, batch, normalizer).loss
 
-    return StepGraphs(loss, params, device, usable)
+    return StepGraphs(loss, params, device, usable, version)

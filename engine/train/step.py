@@ -223,7 +223,9 @@ def _install_offload(
     if not layers:
         return None, f"off: {type(base).__name__} has no checkpointed decoder layers"
     lean = lean_recompute_choice(lean, base)[0]
-    offloader = ActivationOffloader(mode, device, keep_attention_allowed=keep_attention, lean_recompute=lean)
+    offloader = ActivationOffloader(
+        mode, device, keep_attention_allowed=keep_attention, lean_recompute=lean, keep_rng=draws_random(base)
+    )
     offloader.install(layers)
     where = "" if device.type == "cuda" else " (CPU: the copies stay in host memory and save nothing)"
     return offloader, f"on: {mode} buffer, {len(layers)} layers{where}"

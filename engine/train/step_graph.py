@@ -28,10 +28,16 @@ weights afresh (engine.fastpath.lora_group.uncached), so every replay reads the 
 optimizer left, never a copy cached outside the graph. What the capture counted (fast-path
 calls, fallbacks) is counted again at each replay.
 
-Where a graph cannot be used (`graph_choice`: CPU, offload, several processes, a method other than
-SFT, ...) the run is eager and the report says why; where it stops being usable mid-run (the
-memory recovery installs offload or moves the embedding table to host memory) the micro-batch
-runs eagerly, counted as a fallback with its reason, never an error.
+With offloaded checkpointing the graph holds the copies to and from the offloader's pinned host
+buffers and the copy stream's events; its per-step choices (double or single buffering, keeping
+attention outputs) are the ones made at capture, for the bucket's shapes. A graph whose host
+buffers were replaced since (a larger bucket grew them) is captured again.
+
+Where a graph cannot be used (`graph_choice`: CPU, several processes, a method other than SFT,
+...) the run is eager and the report says why; where it stops being usable mid-run (the memory
+recovery moves the embedding table to host memory) the micro-batch runs eagerly, counted as a
+fallback with its reason, never an error. A memory setting the recovery lowers drops the graphs;
+they are captured again under it.
 """
 
 from __future__ import annotations
@@ -83,8 +89,6 @@ def graph_choice(setting, *, device, objective: str, distributed: bool, prepared
         why = f"{objective} runs more than the next-token loss in a step (reference or sampling passes)"
     elif distributed:
         why = "several processes: DDP's and FSDP's hooks run between the kernels"
-    elif prepared.offloader is not None:
-        why = "offload copies layer inputs to host memory and chooses its buffering per step"
     elif host_embedding(base) is not None:
         why = "the embedding table is in host memory: a host gather per batch"
     elif row_state(cfg):
@@ -144,8 +148,8 @@ class _Bucket:
         # The grid and kernel choices: the bound of the bucket (kernels read the real lengths
         # from cu_seqlens; max_seqlen only picks the launch lists and sizes non-Triton grids).
         max_seqlen = tokens if long_docs else min(tokens, LONG_DOCUMENT - 1)
-        # lengths: not per micro-batch; nothing on the graphed path reads them (offload and
-        # per-document families are refused by graph_choice).
+        # lengths: the micro-batch's, set by fill() for host-side choices made while a warm-up or
+        # a capture runs (the offloader's keep-attention choice); a replay makes none.
         self.info = _StaticInfo([tokens], cu, max_seqlen, positions, tokens)
         self.info.requested = set()
         start = docs + 1
@@ -155,6 +159,7 @@ class _Bucket:
             start += 2 * rows
         self.info._device_cache[str(device)] = self.info  # already on the device
         self.batch = PackedBatch(ids.unsqueeze(0), targets.unsqueeze(0), self.info, tokens, 0)
+        self.version: object = None  # StepGraphs.version() when the graph was captured
         self.used: Optional[set] = None  # the tables the graph reads: None until captured (then all are filled)
         self.warmed = False
         self.graph: Optional[torch.cuda.CUDAGraph] = None
@@ -175,6 +180,7 @@ class _Bucket:
             targets = torch.cat([targets, torch.full((pad,), IGNORE_INDEX, dtype=torch.int64)])
             positions = torch.cat([positions, torch.arange(pad, dtype=torch.int64)])
             lengths.append(pad)
+        self.info.lengths = lengths
         cu = torch.full((docs + 1,), tokens, dtype=torch.int32)
         cu[0] = 0
         cu[1 : len(lengths) + 1] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
@@ -199,11 +205,21 @@ class StepGraphs:
     trainable parameters whose gradients the graphs accumulate into; `usable()` -> None, or why
     the graphs cannot run now (checked at each micro-batch)."""
 
-    def __init__(self, loss_fn: Callable, params, device, usable: Callable[[], Optional[str]] = lambda: None):
+    def __init__(
+        self,
+        loss_fn: Callable,
+        params,
+        device,
+        usable: Callable[[], Optional[str]] = lambda: None,
+        version: Callable[[], object] = lambda: None,
+    ):
         self.loss_fn = loss_fn
         self.params = [p for p in params if p.requires_grad]
         self.device = torch.device(device)
         self.usable = usable
+        # What a captured graph depends on beyond its bucket (the offloader's pinned host buffers:
+        # ActivationOffloader.host_generation); a graph captured under another version is captured again.
+        self.version = version
         self.buckets: dict[tuple[int, int, bool], _Bucket] = {}
         self.stream = torch.cuda.Stream(self.device)
         self.pool = None
@@ -225,18 +241,19 @@ class StepGraphs:
         if why is not None:
             count_fallback("cuda_graphs", why)
             self.reset()
-            return self._eager(batch, normalizer, own_stream=False)
+            return self._eager(batch, normalizer)
         key = self.key(batch)
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = _Bucket(key, self.device)
         self._attach_grads()
-        if not bucket.warmed:
-            loss = self._eager(batch, normalizer, own_stream=True)
-            bucket.warmed = True
-            return loss
         bucket.fill(batch)
         self.inv_norm.fill_(1.0 / float(normalizer))
+        if not bucket.warmed:
+            bucket.warmed = True
+            return self._warm_up(bucket)
+        if bucket.graph is not None and bucket.version != self.version():
+            bucket.graph = None  # its buffers were replaced: captured again below
         if bucket.graph is None:
             try:
                 self._capture(bucket)
@@ -248,7 +265,7 @@ class StepGraphs:
                 self.broken = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
                 self.reset()
                 count_fallback("cuda_graphs", self.broken)
-                return self._eager(batch, normalizer, own_stream=False)
+                return self._eager(batch, normalizer)
         bucket.graph.replay()
         self.replays += 1
         counters = current()
@@ -292,25 +309,27 @@ class StepGraphs:
         if zero:
             torch._foreach_zero_(zero)
 
-    def _eager(self, batch: PackedBatch, normalizer, own_stream: bool) -> torch.Tensor:
-        """The micro-batch without a graph: on the graphs' stream for a bucket's first (its
-        warm-up), else on the current stream."""
-        if not own_stream:
-            dev = batch.to(self.device)
-            loss = self.loss_fn(dev, normalizer)
-            loss.backward()
-            dev.info.free()
-            return loss.detach()
+    def _eager(self, batch: PackedBatch, normalizer) -> torch.Tensor:
+        """The micro-batch without a graph, on the current stream."""
+        dev = batch.to(self.device)
+        loss = self.loss_fn(dev, normalizer)
+        loss.backward()
+        dev.info.free()
+        return loss.detach()
+
+    def _warm_up(self, bucket: _Bucket) -> torch.Tensor:
+        """A bucket's first micro-batch (already in its static tensors): eagerly, exactly as the
+        graph will run it, on the graphs' stream, so that what capture cannot do (autotuning,
+        compiling for these shapes, allocating the offloader's host buffers, cuBLAS's workspace
+        for the stream) is done."""
         here = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(here)
         with torch.cuda.stream(self.stream):
-            dev = batch.to(self.device)
-            loss = self.loss_fn(dev, normalizer)
+            loss = self.loss_fn(bucket.batch, 1.0) * self.inv_norm
             loss.backward()
             loss = loss.detach()
         here.wait_stream(self.stream)
         loss.record_stream(here)  # read on this stream, made on the graphs'
-        dev.info.free()
         return loss
 
     def _capture(self, bucket: _Bucket) -> None:
@@ -326,6 +345,7 @@ class StepGraphs:
                 bucket.loss = loss.detach()
             bucket.counts = {k: v - before.get(k, 0) for k, v in counters.items() if v != before.get(k, 0)}
         bucket.used = set(bucket.info.requested)
+        bucket.version = self.version()
         if self.pool is None:
             self.pool = graph.pool()
         bucket.graph = graph

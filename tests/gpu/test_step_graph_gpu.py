@@ -28,7 +28,7 @@ def _batches(vocab, seed=0):
     return out
 
 
-def _train(family, dtype, graphs_on: bool, accum=2):
+def _train(family, dtype, graphs_on: bool, accum=2, offload="off"):
     from engine.config import FastPathConfig
     from engine.counters import Counters
     from engine.train.optim import make_optimizer
@@ -39,11 +39,16 @@ def _train(family, dtype, graphs_on: bool, accum=2):
     device = torch.device("cuda")
     model = tiny_model(family, lora={}, lora_b_std=0.02, dtype=dtype, hidden_size=256, intermediate_size=512)
     model.to(device)
-    prepared = prepare_model(model, FastPathConfig(), device, True)
+    prepared = prepare_model(model, FastPathConfig(), device, True, offload=offload)
+    assert (prepared.offloader is not None) == (offload != "off")
     model.train()
     opt = make_optimizer(model, lr=2e-3, weight_decay=0.0)
     params = [p for p in model.parameters() if p.requires_grad]
-    graphs = StepGraphs(lambda b, n: forward_loss(prepared, b, n), params, device) if graphs_on else None
+    off = prepared.offloader
+    graphs = None
+    if graphs_on:
+        version = (lambda: off.host_generation) if off is not None else (lambda: None)
+        graphs = StepGraphs(lambda b, n: forward_loss(prepared, b, n), params, device, version=version)
     batches = _batches(model.config.vocab_size)
     losses, counts = [], []
     counters = Counters()
@@ -68,10 +73,18 @@ def _train(family, dtype, graphs_on: bool, accum=2):
     return losses, final, counts, graphs
 
 
-@pytest.mark.parametrize(("family", "dtype"), [("qwen3", torch.float32), ("llama", torch.bfloat16)])
-def test_graphed_steps_train_like_eager_steps(family, dtype):
-    eager_losses, eager_final, eager_counts, _ = _train(family, dtype, graphs_on=False)
-    losses, final, counts, graphs = _train(family, dtype, graphs_on=True)
+@pytest.mark.parametrize(
+    ("family", "dtype", "offload"),
+    [
+        ("qwen3", torch.float32, "off"),
+        ("llama", torch.bfloat16, "off"),
+        ("qwen3", torch.float32, "double"),  # the copies to host memory and back inside the graph
+        ("llama", torch.bfloat16, "single"),
+    ],
+)
+def test_graphed_steps_train_like_eager_steps(family, dtype, offload):
+    eager_losses, eager_final, eager_counts, _ = _train(family, dtype, graphs_on=False, offload=offload)
+    losses, final, counts, graphs = _train(family, dtype, graphs_on=True, offload=offload)
     from collections import Counter
 
     from engine.train.step_graph import StepGraphs

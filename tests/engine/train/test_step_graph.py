@@ -141,13 +141,18 @@ def test_each_reason_it_stays_off(over, words):
     assert not on and words in why
 
 
-def test_offload_keeps_it_off():
+def test_offload_goes_into_the_graph_and_keeps_no_rng_state_without_dropout():
+    """The offloader's copies are captured with the layers; a capture cannot read the RNG state,
+    which only a model that draws random numbers needs kept."""
     model = tiny_model("llama", lora={})
     prepared = prepare_model(model, FastPathConfig(), torch.device("cpu"), True, offload="single")
     on, why = graph_choice(
         True, device="cuda", objective="sft", distributed=False, prepared=prepared, model=model, lora_dropout=0.0
     )
-    assert not on and "offload" in why
+    assert on, why
+    assert prepared.offloader.keep_rng is False
+    dropped = tiny_model("llama", lora={"lora_dropout": 0.1})
+    assert prepare_model(dropped, FastPathConfig(), torch.device("cpu"), True, offload="single").offloader.keep_rng
 
 
 def test_checkpointing_keeps_no_rng_state_without_dropout():
