@@ -259,10 +259,13 @@ FALLBACK_KINDS: dict[str, tuple[str, ...]] = {
     # GRPO sampled through transformers' `generate` (engine.train.objectives.grpo): the objective's
     # report names the path the same (Objective.fast_paths).
     "decode_loop": ("decode_loop",),
+    # A micro-batch that could not replay a CUDA graph (engine.train.step_graph) ran eagerly.
+    "cuda_graphs": ("cuda_graphs",),
 }
 # Fast paths seen only through their fallbacks: the decode loop samples inside
 # StepContext.generating(), whose counts are set aside, so only its refusal is counted.
-_SEEN_BY_FALLBACK = frozenset({"decode_loop"})
+# A replayed graph counts its layers' calls, not itself: CUDA graphs are seen by their fallbacks too.
+_SEEN_BY_FALLBACK = frozenset({"decode_loop", "cuda_graphs"})
 
 
 def requested(status: str) -> bool:

@@ -163,3 +163,14 @@ def test_checkpointing_keeps_no_rng_state_without_dropout():
     assert not draws_random(model.base_model.model)
     dropped = tiny_model("llama", lora={"lora_dropout": 0.1})
     assert draws_random(dropped.base_model.model)
+
+
+def test_a_micro_batch_that_could_not_replay_is_named_to_the_monitor():
+    from engine.counters import requested_but_not_run
+
+    report = {"cuda_graphs": "on: auto: hidden size 1,024, launch-bound"}
+    assert requested_but_not_run(report, {}, {}) == {}
+    fallbacks = {"cuda_graphs: capture failed (RuntimeError: x)": 3}
+    assert requested_but_not_run(report, {}, fallbacks) == {
+        "cuda_graphs": "fell back: capture failed (RuntimeError: x) (3x)"
+    }
