@@ -202,7 +202,7 @@ def setup_ours(variant: str):
 def step_graphs(prepared, fp, workload, device, run, report: dict):
     """The StepGraphs the session would use for this workload (engine.train.step_graph), or None;
     the report's cuda_graphs line either way."""
-    from engine.train.step_graph import StepGraphs, graph_choice
+    from engine.train.step_graph import StepGraphs, device_memory, graph_choice
 
     on, why = graph_choice(
         fp.cuda_graphs,
@@ -212,6 +212,7 @@ def step_graphs(prepared, fp, workload, device, run, report: dict):
         prepared=prepared,
         model=prepared.model,
         lora_dropout=float(lora_config(workload).dropout),
+        memory=device_memory(device),
     )
     report["cuda_graphs"] = f"{'on' if on else 'off'}: {why}"
     if not on:

@@ -107,7 +107,7 @@ def _step_graphs(config, device, distributed: bool, objective, prepared, forward
     """The run's StepGraphs, or None; its line in the fast-path report either way."""
     from engine.fastpath.host_embed import host_embedding
     from engine.peft_model import hf_model
-    from engine.train.step_graph import StepGraphs, graph_choice
+    from engine.train.step_graph import StepGraphs, device_memory, graph_choice
 
     model = prepared.model
     on, why = graph_choice(
@@ -118,6 +118,7 @@ def _step_graphs(config, device, distributed: bool, objective, prepared, forward
         prepared=prepared,
         model=model,
         lora_dropout=float(config.lora.dropout),
+        memory=device_memory(device),
     )
     prepared.report["cuda_graphs"] = f"{'on' if on else 'off'}: {why}"
     if not on:

@@ -21,9 +21,10 @@ targets times a device scalar holding 1/normalizer, so one graph serves every st
 The LoRA gradients accumulate in place into gradient tensors the graphs own, handed back to the
 parameters before each forward (an optimizer's `zero_grad(set_to_none=True)` drops them).
 
-The first micro-batch of a bucket runs eagerly, on the graphs' own stream: it warms up Triton's
-autotuner, cuBLAS and the allocator there, as capture needs. The second is captured, then
-replayed; later ones are replayed. Inside a capture the LoRA layers build their cast adapter
+The first micro-batch of a bucket's shapes runs eagerly, on the graphs' own stream, exactly as the
+graph will: it warms up Triton's autotuner, cuBLAS and the allocator there, as capture needs. The
+next one of those shapes is captured (a bucket differing only in its document count at once),
+then replayed; later ones are replayed. Inside a capture the LoRA layers build their cast adapter
 weights afresh (engine.fastpath.lora_group.uncached), so every replay reads the adapters the
 optimizer left, never a copy cached outside the graph. What the capture counted (fast-path
 calls, fallbacks) is counted again at each replay.
@@ -56,6 +57,11 @@ MIN_DOC_BUCKET = 8  # fewer distinct buckets for batches of a few documents
 # W2's). Above it a step's kernels are long enough to hide the host, and a graph's pool would
 # only hold memory beside the allocator's cache.
 AUTO_MAX_HIDDEN = 4096
+# ... and on cards with at least this much memory: a graph's private pool holds its micro-batch's
+# working set beside the allocator's cache, and a bucket's eager warm-up runs while earlier graphs
+# hold theirs (W1 on the H200: 4.56 GiB reserved against 3.07 eager, the same 2.94 GiB peak in use),
+# room a laptop's card may not have.
+AUTO_MIN_MEMORY = 16 * 2**30
 
 
 def bucket_tokens(n: int) -> int:
@@ -71,8 +77,31 @@ def bucket_docs(n: int) -> int:
     return max(MIN_DOC_BUCKET, 1 << max(0, n - 1).bit_length())
 
 
-def graph_choice(setting, *, device, objective: str, distributed: bool, prepared, model, lora_dropout: float):
-    """(whether this run's micro-batches go through CUDA graphs, the report line's reason)."""
+def device_memory(device) -> Optional[int]:
+    """Bytes this process may use on the CUDA `device` (its total under any per-process cap, as
+    an emulated smaller card sets); None elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return int(total * fraction(index)) if fraction is not None else total
+
+
+def graph_choice(
+    setting,
+    *,
+    device,
+    objective: str,
+    distributed: bool,
+    prepared,
+    model,
+    lora_dropout: float,
+    memory: Optional[int] = None,
+):
+    """(whether this run's micro-batches go through CUDA graphs, the report line's reason).
+    `memory`: device_memory(device), for auto's rule on small cards (None: no rule)."""
     from engine.fastpath.host_embed import host_embedding
     from engine.models.arch import row_state
     from engine.peft_model import hf_model
@@ -104,6 +133,11 @@ def graph_choice(setting, *, device, objective: str, distributed: bool, prepared
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     if setting == AUTO and hidden >= AUTO_MAX_HIDDEN:
         return False, f"auto: hidden size {hidden:,} >= {AUTO_MAX_HIDDEN:,}, the step's kernels hide the host"
+    if setting == AUTO and memory is not None and memory < AUTO_MIN_MEMORY:
+        return False, (
+            f"auto: {memory / 2**30:.1f} GiB on the card (< {AUTO_MIN_MEMORY / 2**30:.0f}): a graph's memory "
+            "pool would take room the run may need"
+        )
     return True, "set in config" if setting is True else f"auto: hidden size {hidden:,}, launch-bound"
 
 
@@ -161,7 +195,6 @@ class _Bucket:
         self.batch = PackedBatch(ids.unsqueeze(0), targets.unsqueeze(0), self.info, tokens, 0)
         self.version: object = None  # StepGraphs.version() when the graph was captured
         self.used: Optional[set] = None  # the tables the graph reads: None until captured (then all are filled)
-        self.warmed = False
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.loss: Optional[torch.Tensor] = None
         self.counts: dict[str, int] = {}
@@ -221,6 +254,9 @@ class StepGraphs:
         # ActivationOffloader.host_generation); a graph captured under another version is captured again.
         self.version = version
         self.buckets: dict[tuple[int, int, bool], _Bucket] = {}
+        # (tokens, long documents) whose shapes an eager warm-up has run: a bucket of the same
+        # shapes with another document count (its tables' length alone differs) is captured at once.
+        self.warmed: set[tuple[int, bool]] = set()
         self.stream = torch.cuda.Stream(self.device)
         self.pool = None
         self.grads: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
@@ -249,8 +285,9 @@ class StepGraphs:
         self._attach_grads()
         bucket.fill(batch)
         self.inv_norm.fill_(1.0 / float(normalizer))
-        if not bucket.warmed:
-            bucket.warmed = True
+        shapes = (key[0], key[2])
+        if shapes not in self.warmed:
+            self.warmed.add(shapes)
             return self._warm_up(bucket)
         if bucket.graph is not None and bucket.version != self.version():
             bucket.graph = None  # its buffers were replaced: captured again below
@@ -278,6 +315,7 @@ class StepGraphs:
         if not self.buckets and self.pool is None:
             return
         self.buckets.clear()
+        self.warmed.clear()
         self.pool = None
         if torch.cuda.is_available():
             torch.cuda.synchronize(self.device)

@@ -134,6 +134,8 @@ def test_auto_is_on_for_a_small_sft_run_on_cuda():
         (dict(objective="dpo"), "dpo"),
         (dict(distributed=True), "several processes"),
         (dict(lora_dropout=0.05), "dropout"),
+        (dict(memory=8 * 2**30), "8.0 GiB on the card"),  # a laptop's card: auto leaves the pool's room
+        (dict(setting=True, memory=8 * 2**30, objective="kto"), "kto"),
     ],
 )
 def test_each_reason_it_stays_off(over, words):
@@ -174,3 +176,8 @@ def test_a_micro_batch_that_could_not_replay_is_named_to_the_monitor():
     assert requested_but_not_run(report, {}, fallbacks) == {
         "cuda_graphs": "fell back: capture failed (RuntimeError: x) (3x)"
     }
+
+
+def test_a_set_value_takes_graphs_on_a_small_card():
+    on, why = _choice(setting=True, memory=8 * 2**30)
+    assert on and why == "set in config"
