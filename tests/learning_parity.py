@@ -35,6 +35,7 @@ STOCK_FAST_PATHS = dict(
     cached_metadata=False,
     moe_grouping=False,
     keep_attention=False,
+    cuda_graphs=False,
 )
 STOCK_TRAINING = dict(optimizer="adamw", offload="off")
 
