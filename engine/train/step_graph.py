@@ -377,7 +377,10 @@ class StepGraphs:
         counters = current()
         before = dict(counters)
         with counters.set_aside():
-            with uncached(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            # thread_local: the window's memory poll (engine.hardware.vram, another thread) may
+            # ask the driver while a capture runs; only this thread's calls must not touch it.
+            capture = torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local")
+            with uncached(), capture:
                 loss = self.loss_fn(bucket.batch, 1.0) * self.inv_norm
                 loss.backward()
                 bucket.loss = loss.detach()
