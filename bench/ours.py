@@ -202,6 +202,7 @@ def setup_ours(variant: str):
 def step_graphs(prepared, fp, workload, device, run, report: dict):
     """The StepGraphs the session would use for this workload (engine.train.step_graph), or None;
     the report's cuda_graphs line either way."""
+    from engine.train.step import lean_under_graphs
     from engine.train.step_graph import StepGraphs, device_memory, graph_choice
 
     on, why = graph_choice(
@@ -217,6 +218,8 @@ def step_graphs(prepared, fp, workload, device, run, report: dict):
     report["cuda_graphs"] = f"{'on' if on else 'off'}: {why}"
     if not on:
         return None
+    lean_under_graphs(prepared, fp.lean_recompute)
+    report["lean_recompute"] = prepared.report["lean_recompute"]
     params = [p for p in prepared.model.parameters() if p.requires_grad]
     off = prepared.offloader
     return StepGraphs(run, params, device, version=lambda: None if off is None else off.host_generation)

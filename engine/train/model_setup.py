@@ -107,6 +107,7 @@ def _step_graphs(config, device, distributed: bool, objective, prepared, forward
     """The run's StepGraphs, or None; its line in the fast-path report either way."""
     from engine.fastpath.host_embed import host_embedding
     from engine.peft_model import hf_model
+    from engine.train.step import lean_under_graphs
     from engine.train.step_graph import StepGraphs, device_memory, graph_choice
 
     model = prepared.model
@@ -123,6 +124,7 @@ def _step_graphs(config, device, distributed: bool, objective, prepared, forward
     prepared.report["cuda_graphs"] = f"{'on' if on else 'off'}: {why}"
     if not on:
         return None
+    lean_under_graphs(prepared, config.fast_paths.lean_recompute)
 
     def usable():
         # The memory recovery may change the run under the graphs (engine.train.recovery); a

@@ -185,10 +185,16 @@ def enable_checkpointing(model) -> bool:
 LEAN_RECOMPUTE_MIN_HIDDEN = 4096
 
 
-def lean_recompute_choice(setting, base) -> tuple[bool, str]:
-    """(whether offload's recompute is lean, why) for fast_paths.lean_recompute on this model."""
+def lean_recompute_choice(setting, base, graphs: bool = False) -> tuple[bool, str]:
+    """(whether offload's recompute is lean, why) for fast_paths.lean_recompute on this model;
+    `graphs`: the run's micro-batches replay CUDA graphs (engine.train.step_graph)."""
     if setting != AUTO:
         return bool(setting), "set in config"
+    if graphs:
+        # Measured on the H200 in one run each (bench --ours-variants all-on,lean_recompute=true,
+        # docs/gpu-test-log.md 2026-12-02, fourth session): with graphs, W1 89,693 against 87,766
+        # tok/s (median of 3) and W2 66,707 against 61,219 at 3.41 against 3.79 GiB.
+        return True, "CUDA graphs replay the step: the row tiles' extra launches cost no host time"
     hidden = int(getattr(base.config, "hidden_size", 0) or 0)
     if hidden >= LEAN_RECOMPUTE_MIN_HIDDEN:
         return True, f"hidden size {hidden:,} >= {LEAN_RECOMPUTE_MIN_HIDDEN:,}: fewer matmuls, lower peak"
@@ -196,6 +202,16 @@ def lean_recompute_choice(setting, base) -> tuple[bool, str]:
         False,
         f"hidden size {hidden:,} < {LEAN_RECOMPUTE_MIN_HIDDEN:,}: launch-bound, the row tiles cost more",
     )
+
+
+def lean_under_graphs(prepared: PreparedModel, setting) -> None:
+    """The run's micro-batches replay CUDA graphs: take the lean recompute's auto choice again
+    with them (before any capture), in the offloader and the report."""
+    if prepared.offloader is None:
+        return
+    lean, why = lean_recompute_choice(setting, hf_model(prepared.model), graphs=True)
+    prepared.offloader.lean_recompute = lean
+    prepared.report["lean_recompute"] = f"{'on' if lean else 'off'}: {why}"
 
 
 def install_offload(model, mode: str, device, keep_attention: bool = True, lean_recompute=AUTO):

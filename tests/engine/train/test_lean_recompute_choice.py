@@ -44,3 +44,17 @@ def test_without_offload_it_says_so():
     model = tiny_model("llama", lora={})
     prepared = prepare_model(model, FastPathConfig(lean_recompute=True), torch.device("cpu"), True, offload="off")
     assert prepared.report["lean_recompute"] == "off: no offload"
+
+
+def test_under_cuda_graphs_auto_takes_it_at_any_size_and_a_set_value_still_wins():
+    """Replayed graphs make the row tiles' launches free (W1, W2 measured faster with it)."""
+    from engine.train.step import lean_under_graphs
+
+    assert lean_recompute_choice("auto", _Base(1024), graphs=True)[0] is True
+    assert lean_recompute_choice(False, _Base(1024), graphs=True) == (False, "set in config")
+    model = tiny_model("llama", lora={})
+    prepared = prepare_model(model, FastPathConfig(), torch.device("cpu"), True, offload="double")
+    assert prepared.offloader.lean_recompute is False  # small model, no graphs
+    lean_under_graphs(prepared, "auto")
+    assert prepared.offloader.lean_recompute is True
+    assert prepared.report["lean_recompute"].startswith("on: CUDA graphs")
