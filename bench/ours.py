@@ -194,9 +194,20 @@ def setup_ours(variant: str):
             "lora_params": _count_trainable(model),
             "optimizer": opt_options,
         }
-        return Prepared(step, options, extra, keep=[model, opt, packed])
+        keep = [model, opt, packed] + ([_Closing(graphs)] if graphs is not None else [])
+        return Prepared(step, options, extra, keep=keep)
 
     return setup
+
+
+class _Closing:
+    """Closes the StepGraphs when the runner drops what a measurement kept (Prepared.keep)."""
+
+    def __init__(self, graphs):
+        self.graphs = graphs
+
+    def __del__(self):
+        self.graphs.close()
 
 
 def step_graphs(prepared, fp, workload, device, run, report: dict):

@@ -161,6 +161,9 @@ class TrainingSession:
 
     def _close(self) -> None:
         self._reporter.close()
+        graphs = getattr(getattr(self, "_runner", None), "graphs", None)
+        if graphs is not None:  # their memory pool and gradients go with the run, not with a later gc
+            graphs.close()
         if self._locked:  # the run is no longer trained by this process, whatever the outcome
             self._locked = False
             try:

@@ -321,6 +321,14 @@ class StepGraphs:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
+    def close(self) -> None:
+        """The run is over: drop the graphs, their pool and the gradients they own."""
+        self.reset()
+        for p, g in self.grads or ():
+            if p.grad is g:
+                p.grad = None
+        self.grads = None
+
     @staticmethod
     def key(batch: PackedBatch) -> tuple[int, int, bool]:
         from engine.kernels.varlen_attention import LONG_DOCUMENT
