@@ -1,8 +1,9 @@
 """FSDP2 for a base that does not fit one device: `fully_shard` per decoder layer and the root.
 
 With `training.distributed: fsdp` (or "auto" when the 16-bit base is over one device's memory
-budget, engine.hardware.policy.distributed_default) under torchrun, each rank holds 1/N of the
-frozen base and of the adapters instead of all of them:
+budget and the family carries no state along a row, engine.hardware.policy.distributed_default:
+those stay on DDP) under torchrun, each rank holds 1/N of the frozen base and of the adapters
+instead of all of them:
 
 - `shard(model, loss_fn, device)` wraps the PEFT model in a loss module (its forward is the
   engine's forward_loss), shards every decoder layer as its own FSDP unit and the loss module as
