@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="after the timed steps, profile two more by op and print where the time goes",
     )
+    p.add_argument(
+        "--memory-peak",
+        action="store_true",
+        help="after the timed steps, one more with the allocator's history on: what is alive at its peak, "
+        "by the source line that allocated it (bench/memory_peak.py)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan (N, ceiling, batches, impls); build nothing")
     p.add_argument("--summarize", action="store_true", help="regenerate RESULTS.md from --results and exit")
     p.add_argument("--merge", default=None, help="with --summarize: first append the records of this file")

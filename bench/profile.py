@@ -10,7 +10,9 @@ counted as host time), then two more run under torch.profiler, one profiler sess
 - ``kernel_launches``: device kernels each profiled step ran (CUDA kernel events of the profiler:
   every kernel whether launched by cuBLAS, torch or Triton; memcpy and memset not counted), and
   ``launch_calls``, the host's launch API calls seen (cudaLaunchKernel and friends, cuLaunchKernel
-  for Triton), per step. Both lists are empty on a CPU, where nothing is launched.
+  for Triton), per step. Both lists are empty on a CPU, where nothing is launched. Kernels a CUDA
+  graph replays are device kernels but no launch call; ``graph_launches`` counts the replays
+  (cudaGraphLaunch) per step.
 - ``profile_wall_ms`` / ``profile_gpu_ms``: wall and GPU-kernel time per profiled step; their ratio
   is how busy the GPU was (a low figure: bound by the host, not by kernels). The top ops by GPU
   time (CPU time on a CPU) of the last profiled step are printed.
@@ -45,11 +47,12 @@ def is_kernel(event) -> bool:
     return not event.name.startswith(("Memcpy", "Memset", "memcpy", "memset"))
 
 
-def launch_counts(events) -> tuple[int, int]:
-    """(device kernels, host launch calls) among one step's profiler events."""
+def launch_counts(events) -> tuple[int, int, int]:
+    """(device kernels, host launch calls, CUDA graph replays) among one step's profiler events."""
     kernels = sum(1 for e in events if is_kernel(e))
     calls = sum(1 for e in events if e.name in LAUNCH_CALLS)
-    return kernels, calls
+    graphs = sum(1 for e in events if e.name == "cudaGraphLaunch")
+    return kernels, calls, graphs
 
 
 def _sync(cuda: bool) -> None:
@@ -77,7 +80,7 @@ def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
         wall_ms.append((time.perf_counter() - t0) * 1e3)
         host_ms.append((c1 - c0) * 1e3)
 
-    kernels, calls, prof_wall, gpu_us, tables = [], [], [], [], []
+    kernels, calls, graphs, prof_wall, gpu_us, tables = [], [], [], [], [], []
     for j in range(steps):
         _sync(cuda)
         t0 = time.perf_counter()
@@ -86,9 +89,10 @@ def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
             _sync(cuda)
         prof_wall.append(time.perf_counter() - t0)
         if cuda:
-            k, c = launch_counts(prof.events())
+            k, c, g = launch_counts(prof.events())
             kernels.append(k)
             calls.append(c)
+            graphs.append(g)
         events = prof.key_averages()
         if attr is None:
             attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
@@ -101,7 +105,7 @@ def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
     progress(
         f"{label} profile: wall {wall * 1e3:.1f} ms/step, GPU kernels {gpu / 1e3:.1f} ms/step "
         f"({100 * gpu / 1e3 / (wall * 1e3):.0f}% busy); kernels launched per step {kernels}, "
-        f"launch calls {calls}; unprofiled steps: host CPU {[round(h, 1) for h in host_ms]} ms, "
+        f"launch calls {calls}, graph replays {graphs}; unprofiled steps: host CPU {[round(h, 1) for h in host_ms]} ms, "
         f"wall {[round(w, 1) for w in wall_ms]} ms\n{tables[-1]}"
     )
     return {
@@ -109,6 +113,7 @@ def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
         "profile_gpu_ms": round(gpu / 1e3, 2),
         "kernel_launches": kernels,
         "launch_calls": calls,
+        "graph_launches": graphs,
         "host_cpu_ms": [round(h, 2) for h in host_ms],
         "step_wall_ms": [round(w, 2) for w in wall_ms],
     }

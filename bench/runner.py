@@ -301,6 +301,10 @@ def run_impl(
                 from bench.profile import profile_steps
 
                 rec.update(profile_steps(prep, ctx, label))
+            if ctx.args is not None and getattr(ctx.args, "memory_peak", False):
+                from bench.memory_peak import memory_peak_step
+
+                rec.update(memory_peak_step(prep, ctx, label))
     except BudgetExceeded as exc:
         status = f"skipped: {exc}"
         rec.update(getattr(exc, "partial", {}))
