@@ -105,7 +105,8 @@ def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
     progress(
         f"{label} profile: wall {wall * 1e3:.1f} ms/step, GPU kernels {gpu / 1e3:.1f} ms/step "
         f"({100 * gpu / 1e3 / (wall * 1e3):.0f}% busy); kernels launched per step {kernels}, "
-        f"launch calls {calls}, graph replays {graphs}; unprofiled steps: host CPU {[round(h, 1) for h in host_ms]} ms, "
+        f"launch calls {calls}, graph replays {graphs}; "
+        f"unprofiled steps: host CPU {[round(h, 1) for h in host_ms]} ms, "
         f"wall {[round(w, 1) for w in wall_ms]} ms\n{tables[-1]}"
     )
     return {

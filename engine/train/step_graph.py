@@ -122,6 +122,9 @@ def graph_choice(
         why = "the embedding table is in host memory: a host gather per batch"
     elif row_state(cfg):
         why = f"{cfg.model_type} runs each document alone"
+    elif str(prepared.report.get("cached_metadata", "on")).startswith("off"):
+        # Every layer then builds its lengths and tables from host lists: a copy a capture cannot hold.
+        why = "the packed metadata is rebuilt in every layer from host lists (cached_metadata off)"
     elif str(prepared.report.get("moe_grouping", "")).startswith("on"):
         why = "MoE routing sizes its expert groups on the host"
     elif getattr(cfg, "quantization_config", None) is not None:

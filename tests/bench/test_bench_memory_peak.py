@@ -38,9 +38,7 @@ def test_the_peak_is_where_the_running_total_is_highest_and_counts_the_blocks_al
 
 
 def test_lines_beyond_top_are_summed_into_one():
-    trace = [
-        {"action": "alloc", "addr": i, "size": MIB, "frames": _frames("/r/engine/x.py", i, "f")} for i in range(5)
-    ]
+    trace = [{"action": "alloc", "addr": i, "size": MIB, "frames": _frames("/r/engine/x.py", i, "f")} for i in range(5)]
     out = peak_breakdown(trace, held_before=0, top=2)
     assert out["lines_mib"][-1] == ["3 more lines", 3.0]
     assert len(out["lines_mib"]) == 4

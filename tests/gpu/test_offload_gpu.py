@@ -213,3 +213,40 @@ def test_double_or_single_is_decided_from_the_last_steps_measured_peak():
         assert "the last step's peak" in off.stats.fell_back, off.stats.fell_back
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def test_parked_inputs_are_let_go_while_the_host_runs_ahead_of_the_device():
+    # The host launches a layer's forward in far less time than the device runs it, so with the
+    # allocator holding each parked input until it saw its copy's event complete, the blocks of
+    # many layers waited at once (W3 on the H200: 8 layer inputs, 1 GiB, at the step's peak). Each
+    # is now let go one park later, in stream order, so the forward holds a few at most.
+    from types import SimpleNamespace
+
+    from engine.fastpath.offload import ActivationOffloader
+
+    layers, tokens, hidden = 24, 16_384, 4096
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    w = (torch.randn(hidden, hidden, device=CUDA, dtype=torch.bfloat16, generator=g) / hidden**0.5).requires_grad_()
+
+    def layer(h):
+        for _ in range(6):  # a few ms of matmuls per layer: the device falls behind the host
+            h = torch.tanh(h @ w) + h
+        return h
+
+    off = ActivationOffloader("single", CUDA)
+    off.install([SimpleNamespace() for _ in range(layers)])
+    x = torch.randn(tokens, hidden, device=CUDA, dtype=torch.bfloat16, generator=g)
+    off.begin_step(tokens, hidden, torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    h = x
+    for i in range(layers):
+        h = off.checkpoint(i, layer, h)
+    torch.cuda.synchronize()
+    one = tokens * hidden * 2
+    held = (torch.cuda.max_memory_allocated() - base) / one
+    # the input, the parked one before it, the output and a layer's two working tensors
+    assert held <= 6, f"the forward held {held:.1f} layer inputs at its peak"
+    h.float().sum().backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()

@@ -143,6 +143,17 @@ def test_each_reason_it_stays_off(over, words):
     assert not on and words in why
 
 
+def test_metadata_rebuilt_in_every_layer_stays_off_the_graphs():
+    # Seen on the H200 (learning tier, qwen3-cached_metadata=False): each layer copied host lengths to
+    # the device inside the capture, which failed and was counted as a fallback on every step.
+    model = tiny_model("llama", lora={})
+    prepared = prepare_model(model, FastPathConfig(cached_metadata=False), torch.device("cpu"), True)
+    on, why = graph_choice(
+        True, device="cuda", objective="sft", distributed=False, prepared=prepared, model=model, lora_dropout=0.0
+    )
+    assert not on and "cached_metadata off" in why
+
+
 def test_offload_goes_into_the_graph_and_keeps_no_rng_state_without_dropout():
     """The offloader's copies are captured with the layers; a capture cannot read the RNG state,
     which only a model that draws random numbers needs kept."""
