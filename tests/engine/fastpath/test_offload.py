@@ -57,6 +57,35 @@ def test_offload_gives_the_same_gradients(mode):
     assert stats.bytes_offloaded == 3 * sum(LENGTHS) * 64 * 4  # 3 layer inputs, hidden 64, fp32
 
 
+@pytest.mark.parametrize("offload", ["off", "double"])
+def test_checkpointing_leaves_the_frozen_embedding_output_without_grad(monkeypatch, offload):
+    # transformers' checkpointing hooks the embeddings so their output requires grad; with it the first
+    # layer's backward made an input gradient nobody read and the embedding output was held through
+    # the backward. The step unhooks it: the LoRA gradients stay those of the step without checkpointing.
+    from engine.fastpath import offload as off_mod
+
+    seen, needs_dx = [], []
+    real = off_mod.OffloadedLayer.backward
+
+    def backward(ctx, grad_out):
+        needs_dx.append((ctx.index, ctx.needs_input_grad[4]))
+        return real(ctx, grad_out)
+
+    monkeypatch.setattr(off_mod.OffloadedLayer, "backward", staticmethod(backward))
+    monkeypatch.setattr(
+        torch.nn.Embedding,
+        "forward",
+        lambda self, x, _f=torch.nn.Embedding.forward: seen.append(_f(self, x)) or seen[-1],
+    )
+    plain = one_step(ckpt=False, offload="off")
+    seen.clear()
+    step = one_step(ckpt=True, offload=offload)
+    assert seen and not seen[0].requires_grad
+    assert_equal_steps(step, plain, tol=1e-5)
+    if offload != "off":
+        assert needs_dx == [(2, True), (1, True), (0, False)]
+
+
 def test_offload_on_peft_path_with_dropout_recomputes_the_same_masks():
     lora = dict(lora_dropout=0.3)
     ckpt = one_step(ckpt=True, offload="off", fast=False, lora=lora, seed=5)
