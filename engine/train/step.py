@@ -146,8 +146,8 @@ def _checkpoint_layers(base) -> None:
     # transformers also hooks the input embeddings so that their output requires grad (what reentrant
     # checkpointing needs). Non-reentrant checkpointing and the offloader (its grad anchor) need no
     # input grads; with the hook the first layer's backward makes an input gradient nobody reads, and
-    # the embedding output and that gradient are held through the backward (W3 on the H200: 136 MiB of
-    # the step's peak, bench --memory-peak).
+    # the embedding output and that gradient are held through the backward (W3 on the H200: its step's
+    # peak fell from 17.53 to 17.41 GiB without it, bench --memory-peak).
     if getattr(base, "_require_grads_hook", None) is not None and hasattr(base, "disable_input_require_grads"):
         base.disable_input_require_grads()
 
