@@ -118,7 +118,17 @@ ddp = dist.wrap(layer, loss_fn, torch.device("cpu"))
 docs = [torch.full((1, 4), float(dist.rank * 10 + i + 1)) for i in range(1 + 2 * dist.rank)]
 ddp(docs, 1.0).backward()
 torch.save({"weight": layer.weight.grad, "bias": layer.bias.grad}, sys.argv[1])
-torch.distributed.destroy_process_group()
+# The session's own teardown: every rank at the barrier, then the group destroyed. DDP goes
+# first so no reducer outlives its group. os._exit skips the interpreter's finalization, where
+# gloo's worker threads once aborted a rank in CI ("terminate called without an active
+# exception", rc -6) after its gradients were written: what this test checks ends above.
+dist.barrier()
+del ddp
+import gc, os
+gc.collect()
+dist.close()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
