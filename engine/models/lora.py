@@ -46,10 +46,21 @@ _MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
 
 
 def _is_projection(module, linear) -> bool:
-    """A plain nn.Linear or a bitsandbytes one; a model's own Linear subclass is not a projection
-    (Llama-4's router is one and returns a tuple, which PEFT's LoRA layer cannot wrap)."""
+    """A Linear layer PEFT's LoRA can wrap: nn.Linear, a bitsandbytes one, transformers' Conv1D
+    (GPT-2's transposed Linear, which PEFT wraps with fan_in_fan_out), or a model's own Linear
+    subclass known to compute x @ W.T + b and nothing else (`_PLAIN_LINEARS`). Other subclasses are
+    not projections: Llama-4's and PhiMoE's routers return tuples, DeepSeek-V4's grouped Linear
+    reshapes its input per group, and PEFT's LoRA layer would add to the wrong thing."""
+    from transformers.pytorch_utils import Conv1D
+
     cls = type(module)
-    return cls is linear or (isinstance(module, linear) and cls.__module__.split(".")[0] == "bitsandbytes")
+    if cls is linear or cls is Conv1D or cls.__name__ in _PLAIN_LINEARS:
+        return True
+    return isinstance(module, linear) and cls.__module__.split(".")[0] == "bitsandbytes"
+
+
+# transformers' nn.Linear subclasses whose forward is the plain product (Falcon's skips a transpose).
+_PLAIN_LINEARS = frozenset({"FalconLinear"})
 
 
 def peft_lora_config(cfg: LoraConfig, model=None):
@@ -64,9 +75,22 @@ def peft_lora_config(cfg: LoraConfig, model=None):
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
+        fan_in_fan_out=_all_conv1d(model, targets),
         bias="none",
         task_type="CAUSAL_LM",
     )
+
+
+def _all_conv1d(model, targets) -> bool:
+    """Whether every layer the targets name is a Conv1D (GPT-2 and its kin): PEFT's config then
+    says fan_in_fan_out itself, and the adapter_config.json says what its weights are. (PEFT
+    would set it on each Conv1D anyway, with a warning; a mix of both kinds keeps False.)"""
+    if model is None or not isinstance(targets, list) or not targets:
+        return False
+    from transformers.pytorch_utils import Conv1D
+
+    hit = [m for name, m in model.named_modules() if any(name == t or name.endswith("." + t) for t in targets)]
+    return bool(hit) and all(type(m) is Conv1D for m in hit)
 
 
 def attach_lora(model, cfg: LoraConfig):
