@@ -142,12 +142,19 @@ class Sizer:
         return parts.total - parts.weights + int(parts.weights / self.shards + 2 * layer)
 
 
-def carries_row_state(info: est.ModelInfo | None) -> bool:
-    """Whether the model's layers carry state along a row (Arch.row_state: LFM2, Jamba, Nemotron-H,
-    Qwen3.5, ...): each document of a packed row runs as its own forward, so activation offload does
-    not run for it (engine.train.step) and FSDP cannot train it (engine.train.fsdp)."""
-    arch = arch_for(getattr(info, "model_type", None)) if info is not None else None
-    return arch is not None and arch.row_state
+def documents_alone(info: est.ModelInfo | None) -> str | None:
+    """Why each document of a packed row runs as its own forward for the model (its layers carry
+    state along a row, Arch.row_state: LFM2, Jamba, Qwen3.5, ...; or its family is not one checked
+    to keep packed documents apart, engine.models.arch.packing), or None. For those activation
+    offload does not run (engine.train.step) and FSDP cannot train them (engine.train.fsdp). None
+    for a model not known yet."""
+    if info is None:
+        return None
+    from engine.models.arch.packing import documents_alone as why_alone
+
+    model_type = getattr(info, "model_type", None)
+    arch = arch_for(model_type)
+    return why_alone(model_type, arch is not None and arch.row_state)
 
 
 def training_mode(load_in_4bit: Any, dtype: str) -> str:

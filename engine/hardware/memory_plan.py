@@ -16,7 +16,7 @@ from engine.hardware.budget import (
     Decision,
     Sizer,
     _gib,
-    carries_row_state,
+    documents_alone,
 )
 from engine.hardware.profile import GiB, HardwareProfile, MiB
 from engine.models import estimate as est
@@ -73,10 +73,11 @@ def offload_off_reason(
     """Why activation offload is off whatever the memory, or None when it depends on memory."""
     if not budget.on_gpu:
         return "CPU: activations already live in host memory"
-    if carries_row_state(info):  # engine.train.step installs no offloader for these
+    alone = documents_alone(info)
+    if alone:  # engine.train.step installs no offloader for these
         return (
-            f"{info.model_type} runs each document of a row as its own forward (its layers carry state along "
-            "a row), and offload's per-layer slots hold one forward's inputs"
+            f"{info.model_type} runs each document of a row as its own forward ({alone}), and offload's "
+            "per-layer slots hold one forward's inputs"
         )
     if profile.integrated_memory:
         return (

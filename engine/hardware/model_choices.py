@@ -15,7 +15,7 @@ from engine.hardware.budget import (
     Sizer,
     _cap,
     _gib,
-    carries_row_state,
+    documents_alone,
 )
 from engine.hardware.profile import HardwareProfile
 from engine.models import estimate as est
@@ -60,7 +60,7 @@ def load_in_4bit_default(profile: HardwareProfile, budget: Budget, size: Sizer) 
         return False, "model size not known yet; 16-bit (set load_in_4bit: true for a model near the VRAM size)"
     seq, rules = size.seq, budget.rules
     # Offload cannot help on unified memory, nor for a family whose documents run one by one.
-    no_offload = profile.integrated_memory or carries_row_state(size.info)
+    no_offload = profile.integrated_memory or documents_alone(size.info)
     lean = size("lora16", seq, True, "off" if no_offload else "single")
     if lean > budget.memory:
         return True, f"16-bit LoRA needs ~{_gib(lean)} even at one {seq}-token row, over the {budget}"
@@ -97,8 +97,9 @@ def distributed_default(
     """How several processes share the work (one process ignores it): DDP (the whole base on
     every device, adapter gradients all-reduced) unless the 16-bit base alone takes more than
     FSDP_WEIGHTS_SHARE of one device's budget, then FSDP2 (the base sharded per decoder layer).
-    A 4-bit base stays DDP. A family whose layers carry state along a row (Arch.row_state) cannot
-    be trained under FSDP (engine.train.fsdp.row_state_refusal): it stays DDP while one row fits
+    A 4-bit base stays DDP. A family whose documents run one by one (its layers carry state along a
+    row, or it is not checked to pack: engine.models.arch.packing) cannot be trained under FSDP
+    (engine.train.fsdp.row_state_refusal): it stays DDP while one row fits
     one device (`size`: the run's Sizer), and where it does not, the reason says so and the run's
     setup refuses it with that reason before anything loads. On a CPU it says what happens there:
     one process, nothing shared."""
@@ -113,8 +114,9 @@ def distributed_default(
         return "ddp", "model size not known yet: each GPU holds the whole base"
     weights = info.num_params * 2
     if weights > FSDP_WEIGHTS_SHARE * budget.memory:
-        if carries_row_state(info):
-            return _row_state_distributed(budget, info, weights, size)
+        alone = documents_alone(info)
+        if alone:
+            return _row_state_distributed(budget, info, weights, size, alone)
         return "fsdp", (
             f"the 16-bit base of {_params(info)} parameters (~{_gib(weights)}) leaves too little of one device's "
             f"{budget} for training: FSDP2 shards it across the GPUs"
@@ -125,13 +127,15 @@ def distributed_default(
     )
 
 
-def _row_state_distributed(budget: Budget, info: est.ModelInfo, weights: int, size: Sizer | None) -> Decision:
+def _row_state_distributed(
+    budget: Budget, info: est.ModelInfo, weights: int, size: Sizer | None, alone: str
+) -> Decision:
     """DDP or (refused) FSDP for a row-state family whose 16-bit base crowds one device: DDP when a
     checkpointed row fits the budget without offload (offload is off for these families: each
     document runs alone, engine.train.step), else "fsdp" with the reason the setup refuses it."""
     model_type = info.model_type
     carries = (
-        f"{model_type}'s layers carry state along a row, so each document is its own forward, and under FSDP "
+        f"{model_type}: {alone}, so each document is its own forward, and under FSDP "
         "GPUs holding different numbers of documents would wait on each other forever"
     )
     # Without the run's Sizer only the base itself can be weighed.

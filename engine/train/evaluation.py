@@ -243,10 +243,8 @@ def greedy_answers(
     import torch
 
     from engine.data.collate import PackedBatch
-    from engine.peft_model import hf_model
+    from engine.train.step import decoder_hidden
 
-    base = hf_model(model)
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
     keep = max(1, max_len - max_new_tokens)
     seqs = [list(p)[-keep:] for p in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
@@ -255,8 +253,8 @@ def greedy_answers(
         if not live:
             break
         batch = PackedBatch.from_documents([seqs[i] for i in live]).to(device)
-        hidden = decoder(**batch.model_kwargs(), use_cache=False).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1])
+        # The training forward's own path: a family that runs each document alone does so here too.
+        _, hidden, head = decoder_hidden(model, batch)
         ends = [n - 1 for n in itertools.accumulate(len(seqs[i]) for i in live)]
         tokens = head(hidden[torch.tensor(ends, device=hidden.device)]).argmax(-1).tolist()
         if agree is not None:

@@ -34,8 +34,9 @@ or fp32 folder trained in bf16) become private copies, so then N times the base'
 measured).
 
 A family whose layers carry state along a row (Arch.row_state: LFM2, Jamba, Nemotron-H, Qwen3.5,
-...) is refused too (`row_state_refusal`): engine.train.step runs each document of its packed rows
-as its own forward, every forward gathers each layer from all ranks, and ranks holding different
+...), or one not checked to keep packed documents apart (engine.models.arch.packing), is refused
+too (`row_state_refusal`): engine.train.step runs each document of its packed rows as its own
+forward, every forward gathers each layer from all ranks, and ranks holding different
 numbers of documents would call different numbers of gathers and wait on each other forever. DDP
 has no such wait: its one collective, the gradients' all-reduce, runs once per backward whatever
 the forwards inside it (tests/engine/train/test_fsdp_row_state.py runs two gloo ranks that way).
@@ -93,15 +94,20 @@ def mesh_for(device: torch.device, world_size: int):
 
 
 def row_state_refusal(model_type: Optional[str]) -> Optional[str]:
-    """Why FSDP cannot train `model_type` (a sentence naming it), or None when it can (also for a
-    model_type the engine has no file for: those pack their rows whole)."""
+    """Why FSDP cannot train `model_type` (a sentence naming it), or None when it can: each
+    document of its packed rows runs alone (engine.models.arch.packing), its layers carrying state
+    along a row or its family not checked to pack."""
     from engine.models.arch import arch_for
+    from engine.models.arch.packing import documents_alone
 
+    if model_type is None:  # nothing to go on: shard() asks again once the model has loaded
+        return None
     arch = arch_for(model_type)
-    if arch is None or not arch.row_state:
+    alone = documents_alone(model_type, arch is not None and arch.row_state)
+    if alone is None:
         return None
     return (
-        f"fsdp cannot train {model_type}: its layers carry state along a row, so each document of a "
+        f"fsdp cannot train {model_type}: {alone}, so each document of a "
         "packed row is its own forward, and under FSDP every forward gathers each layer from all GPUs; "
         "GPUs holding different numbers of documents would wait on each other forever. Use DDP "
         "(training.distributed: ddp; with model.load_in_4bit: true if the 16-bit base does not fit one "

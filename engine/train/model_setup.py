@@ -58,6 +58,7 @@ def setup_model(
 
         n = load_init_adapter(model, init_adapter)
         log(f"LoRA starts from the adapter in {init_adapter} ({n} tensors)")
+    _check_logits(model, log)
     # Offloaded checkpointing works under FSDP too: the layer's FSDP hooks run inside the
     # offloader's Function, gathering the weights for the forward and again for the recompute.
     prepared = prepare_model(
@@ -142,3 +143,20 @@ def _step_graphs(config, device, distributed: bool, objective, prepared, forward
         return objective.loss(forward, model, batch, normalizer).loss
 
     return StepGraphs(loss, params, device, usable, version)
+
+
+def _check_logits(model, log: Callable[..., None]) -> None:
+    """For a family nobody here has checked (engine.models.logits_check): refuse it, before any
+    step, where the engine's loss would not see the logits its own forward computes."""
+    from engine.models.loading import ModelLoadError
+    from engine.models.logits_check import logits_mismatch, needs_check
+    from engine.peft_model import hf_model
+    from engine.train.step import decoder_and_head
+
+    model_type = getattr(hf_model(model).config, "model_type", None)
+    if not needs_check(model_type):
+        return
+    why = logits_mismatch(*decoder_and_head(model))
+    if why:
+        raise ModelLoadError(why)
+    log(f"{model_type} is a family tunesmith has not checked: its logits match the engine's loss on a probe")

@@ -238,10 +238,11 @@ def _install_offload(
         return None, "off: disabled in config" if mode in ("off", False) else "off: not chosen"
     if not gradient_checkpointing:
         return None, "off: offload moves checkpointed layer inputs, and checkpointing is off"
-    from engine.models.arch import row_state
+    from engine.models.arch import documents_alone
 
-    if row_state(base.config):  # one forward per document: the offloader's per-layer slots hold one
-        return None, f"off: {base.config.model_type} runs each document alone (its layers carry state along a row)"
+    alone = documents_alone(base.config)
+    if alone:  # one forward per document: the offloader's per-layer slots hold one
+        return None, f"off: {base.config.model_type} runs each document alone ({alone})"
     layers = decoder_layers(base)
     if not layers:
         return None, f"off: {type(base).__name__} has no checkpointed decoder layers"
@@ -254,7 +255,8 @@ def _install_offload(
     return offloader, f"on: {mode} buffer, {len(layers)} layers{where}"
 
 
-def _decoder_and_head(model):
+def decoder_and_head(model):
+    """(the transformers model, its decoder, its output head) of a plain or PEFT-wrapped model."""
     base = hf_model(model)
     decoder = base.get_decoder()
     if decoder is base:  # transformers' lookup found no decoder attribute (Llama-4's text-only LM keeps it in `model`)
@@ -272,7 +274,7 @@ def decoder_hidden(model, batch: PackedBatch, cached_metadata: bool = True, offl
     if isinstance(model, PreparedModel):
         offloader = offloader if offloader is not None else model.offloader
         model = model.model
-    base, decoder, head = _decoder_and_head(model)
+    base, decoder, head = decoder_and_head(model)
     if offloader is not None and base.training and torch.is_grad_enabled():
         # Double buffering needs room for one more layer input, keeping attention outputs
         # room for them: both decided per micro-batch.
@@ -292,10 +294,11 @@ def decoder_hidden(model, batch: PackedBatch, cached_metadata: bool = True, offl
     if hosted is not None:  # the table is in host memory: look the batch's host ids up there
         ids = kwargs.pop("input_ids")
         kwargs["inputs_embeds"] = hosted(batch.host_ids if batch.host_ids is not None else ids)
-    from engine.models.arch import logit_scale, row_state
+    from engine.models.arch import documents_alone, logit_scale
 
-    if row_state(base.config) and len(batch.info.lengths) > 1:
-        hidden = _each_document(decoder, kwargs, batch.info.lengths, base.config.model_type)
+    alone = documents_alone(base.config)
+    if alone and len(batch.info.lengths) > 1:
+        hidden = _each_document(decoder, kwargs, batch.info.lengths, f"{base.config.model_type}: {alone}")
     else:
         hidden = decoder(**kwargs, use_cache=False).last_hidden_state
     scale = logit_scale(base.config)
@@ -306,14 +309,15 @@ def decoder_hidden(model, batch: PackedBatch, cached_metadata: bool = True, offl
     return base, hidden.reshape(-1, hidden.shape[-1]), head
 
 
-def _each_document(decoder, kwargs: dict, lengths: list[int], model_type: str) -> torch.Tensor:
+def _each_document(decoder, kwargs: dict, lengths: list[int], why: str) -> torch.Tensor:
     """The decoder over each document of a packed row alone, concatenated in the row's order.
 
-    For families whose convolutions or state-space layers run along the whole row (Arch.row_state):
-    packed, a document would see the end of the one before it. Counted per forward, with its reason."""
+    For families whose layers would let a packed document see the one before it (convolutions or
+    state-space layers along the whole row, Arch.row_state) and for those nobody has checked
+    (engine.models.arch.packing). Counted per forward, with its reason (`why`: "<model_type>: <why>")."""
     from engine.counters import count_fallback
 
-    count_fallback("packed_rows", f"{model_type}'s layers carry state along a row: each document runs alone")
+    count_fallback("packed_rows", f"{why}: each document runs alone")
     key = "inputs_embeds" if "inputs_embeds" in kwargs else "input_ids"
     stream, start, parts = kwargs[key], 0, []
     for n in lengths:

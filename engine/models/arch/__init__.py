@@ -68,7 +68,7 @@ __all__ = [
     "arch_for",
     "logit_scale",
     "patched",
-    "row_state",
+    "documents_alone",
     "tiny_archs",
 ]
 
@@ -138,11 +138,15 @@ def logit_scale(config) -> float:
     return arch.logit_scale(config) if arch is not None else 1.0
 
 
-def row_state(config) -> bool:
-    """Whether a transformers config's layers carry state along a row (Arch.row_state), so each
-    document of a packed row must run alone."""
-    arch = arch_for(getattr(config, "model_type", None))
-    return arch is not None and arch.row_state
+def documents_alone(config) -> Optional[str]:
+    """Why each document of a packed row runs as its own forward for a transformers config (a
+    phrase about its family, engine.models.arch.packing), or None where packed rows keep their
+    documents apart."""
+    from engine.models.arch.packing import documents_alone as why_alone
+
+    model_type = getattr(config, "model_type", None)
+    arch = arch_for(model_type)
+    return why_alone(model_type, arch is not None and arch.row_state)
 
 
 def patched() -> dict[str, Arch]:

@@ -58,7 +58,7 @@ def test_a_row_state_model_of_the_same_size_stays_on_ddp_and_says_why():
     assert out.config.model.load_in_4bit is False
     value, reason = out.choices["training.distributed"]
     assert value == "ddp"
-    assert "lfm2's layers carry state along a row" in reason and "FSDP cannot train it" in reason
+    assert "lfm2: its layers carry state along a row" in reason and "FSDP cannot train it" in reason
     assert "4096-token row fits" in reason
     # The rest of the plan is sized for the whole base on each device, not a shard.
     assert "memory.sharded" not in out.notes
@@ -81,7 +81,7 @@ def test_other_row_state_families_stay_on_ddp(family):
     budget = policy.budget_for("cuda", two_h200s())
     assert info.num_params * 2 > policy.FSDP_WEIGHTS_SHARE * budget.memory, info.summary()  # premise: over the share
     value, reason = resolve(hf).choices["training.distributed"]
-    assert value == "ddp" and f"{info.model_type}'s layers carry state along a row" in reason
+    assert value == "ddp" and f"{info.model_type}: its layers carry state along a row" in reason
 
 
 def test_a_small_row_state_model_is_ddp_as_any_small_model():

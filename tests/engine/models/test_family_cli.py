@@ -5,7 +5,8 @@ the demo's tokenizer and chat template beside it) trains a few steps from the co
 demo data: the run finishes, its loss falls, the log says which fast paths fell back and why, and
 the adapter it saved loads into the stock model with PEFT and changes its logits. SmolLM3 takes the
 fast paths (its NoPE layers), Cohere's logits are scaled, LFM2's convolutions run each document of
-a packed row alone.
+a packed row alone, GPT-2's LoRA goes on its Conv1D projections, and MPT, a family nobody here has
+checked, passes the logits check and runs each document alone (engine.models.arch.packing).
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ FAMILIES = {
     "smollm3": dict(no_rope_layers=[1, 0]),
     "cohere": dict(logit_scale=0.25),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "gpt2": {},
+    "mpt": {},
 }
 # What each family's log must say it fell back to (None: nothing expected).
-FALLBACK = {"smollm3": None, "cohere": None, "lfm2": "each document runs alone"}
+FALLBACK = {
+    "smollm3": None,
+    "cohere": None,
+    "lfm2": "each document runs alone",
+    "gpt2": None,
+    "mpt": "not a family the engine has checked keeps the documents of a packed row apart: each document runs alone",
+}
 
 
 def model_folder(model_type: str, extra: dict, path):
@@ -84,6 +93,8 @@ def test_a_family_trains_from_the_command_line(model_type, tmp_path):
         assert "Fast path fallback" not in said
     else:
         assert FALLBACK[model_type] in said
+    # The logits check runs for a family with no file of ours and not in the packing list only.
+    assert ("a family tunesmith has not checked: its logits match" in said) == (model_type == "mpt")
 
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])

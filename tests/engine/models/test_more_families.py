@@ -158,12 +158,13 @@ FAMILIES = {
 }
 
 
-def tiny_family(model_type: str, extra: dict, lora: bool = True):
+def tiny_family(model_type: str, extra: dict, lora: bool = True, without: tuple[str, ...] = ()):
     """(config, LoRA model) of a tiny random `model_type` model with random norms and LoRA B
-    (lora=False: the bare transformers model)."""
+    (lora=False: the bare transformers model). `without`: TINY_BASE keys the config cannot take."""
     # Token ids inside the tiny vocabulary (several families default to ids of their real one).
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cfg = AutoConfig.for_model(model_type, **{**TINY_BASE, **ids, **extra})
+    base = {k: v for k, v in TINY_BASE.items() if k not in without}
+    cfg = AutoConfig.for_model(model_type, **{**base, **ids, **extra})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
@@ -321,3 +322,16 @@ def test_a_family_whose_code_ships_with_the_model_names_the_config_field(tmp_pat
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="model.trust_remote_code: true"):
         load_model(ModelConfig(name_or_path=str(folder)), "cpu", "float32")
+
+
+def test_all_linear_takes_gpt2s_conv1d_and_falcons_linear():
+    # GPT-2's projections are transformers' Conv1D and Falcon's a Linear subclass: before, "all-linear"
+    # found nothing in either, and PEFT refused the run ("No `target_modules` passed").
+    from engine.models.lora import peft_lora_config
+
+    _, gpt2 = tiny_family("gpt2", {}, lora=False)
+    assert set(all_linear_names(gpt2)) == {"c_attn", "c_proj", "c_fc"}
+    assert peft_lora_config(EngineLora(r=4, alpha=8), gpt2).fan_in_fan_out  # said in adapter_config.json
+    _, falcon = tiny_family("falcon", {}, lora=False, without=("head_dim",))
+    assert {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"} <= set(all_linear_names(falcon))
+    assert not peft_lora_config(EngineLora(r=4, alpha=8), falcon).fan_in_fan_out
