@@ -11,7 +11,6 @@ from typing import Any
 from engine.hardware.kinds import CPU_PLAN_FRACTION, KIND_RULES, KindRules
 from engine.hardware.profile import GiB, HardwareProfile, MiB
 from engine.models import estimate as est
-from engine.models.arch import arch_for
 
 # Used to size the cross-entropy chunk when the model is not known yet: a large modern
 # vocabulary (Qwen), so the chunk is never too big for the model that does get loaded.
@@ -152,9 +151,7 @@ def documents_alone(info: est.ModelInfo | None) -> str | None:
         return None
     from engine.models.arch.packing import documents_alone as why_alone
 
-    model_type = getattr(info, "model_type", None)
-    arch = arch_for(model_type)
-    return why_alone(model_type, arch is not None and arch.row_state)
+    return why_alone(getattr(info, "model_type", None))
 
 
 def training_mode(load_in_4bit: Any, dtype: str) -> str:

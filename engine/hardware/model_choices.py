@@ -99,7 +99,7 @@ def distributed_default(
     FSDP_WEIGHTS_SHARE of one device's budget, then FSDP2 (the base sharded per decoder layer).
     A 4-bit base stays DDP. A family whose documents run one by one (its layers carry state along a
     row, or it is not checked to pack: engine.models.arch.packing) cannot be trained under FSDP
-    (engine.train.fsdp.row_state_refusal): it stays DDP while one row fits
+    (engine.train.fsdp.alone_refusal): it stays DDP while one row fits
     one device (`size`: the run's Sizer), and where it does not, the reason says so and the run's
     setup refuses it with that reason before anything loads. On a CPU it says what happens there:
     one process, nothing shared."""
@@ -116,7 +116,7 @@ def distributed_default(
     if weights > FSDP_WEIGHTS_SHARE * budget.memory:
         alone = documents_alone(info)
         if alone:
-            return _row_state_distributed(budget, info, weights, size, alone)
+            return _alone_distributed(budget, info, weights, size, alone)
         return "fsdp", (
             f"the 16-bit base of {_params(info)} parameters (~{_gib(weights)}) leaves too little of one device's "
             f"{budget} for training: FSDP2 shards it across the GPUs"
@@ -127,9 +127,7 @@ def distributed_default(
     )
 
 
-def _row_state_distributed(
-    budget: Budget, info: est.ModelInfo, weights: int, size: Sizer | None, alone: str
-) -> Decision:
+def _alone_distributed(budget: Budget, info: est.ModelInfo, weights: int, size: Sizer | None, alone: str) -> Decision:
     """DDP or (refused) FSDP for a row-state family whose 16-bit base crowds one device: DDP when a
     checkpointed row fits the budget without offload (offload is off for these families: each
     document runs alone, engine.train.step), else "fsdp" with the reason the setup refuses it."""

@@ -35,7 +35,7 @@ measured).
 
 A family whose layers carry state along a row (Arch.row_state: LFM2, Jamba, Nemotron-H, Qwen3.5,
 ...), or one not checked to keep packed documents apart (engine.models.arch.packing), is refused
-too (`row_state_refusal`): engine.train.step runs each document of its packed rows as its own
+too (`alone_refusal`): engine.train.step runs each document of its packed rows as its own
 forward, every forward gathers each layer from all ranks, and ranks holding different
 numbers of documents would call different numbers of gathers and wait on each other forever. DDP
 has no such wait: its one collective, the gradients' all-reduce, runs once per backward whatever
@@ -93,17 +93,14 @@ def mesh_for(device: torch.device, world_size: int):
     return init_device_mesh("cuda" if device.type == "cuda" else "cpu", (world_size,))
 
 
-def row_state_refusal(model_type: Optional[str]) -> Optional[str]:
+def alone_refusal(model_type: Optional[str]) -> Optional[str]:
     """Why FSDP cannot train `model_type` (a sentence naming it), or None when it can: each
     document of its packed rows runs alone (engine.models.arch.packing), its layers carrying state
     along a row or its family not checked to pack."""
-    from engine.models.arch import arch_for
     from engine.models.arch.packing import documents_alone
 
-    if model_type is None:  # nothing to go on: shard() asks again once the model has loaded
-        return None
-    arch = arch_for(model_type)
-    alone = documents_alone(model_type, arch is not None and arch.row_state)
+    # None for a model_type not known yet: shard() asks again once the model has loaded.
+    alone = documents_alone(model_type)
     if alone is None:
         return None
     return (
@@ -119,13 +116,13 @@ def shard(model: nn.Module, loss_fn: Callable, device: torch.device, world_size:
     """fully_shard each decoder layer, then the loss module around `model` as the root; returns
     the root, whose forward(batch, normalizer) is the loss. `model` may sit on the CPU (or the
     meta device): each unit moves to `device` when it is sharded, one layer at a time.
-    Refuses (ConfigError) a model `row_state_refusal` refuses: the run's setup refused it before
+    Refuses (ConfigError) a model `alone_refusal` refuses: the run's setup refused it before
     loading when its config.json was on disk; this is the check for one that was not."""
     from torch.distributed.fsdp import fully_shard
 
     from engine.peft_model import hf_model
 
-    why = row_state_refusal(getattr(hf_model(model).config, "model_type", None))
+    why = alone_refusal(getattr(hf_model(model).config, "model_type", None))
     if why:
         from engine.config import ConfigError
 

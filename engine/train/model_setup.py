@@ -58,7 +58,10 @@ def setup_model(
 
         n = load_init_adapter(model, init_adapter)
         log(f"LoRA starts from the adapter in {init_adapter} ({n} tensors)")
-    _check_logits(model, log)
+    if not fsdp:
+        # Every family the probe would look at is one not checked to pack, which fsdp.shard
+        # refuses below: under FSDP the probe's forward would be spent for nothing.
+        _check_logits(model, log)
     # Offloaded checkpointing works under FSDP too: the layer's FSDP hooks run inside the
     # offloader's Function, gathering the weights for the forward and again for the recompute.
     prepared = prepare_model(

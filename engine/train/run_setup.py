@@ -64,9 +64,9 @@ def configure(
 
         raise ConfigError("training.distributed", FSDP_4BIT_REFUSAL)
     if fsdp and info is not None:  # a config.json not at hand: engine.train.fsdp.shard checks after loading
-        from engine.train.fsdp import row_state_refusal
+        from engine.train.fsdp import alone_refusal
 
-        why = row_state_refusal(info.model_type)
+        why = alone_refusal(info.model_type)
         if why and "training.distributed" in config.auto_fields:
             # The policy chose fsdp because the base does not fit one GPU: its reason says that too.
             why = f"auto chose fsdp: {config.auto_reasons['training.distributed']}"

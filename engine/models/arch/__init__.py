@@ -144,9 +144,7 @@ def documents_alone(config) -> Optional[str]:
     documents apart."""
     from engine.models.arch.packing import documents_alone as why_alone
 
-    model_type = getattr(config, "model_type", None)
-    arch = arch_for(model_type)
-    return why_alone(model_type, arch is not None and arch.row_state)
+    return why_alone(getattr(config, "model_type", None))
 
 
 def patched() -> dict[str, Arch]:

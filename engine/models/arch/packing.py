@@ -121,14 +121,16 @@ _SEEN_LEAKING: dict[str, str] = {
 }
 
 
-def documents_alone(model_type: Optional[str], row_state: bool = False) -> Optional[str]:
+def documents_alone(model_type: Optional[str]) -> Optional[str]:
     """Why each document of a packed row must run as its own forward for `model_type` (a phrase
     about the family: "its layers carry state along a row", ...), or None where packed rows keep
-    their documents apart (also for a model whose type is not known yet). `row_state`: the
-    family's Arch.row_state."""
+    their documents apart (also for a model whose type is not known yet)."""
     if not model_type:
         return None
-    if row_state:
+    from engine.models.arch import arch_for  # the package imports this module's names lazily
+
+    arch = arch_for(model_type)
+    if arch is not None and arch.row_state:
         return "its layers carry state along a row"
     if model_type in PACKED_ROWS_CHECKED:
         return None

@@ -1,5 +1,5 @@
 """`training.distributed: auto` and the families whose layers carry state along a row (LFM2, Jamba,
-Nemotron-H, Qwen3.5, ...): FSDP cannot train them (engine.train.fsdp.row_state_refusal), so the
+Nemotron-H, Qwen3.5, ...): FSDP cannot train them (engine.train.fsdp.alone_refusal), so the
 policy keeps them on DDP while one row fits one GPU, and where it does not, the run's setup
 refuses it before anything loads with a message that says the base does not fit.
 

@@ -21,7 +21,7 @@ from engine.config import ConfigError, RunConfig
 from engine.models.arch import ARCHS
 from engine.resources import DEMO_PRESET
 from engine.train.distributed import DistContext
-from engine.train.fsdp import row_state_refusal, shard
+from engine.train.fsdp import alone_refusal, shard
 from engine.train.run_setup import configure
 
 TWO_RANKS = DistContext(rank=0, world_size=2, local_rank=0)
@@ -59,15 +59,15 @@ def test_every_row_state_family_is_refused_under_fsdp_naming_it_and_the_way_out(
     families = sorted(name for name, arch in ARCHS.items() if arch.row_state)
     assert {"lfm2", "jamba", "nemotron_h", "granitemoehybrid", "bamba", "qwen3_5", "qwen3_next"} <= set(families)
     for name in families:
-        why = row_state_refusal(name)
+        why = alone_refusal(name)
         assert why is not None and name in why, name
         assert "training.distributed: ddp" in why and "one GPU" in why
     # Families checked to pack their rows whole shard as before, and so does a model whose type
     # is not known yet (shard() asks again once it has loaded); a family nobody has checked runs
     # each document alone, so FSDP refuses it too, saying why.
     for name in ("llama", "qwen3", "mistral", "afmoe", None):
-        assert row_state_refusal(name) is None, name
-    why = row_state_refusal("not_a_family")
+        assert alone_refusal(name) is None, name
+    why = alone_refusal("not_a_family")
     assert "not a family the engine has checked keeps the documents of a packed row apart" in why
 
 
