@@ -111,6 +111,7 @@ def measure(kind: str, d: int, cfg, tuning: str = "new", group: int = 4) -> dict
         CAUSAL=True,
         HAS_WINDOW=False,
         HAS_SOFTCAP=False,
+        HAS_SINKS=False,
         DOT_PREC=None,
         REBUILD_ADDR=tuning == "new",
         BLOCK_M=bm,

@@ -83,6 +83,7 @@ def varlen_attention(
     info: Optional[packed.PackedSeqInfo] = None,
     dropout_p: float = 0.0,
     kept=None,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Attention over packed documents: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
@@ -94,8 +95,11 @@ def varlen_attention(
     `info`: the PackedSeqInfo owning `cu_seqlens`, if known (found automatically otherwise);
     it supplies host-built block tables. `dropout_p` > 0 forces the reference (training only).
     `kept`: the layer's KeptAttention from the offloader (engine.kernels.varlen_attention), used
-    by the Triton kernel only.
+    by the Triton kernel only. `sinks`: [Hq] attention-sink logits (GPT-OSS) or None; flash-attn
+    and torch's kernels take none, so a call with sinks runs ours (or the reference off CUDA).
     """
+    if sinks is not None and backend in ("flash_attn", "torch_flash"):
+        backend = "auto"
     if backend == "auto":
         d = q.shape[-1]
         # Head dims the kernel does not tile (not a power of two, or > 256) take the reference.
@@ -116,6 +120,7 @@ def varlen_attention(
             sliding_window=sliding_window,
             softcap=softcap,
             dropout_p=dropout_p,
+            sinks=sinks,
         )
     if backend == "flash_attn":
         count("attention:flash_attn")
@@ -149,6 +154,7 @@ def varlen_attention(
         tables=tables,
         covers_all_tokens=covers,
         kept=kept,
+        sinks=sinks,
     )
 
 
@@ -227,9 +233,12 @@ def _torch_flash_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window):
 # ------------------------------------------------------------------------------------------
 
 
-def _dense_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal):
+def _dense_attention(
+    module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal, sinks=None
+):
     """Eager-style attention for what packed rows do not cover: a KV cache (query shorter than
-    keys) or an explicit 4-D mask. query [B, Hq, Tq, D], key/value [B, Hkv, Tk, D]."""
+    keys) or an explicit 4-D mask. query [B, Hq, Tq, D], key/value [B, Hkv, Tk, D]; `sinks` [Hq]
+    or None."""
     b, hq, tq, d = query.shape
     tk = key.shape[2]
     group = hq // key.shape[1]
@@ -250,7 +259,11 @@ def _dense_attention(module, query, key, value, attention_mask, scaling, dropout
         if sliding_window is not None:
             keep &= (qpos - kpos) < sliding_window
         scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # one more logit per head in every row, with no value (GPT-OSS)
+        sink = sinks.float().view(1, hq, 1, 1).expand(b, hq, tq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     if dropout > 0.0 and module.training:
         probs = torch.nn.functional.dropout(probs, dropout)
     out = (probs @ value.float()).to(query.dtype)
@@ -286,15 +299,12 @@ def tunesmith_varlen_attention_forward(
     is_causal = kwargs.get("is_causal", None)
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(
-            f"{ATTN_NAME} does not support attention sinks (s_aux); enable_packed_attention refuses such models"
-        )
+    sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks, [Hq]
     if attention_mask is not None or key.shape[2] != t:
         count("attention:dense")
         count_fallback("packed_attention", "KV cache" if key.shape[2] != t else "explicit attention mask")
         return _dense_attention(
-            module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal
+            module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal, sinks
         )
 
     cu = kwargs.get("cu_seq_lens_q")
@@ -335,6 +345,7 @@ def tunesmith_varlen_attention_forward(
         info=info,
         dropout_p=drop,
         kept=kwargs.get(KEPT_KWARG),
+        sinks=sinks,
     )
     return out.view(b, t, hq, d), None
 
@@ -359,9 +370,6 @@ def enable_packed_attention(
     base = hf_model(model)
     if not isinstance(base, PreTrainedModel):
         return f"off: {type(base).__name__} is not a transformers PreTrainedModel"
-    for name, mod in base.named_modules():
-        if isinstance(getattr(mod, "sinks", None), torch.Tensor):
-            return f"off: attention sinks ({name}.sinks) are not supported by {ATTN_NAME}"
     can_set = getattr(base, "_can_set_attn_implementation", None)
     if callable(can_set) and not can_set():
         return f"off: {type(base).__name__} does not dispatch attention through AttentionInterface"

@@ -4,7 +4,9 @@ Layout: every document of a packed batch lies back to back in one token stream, 
 k/v [T, Hkv, D] (any token/head strides, unit stride on D), `cu_seqlens` int32 [n_docs + 1] on
 the device. Attention never crosses a document boundary. Supports GQA (Hq a multiple of Hkv),
 a sliding window with Hugging Face's meaning (query i sees key j iff i - W < j <= i, i.e. flash-attn
-window_size=(W - 1, 0)), Gemma-2 logit softcapping (s = cap * tanh(scale * q.k / cap)) and any scale.
+window_size=(W - 1, 0)), Gemma-2 logit softcapping (s = cap * tanh(scale * q.k / cap)), GPT-OSS
+attention sinks (one learned logit per query head that joins every row's softmax and carries no
+value) and any scale.
 
 Work is scheduled from *block tables*: int32 [n_blocks, 2] rows of (document, first token) that
 cover every document with blocks of one size and nothing else, so no program is spent on padding
@@ -89,9 +91,22 @@ def _doc_mask(n: int, causal: bool, sliding_window: Optional[int], device) -> Op
 
 
 def varlen_attention_reference(
-    q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, causal=True, sliding_window=None, softcap=None, dropout_p=0.0
+    q,
+    k,
+    v,
+    cu_seqlens,
+    max_seqlen=None,
+    *,
+    scale=None,
+    causal=True,
+    sliding_window=None,
+    softcap=None,
+    dropout_p=0.0,
+    sinks=None,
 ):
-    """Per-document attention in plain torch: SDPA where it can, explicit softmax for softcap.
+    """Per-document attention in plain torch: SDPA where it can, explicit softmax for softcap and
+    sinks (`sinks` [Hq]: one logit per query head, in the scores' units, joining every row's softmax
+    with no value, as GPT-OSS's eager attention does).
 
     Reads `cu_seqlens` on the host (a sync on CUDA, counted as "host_syncs" in engine.counters on every
     device): this is the reference and the CPU path.
@@ -109,7 +124,7 @@ def varlen_attention_reference(
         qd = q[s:e].transpose(0, 1)
         kd = k[s:e].transpose(0, 1).repeat_interleave(group, 0)
         vd = v[s:e].transpose(0, 1).repeat_interleave(group, 0)
-        if softcap is None:
+        if softcap is None and sinks is None:
             mask = _doc_mask(e - s, causal, sliding_window, q.device)
             od = F.scaled_dot_product_attention(
                 qd,
@@ -122,11 +137,16 @@ def varlen_attention_reference(
             )
         else:
             scores = (qd.float() @ kd.float().transpose(-1, -2)) * scale
-            scores = softcap * torch.tanh(scores / softcap)
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             mask = _doc_mask(e - s, causal, sliding_window, q.device)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            if sinks is None:
+                probs = torch.softmax(scores, dim=-1)
+            else:
+                sink = sinks.float()[:, None, None].expand(hq, e - s, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
             if dropout_p > 0:
                 probs = F.dropout(probs, dropout_p)
             od = (probs @ vd.float()).to(q.dtype)
@@ -336,6 +356,7 @@ def _attn_fwd(
     V,
     O,
     LSE,
+    SINKS,
     CU,
     TBL_A,
     TBL_B,
@@ -358,6 +379,7 @@ def _attn_fwd(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -383,10 +405,18 @@ def _attn_fwd(
     rows = offs_m.to(tl.int64)
     q = tl.load(Q + head * sq_h + rows[:, None] * sq_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
 
-    # A finite floor instead of -inf keeps rows whose first visited keys are all masked
-    # (sliding window) free of inf - inf = NaN.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # The head's sink is one more logit in every row's softmax, with no value: it starts the
+        # running max and sum (exp2(sink - sink) = 1), so the log-sum-exp kept for the backward
+        # counts it and the backward's probabilities come out right with no change there.
+        sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634  # base 2, as the scores
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        # A finite floor instead of -inf keeps rows whose first visited keys are all masked
+        # (sliding window) free of inf - inf = NaN.
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_base = K + kvh * sk_h
     v_base = V + kvh * sv_h
@@ -977,7 +1007,7 @@ class _Launch:
         )
 
 
-def _forward(q, k, v, L: _Launch):
+def _forward(q, k, v, L: _Launch, sinks: Optional[torch.Tensor] = None):
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((L.hq, max(L.t, 1)), dtype=torch.float32, device=q.device)
     if L.t == 0:
@@ -997,8 +1027,21 @@ def _forward(q, k, v, L: _Launch):
         L.window,
         L.long_docs,
     )
-    L.run("fwd", _attn_fwd_tuned, _attn_fwd, L.hq, (q, k, v, o, lse, L.cu), tail)
+    # Without sinks the SINKS pointer is never read; lse stands in for it.
+    head_args = (q, k, v, o, lse, sinks if sinks is not None else lse, L.cu)
+    L.run("fwd", _attn_fwd_tuned, _attn_fwd, L.hq, head_args, tail, extra=dict(HAS_SINKS=sinks is not None))
     return o, lse
+
+
+def _sink_grad(do, o, lse, sinks, L: _Launch) -> torch.Tensor:
+    """d loss / d sinks [Hq]. A sink is a softmax logit with no value, so its gradient is
+    -sum over tokens of p_sink * rowsum(dO * O), p_sink = exp2(sink * log2e - lse). Tokens past the
+    last document (outputs unspecified) are left out; no host sync."""
+    t = L.t
+    delta = (o.float() * do.float()).sum(-1)  # [T, Hq]
+    p = torch.exp2(sinks.float()[None, :] * LOG2E - lse[:, :t].t())
+    covered = (torch.arange(t, device=o.device) < L.cu[-1])[:, None]
+    return -torch.where(covered, p * delta, 0.0).sum(0).to(sinks.dtype)
 
 
 def _backward(do, q, k, v, o, lse, L: _Launch):
@@ -1069,14 +1112,14 @@ class KeptAttention:
 KEPT_KWARG = "tunesmith_kept_attention"
 
 
-def _forward_or_kept(q, k, v, launch: _Launch, kept: Optional[KeptAttention] = None):
+def _forward_or_kept(q, k, v, launch: _Launch, kept: Optional[KeptAttention] = None, sinks=None):
     mode = kept.mode if kept is not None else None
     if mode == "reuse" and kept.outputs:
         o, lse = kept.outputs.pop(0)
         if o.shape == q.shape and o.dtype == q.dtype and o.device == q.device:
             return o, lse
         kept.outputs.clear()  # not this call's output: the layer changed; compute as usual
-    o, lse = _forward(q, k, v, launch)
+    o, lse = _forward(q, k, v, launch, sinks)
     if mode == "keep":
         kept.outputs.append((o, lse))
     return o, lse
@@ -1084,25 +1127,27 @@ def _forward_or_kept(q, k, v, launch: _Launch, kept: Optional[KeptAttention] = N
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, launch: _Launch, kept: Optional[KeptAttention] = None):
-        o, lse = _forward_or_kept(q, k, v, launch, kept)
-        ctx.save_for_backward(q, k, v, o, lse)
+    def forward(ctx, q, k, v, sinks, launch: _Launch, kept: Optional[KeptAttention] = None):
+        o, lse = _forward_or_kept(q, k, v, launch, kept, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.launch = launch
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, sinks = ctx.saved_tensors
         if do.stride(-1) != 1:
             do = do.contiguous()
+        # dQ, dK and dV need nothing new for sinks: the kept log-sum-exp already counts them.
+        dsinks = _sink_grad(do, o, lse, sinks, ctx.launch) if ctx.needs_input_grad[3] else None
         if ctx.launch.backward == "onepass":
             from engine.kernels import varlen_attention_bwd  # it builds on this module's kernels
 
             if varlen_attention_bwd.onepass_allowed():
                 dq, dk, dv = varlen_attention_bwd.onepass_backward(do, q, k, v, o, lse, ctx.launch)
-                return dq, dk, dv, None, None
+                return dq, dk, dv, dsinks, None, None
         dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.launch)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, dsinks, None, None
 
 
 def _check(q, k, v, cu_seqlens):
@@ -1137,6 +1182,7 @@ def varlen_attention_triton(
     covers_all_tokens: bool = False,
     kept: Optional[KeptAttention] = None,
     backward: Optional[str] = None,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Triton varlen attention (differentiable). `tables` supplies block tables (see module
     doc); without it they are built on the device from `cu_seqlens` (sync-free, a few tiny
@@ -1147,8 +1193,11 @@ def varlen_attention_triton(
     `kept`: a layer's KeptAttention while the offloader keeps attention outputs (else None).
     `backward`: "split" (dK/dV then dQ, the reference path), "onepass" (engine.kernels.varlen_attention_bwd)
     or "auto" (one-pass when `max_seqlen`, a host int, reaches its LONG_DOCUMENT and its fp32 dQ
-    buffer fits DQ_BUFFER_BYTES); None reads the environment variable TUNESMITH_ATTN_BWD (default "auto")."""
+    buffer fits DQ_BUFFER_BYTES); None reads the environment variable TUNESMITH_ATTN_BWD (default "auto").
+    `sinks`: [Hq] attention-sink logits on q's device (GPT-OSS), differentiable, or None."""
     _check(q, k, v, cu_seqlens)
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device):
+        raise ValueError(f"sinks must be [{q.shape[1]}] (one per query head) on q's device, got {tuple(sinks.shape)}")
     from engine.kernels.varlen_attention_bwd import resolve_backward
 
     longest = max_seqlen if isinstance(max_seqlen, int) else None
@@ -1165,4 +1214,4 @@ def varlen_attention_triton(
     launch = _Launch(
         q, k, cu_seqlens, tables, scale, causal, sliding_window, softcap, blocks, covers_all_tokens, longest, bwd
     )
-    return _VarlenAttention.apply(q, k, v, launch, kept)
+    return _VarlenAttention.apply(q, k, v, sinks, launch, kept)

@@ -114,3 +114,109 @@ def test_rejects_bad_shapes():
         varlen_attention_triton(q, torch.randn(4, 2, 16), torch.randn(4, 2, 16), info.cu_seqlens)
     with pytest.raises(ValueError, match="power of two"):
         varlen_attention_triton(torch.randn(4, 2, 24), torch.randn(4, 2, 24), torch.randn(4, 2, 24), info.cu_seqlens)
+
+
+# -- attention sinks (GPT-OSS): one logit per query head in every row's softmax, with no value ---
+
+
+def _hf_sink_attention(q, k, v, sinks, lengths, sliding_window=None):
+    """transformers' own GPT-OSS eager attention, one document at a time: the truth the reference
+    and the kernel answer to."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups = sinks, hq // hkv
+    module.eval()
+    outs, s = [], 0
+    for n in lengths:
+        i = torch.arange(n)[:, None]
+        j = torch.arange(n)[None, :]
+        keep = (j <= i) & ((i - j) < sliding_window if sliding_window else True)
+        mask = torch.zeros(n, n).masked_fill(~keep, float("-inf"))[None, None]
+        x = [t[s : s + n].transpose(0, 1)[None] for t in (q, k, v)]
+        out, _ = eager_attention_forward(module, *x, mask, scaling=d**-0.5)
+        outs.append(out[0])
+        s += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
+def test_the_reference_with_sinks_is_transformers_gpt_oss_attention(window):
+    lengths = [7, 1, 19]
+    gen = torch.Generator().manual_seed(5)
+    t = sum(lengths)
+    q, k, v = torch.randn(t, 4, 16, generator=gen), torch.randn(t, 2, 16, generator=gen), torch.randn(t, 2, 16)
+    sinks = torch.tensor([0.0, 2.5, -3.0, 8.0])  # a sink far above the scores takes most of a row
+    info = PackedSeqInfo.from_lengths(lengths)
+    got = varlen_attention_reference(q, k, v, info.cu_seqlens, sinks=sinks, sliding_window=window)
+    torch.testing.assert_close(got, _hf_sink_attention(q, k, v, sinks, lengths, window), atol=1e-5, rtol=1e-5)
+    plain = varlen_attention_reference(q, k, v, info.cu_seqlens, sliding_window=window)
+    assert (got - plain).abs().max() > 1e-2  # the sinks do something
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "lengths,hq,hkv,kw",
+    [
+        pytest.param([5, 1, 40, 23], 4, 2, {}, id="gqa2"),
+        pytest.param([40, 7, 26], 2, 1, {"sliding_window": 7}, id="window"),
+        pytest.param([33, 9], 2, 2, {"scale": 0.2}, id="scale"),
+    ],
+)
+@pytest.mark.parametrize(
+    "use_info,backward", [(True, "split"), (False, "split"), (True, "onepass")], ids=["host", "device", "onepass"]
+)
+def test_sinks_match_the_reference_with_their_gradient(lengths, hq, hkv, kw, dtype, use_info, backward):
+    gen = torch.Generator().manual_seed(6)
+    info = PackedSeqInfo.from_lengths(lengths)
+    t, d = info.total_tokens, 16
+    q, k, v, do = (torch.randn(t, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv, hq))
+    sinks = torch.linspace(-2.0, 4.0, hq)
+    qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+    st = sinks.clone().requires_grad_()
+    out = varlen_attention_triton(
+        qt,
+        kt,
+        vt,
+        info.cu_seqlens,
+        info.max_seqlen,
+        tables=info.block_table if use_info else None,
+        covers_all_tokens=use_info,
+        sinks=st,
+        backward=backward,
+        **kw,
+    )
+    out.backward(do)
+    qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
+    sr = sinks.clone().requires_grad_()
+    ref = varlen_attention_reference(qr, kr, vr, info.cu_seqlens, sinks=sr, **kw)
+    ref.backward(do.float())
+    atol, rtol = TOL[dtype]
+    for name, got, want in (
+        ("out", out, ref),
+        ("dq", qt.grad, qr.grad),
+        ("dk", kt.grad, kr.grad),
+        ("dv", vt.grad, vr.grad),
+        ("dsinks", st.grad, sr.grad),
+    ):
+        scale = max(want.abs().max().item(), 1.0)
+        err = (got.float() - want).abs().max().item()
+        assert err <= (atol + rtol) * scale, f"{name}: max error {err:.3e} (scale {scale:.2f})"
+    assert sr.grad.abs().min() > 1e-4  # every head's sink has a gradient to check
+
+
+def test_frozen_sinks_get_no_gradient_and_tokens_past_the_documents_are_left_out():
+    # cu_seqlens covering 30 of 34 tokens: the last four belong to no document.
+    cu = torch.tensor([0, 12, 30], dtype=torch.int32)
+    q, k, v = (torch.randn(34, 2, 16).requires_grad_() for _ in range(3))
+    sinks = torch.tensor([1.0, -1.0])
+    out = varlen_attention_triton(q, k, v, cu, sinks=sinks)
+    out[:30].sum().backward()
+    assert sinks.grad is None and torch.isfinite(q.grad).all()
+    st = sinks.clone().requires_grad_()
+    out = varlen_attention_triton(q, k, v, cu, sinks=st)
+    (out[:30] * 1.0).sum().backward()
+    sr = sinks.clone().requires_grad_()
+    varlen_attention_reference(q.detach(), k.detach(), v.detach(), cu, sinks=sr)[:30].sum().backward()
+    torch.testing.assert_close(st.grad, sr.grad, atol=1e-5, rtol=1e-5)

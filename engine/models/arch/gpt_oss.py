@@ -1,6 +1,7 @@
 """GPT-OSS: a learned attention-sink logit per head, alternating sliding-window layers, MoE
 blocks whose experts and router carry biases (a clamped, interleaved GLU), grouped by
-engine.fastpath.moe. Its norms and attention are not patched."""
+engine.fastpath.moe. Its attention runs the packed varlen kernel, which takes the sinks; its
+norms and attention projections are not patched."""
 
 from engine.models.arch.spec import Arch, HFClasses, MoE
 

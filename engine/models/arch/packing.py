@@ -33,6 +33,7 @@ PACKED_ROWS_CHECKED: frozenset[str] = frozenset(
         "gpt2",
         "gpt_bigcode",
         "gpt_neox",
+        "gpt_oss",
         "gptj",
         "granite",
         "granite_swa",
@@ -114,9 +115,6 @@ PACKED_ROWS_CHECKED: frozenset[str] = frozenset(
 
 # Families seen to let packed documents see each other, with what does it (for the run's report).
 _SEEN_LEAKING: dict[str, str] = {
-    "gpt_oss": (
-        "its attention sinks keep it off the packed attention and its stock masks ignore the documents' positions"
-    ),
     "bloom": "its ALiBi attention builds its mask from the whole row, not the documents' positions",
 }
 

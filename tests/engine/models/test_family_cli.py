@@ -6,7 +6,8 @@ demo data: the run finishes, its loss falls, the log says which fast paths fell 
 the adapter it saved loads into the stock model with PEFT and changes its logits. SmolLM3 takes the
 fast paths (its NoPE layers), Cohere's logits are scaled, LFM2's convolutions run each document of
 a packed row alone, GPT-2's LoRA goes on its Conv1D projections, and MPT, a family nobody here has
-checked, passes the logits check and runs each document alone (engine.models.arch.packing).
+checked, passes the logits check and runs each document alone (engine.models.arch.packing). GPT-OSS
+packs its rows: its attention sinks go through the packed attention, its experts through the grouping.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ FAMILIES = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "gpt2": {},
     "mpt": {},
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"]),
 }
 # What each family's log must say it fell back to (None: nothing expected).
 FALLBACK = {
@@ -37,6 +39,7 @@ FALLBACK = {
     "lfm2": "each document runs alone",
     "gpt2": None,
     "mpt": "not a family the engine has checked keeps the documents of a packed row apart: each document runs alone",
+    "gpt_oss": None,
 }
 
 

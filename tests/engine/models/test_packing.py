@@ -73,7 +73,6 @@ def test_the_family_table_is_checked_or_carries_state_along_a_row():
 # whose stock code refuses a packed row (Qwen4-exp's gated delta rule without flash-linear-attention).
 LEAKING = {
     "bloom": "ALiBi",
-    "gpt_oss": "attention sinks",
     "mpt": "not a family the engine has checked",
     "xglm": "not a family the engine has checked",
     "rwkv": "not a family the engine has checked",
