@@ -156,6 +156,7 @@ FAST_PATH_LABELS = {
     "packed_attention": "packed varlen attention",
     "fused_ce": "fused cross-entropy",
     "moe_grouping": "grouped MoE experts",
+    "packed_rows": "documents packed into shared rows",
 }
 
 

@@ -83,7 +83,8 @@ def describe_fast_paths(model_type: str) -> dict[str, str]:
     What a run of this architecture gets on a CUDA GPU with every switch on "auto"; the run's
     own report (apply_fast_paths) can still turn single modules off (dropout, DoRA, 8-bit
     bases, ...); 4-bit (NF4) bases run the fused LoRA paths like 16-bit ones. Packed
-    attention and the fused cross-entropy apply to every architecture.
+    attention and the fused cross-entropy apply to every architecture; "packed_rows" says whether
+    several documents share a row's forward (engine.models.arch.packing).
     """
     if model_type in REGISTRY:
         report = {name: "on" for name in FAST_PATHS}
@@ -102,6 +103,11 @@ def describe_fast_paths(model_type: str) -> dict[str, str]:
         for name in ("activations", "lora_mlp"):
             report[name] = "off: the MoE experts stay frozen; engine.fastpath.moe groups them instead"
         report["moe_grouping"] = "on"
+    from engine.models.arch.packing import documents_alone
+
+    alone = documents_alone(model_type)
+    # Said before a run, so a family that trains each document alone is not a surprise in the log.
+    report["packed_rows"] = "on" if alone is None else f"off: {alone}; each document of a row runs as its own forward"
     return report
 
 

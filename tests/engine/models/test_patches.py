@@ -353,3 +353,7 @@ def test_describe_fast_paths_by_model_type():
     moe = describe_fast_paths("qwen3_moe")
     assert moe["moe_grouping"] == "on" and moe["lora_qkv"] == "on" and moe["lora_mlp"].startswith("off: the MoE")
     assert describe_fast_paths("gpt_oss")["moe_grouping"] == "on"
+    # Whether a family packs several documents into one forward is said before any run.
+    assert on["packed_rows"] == "on" and describe_fast_paths("gpt_oss")["packed_rows"] == "on"
+    assert describe_fast_paths("lfm2")["packed_rows"].startswith("off: its layers carry state along a row")
+    assert "each document of a row runs as its own forward" in describe_fast_paths("mpt")["packed_rows"]
