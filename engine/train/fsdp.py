@@ -93,14 +93,14 @@ def mesh_for(device: torch.device, world_size: int):
     return init_device_mesh("cuda" if device.type == "cuda" else "cpu", (world_size,))
 
 
-def alone_refusal(model_type: Optional[str]) -> Optional[str]:
+def alone_refusal(model_type: Optional[str], packed_attention: bool = True) -> Optional[str]:
     """Why FSDP cannot train `model_type` (a sentence naming it), or None when it can: each
     document of its packed rows runs alone (engine.models.arch.packing), its layers carrying state
     along a row or its family not checked to pack."""
     from engine.models.arch.packing import documents_alone
 
     # None for a model_type not known yet: shard() asks again once the model has loaded.
-    alone = documents_alone(model_type)
+    alone = documents_alone(model_type, packed_attention)
     if alone is None:
         return None
     return (
@@ -120,9 +120,11 @@ def shard(model: nn.Module, loss_fn: Callable, device: torch.device, world_size:
     loading when its config.json was on disk; this is the check for one that was not."""
     from torch.distributed.fsdp import fully_shard
 
+    from engine.fastpath.attention import ATTN_NAME
     from engine.peft_model import hf_model
 
-    why = alone_refusal(getattr(hf_model(model).config, "model_type", None))
+    cfg = hf_model(model).config
+    why = alone_refusal(getattr(cfg, "model_type", None), getattr(cfg, "_attn_implementation", None) == ATTN_NAME)
     if why:
         from engine.config import ConfigError
 

@@ -66,7 +66,7 @@ def configure(
     if fsdp and info is not None:  # a config.json not at hand: engine.train.fsdp.shard checks after loading
         from engine.train.fsdp import alone_refusal
 
-        why = alone_refusal(info.model_type)
+        why = alone_refusal(info.model_type, config.fast_paths.packed_attention is not False)
         if why and "training.distributed" in config.auto_fields:
             # The policy chose fsdp because the base does not fit one GPU: its reason says that too.
             why = f"auto chose fsdp: {config.auto_reasons['training.distributed']}"

@@ -238,9 +238,7 @@ def _install_offload(
         return None, "off: disabled in config" if mode in ("off", False) else "off: not chosen"
     if not gradient_checkpointing:
         return None, "off: offload moves checkpointed layer inputs, and checkpointing is off"
-    from engine.models.arch import documents_alone
-
-    alone = documents_alone(base.config)
+    alone = documents_alone(base)
     if alone:  # one forward per document: the offloader's per-layer slots hold one
         return None, f"off: {base.config.model_type} runs each document alone ({alone})"
     layers = decoder_layers(base)
@@ -253,6 +251,19 @@ def _install_offload(
     offloader.install(layers)
     where = "" if device.type == "cuda" else " (CPU: the copies stay in host memory and save nothing)"
     return offloader, f"on: {mode} buffer, {len(layers)} layers{where}"
+
+
+def documents_alone(base) -> Optional[str]:
+    """Why each document of a packed row runs as its own forward for the transformers model `base`
+    as prepared (engine.models.arch.packing), or None where packed rows keep its documents apart.
+    Whether the engine's packed attention runs it is read from its config's attention
+    implementation, which enable_packed_attention sets."""
+    from engine.fastpath.attention import ATTN_NAME
+    from engine.models.arch.packing import documents_alone as why_alone
+
+    cfg = base.config
+    packed = getattr(cfg, "_attn_implementation", None) == ATTN_NAME
+    return why_alone(getattr(cfg, "model_type", None), packed_attention=packed)
 
 
 def decoder_and_head(model):
@@ -294,9 +305,9 @@ def decoder_hidden(model, batch: PackedBatch, cached_metadata: bool = True, offl
     if hosted is not None:  # the table is in host memory: look the batch's host ids up there
         ids = kwargs.pop("input_ids")
         kwargs["inputs_embeds"] = hosted(batch.host_ids if batch.host_ids is not None else ids)
-    from engine.models.arch import documents_alone, logit_scale
+    from engine.models.arch import logit_scale
 
-    alone = documents_alone(base.config)
+    alone = documents_alone(base)
     if alone and len(batch.info.lengths) > 1:
         hidden = _each_document(decoder, kwargs, batch.info.lengths, f"{base.config.model_type}: {alone}")
     else:

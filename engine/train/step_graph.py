@@ -103,8 +103,8 @@ def graph_choice(
     """(whether this run's micro-batches go through CUDA graphs, the report line's reason).
     `memory`: device_memory(device), for auto's rule on small cards (None: no rule)."""
     from engine.fastpath.host_embed import host_embedding
-    from engine.models.arch import documents_alone
     from engine.peft_model import hf_model
+    from engine.train.step import documents_alone
 
     if setting is False:
         return False, "disabled in config"
@@ -120,7 +120,7 @@ def graph_choice(
         why = "several processes: DDP's and FSDP's hooks run between the kernels"
     elif host_embedding(base) is not None:
         why = "the embedding table is in host memory: a host gather per batch"
-    elif documents_alone(cfg):
+    elif documents_alone(base):
         why = f"{cfg.model_type} runs each document alone"
     elif str(prepared.report.get("cached_metadata", "on")).startswith("off"):
         # Every layer then builds its lengths and tables from host lists: a copy a capture cannot hold.

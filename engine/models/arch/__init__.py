@@ -68,7 +68,6 @@ __all__ = [
     "arch_for",
     "logit_scale",
     "patched",
-    "documents_alone",
     "tiny_archs",
 ]
 
@@ -136,15 +135,6 @@ def logit_scale(config) -> float:
     1.0 for a family without a file)."""
     arch = arch_for(getattr(config, "model_type", None))
     return arch.logit_scale(config) if arch is not None else 1.0
-
-
-def documents_alone(config) -> Optional[str]:
-    """Why each document of a packed row runs as its own forward for a transformers config (a
-    phrase about its family, engine.models.arch.packing), or None where packed rows keep their
-    documents apart."""
-    from engine.models.arch.packing import documents_alone as why_alone
-
-    return why_alone(getattr(config, "model_type", None))
 
 
 def patched() -> dict[str, Arch]:

@@ -6,7 +6,10 @@ transformers builds from the documents' positions, and no layer that carries sta
 to the next (Arch.row_state). Which families do that is a fact about transformers' code that no
 config.json states, so it is a list: `PACKED_ROWS_CHECKED`, each entry checked by
 tests/engine/models/test_packing.py (a packed row's loss equals each document's through the stock
-forward, to 1e-5). Every other model type, one nobody here has named included, runs each document
+forward, to 1e-5). Most of them keep the documents apart on their stock attention too (the masks
+transformers builds from the positions); those in `STOCK_MASKS_MIX` do so only through the engine's
+packed attention, and run each document alone when it is off (fast_paths.packed_attention: false, or
+a model it refuses). Every other model type, one nobody here has named included, runs each document
 of a packed row as its own forward (engine.train.step): slower, and the same loss as the stock
 model's. Plain data, no torch import: the memory policy reads it before anything loads.
 """
@@ -113,16 +116,22 @@ PACKED_ROWS_CHECKED: frozenset[str] = frozenset(
     }
 )
 
+# Checked families whose stock attention lets packed documents see each other (its masks ignore
+# the documents' positions): apart only through the engine's packed attention. Checked by
+# tests/engine/models/test_packing.py with the packed attention off.
+STOCK_MASKS_MIX: frozenset[str] = frozenset({"afmoe", "biogpt", "gpt_oss", "opt"})
+
 # Families seen to let packed documents see each other, with what does it (for the run's report).
 _SEEN_LEAKING: dict[str, str] = {
     "bloom": "its ALiBi attention builds its mask from the whole row, not the documents' positions",
 }
 
 
-def documents_alone(model_type: Optional[str]) -> Optional[str]:
+def documents_alone(model_type: Optional[str], packed_attention: bool = True) -> Optional[str]:
     """Why each document of a packed row must run as its own forward for `model_type` (a phrase
     about the family: "its layers carry state along a row", ...), or None where packed rows keep
-    their documents apart (also for a model whose type is not known yet)."""
+    their documents apart (also for a model whose type is not known yet). `packed_attention`:
+    whether the engine's packed attention runs the model's attention (the default a run gets)."""
     if not model_type:
         return None
     from engine.models.arch import arch_for  # the package imports this module's names lazily
@@ -131,6 +140,8 @@ def documents_alone(model_type: Optional[str]) -> Optional[str]:
     if arch is not None and arch.row_state:
         return "its layers carry state along a row"
     if model_type in PACKED_ROWS_CHECKED:
+        if not packed_attention and model_type in STOCK_MASKS_MIX:
+            return "its stock attention lets packed documents see each other, and the engine's packed attention is off"
         return None
     if model_type in _SEEN_LEAKING:
         return _SEEN_LEAKING[model_type]

@@ -193,8 +193,9 @@ def stock_loss(model, docs) -> float:
     return total / count
 
 
-def engine_loss(model, docs, fused_ce: bool = True) -> float:
-    prepared = prepare_model(model, FastPathConfig(fused_ce=fused_ce), "cpu", gradient_checkpointing=False)
+def engine_loss(model, docs, fused_ce: bool = True, packed_attention: bool = True) -> float:
+    fast = FastPathConfig(fused_ce=fused_ce, packed_attention="auto" if packed_attention else False)
+    prepared = prepare_model(model, fast, "cpu", gradient_checkpointing=False)
     batch = PackedBatch.from_documents(docs)
     with torch.no_grad():
         return forward_loss(prepared, batch, batch.num_trained_tokens, fused_ce=fused_ce).item()

@@ -16,8 +16,8 @@ import torch
 from test_more_families import FAMILIES, documents, engine_loss, stock_loss, tiny_family
 
 from engine.counters import Counters, split_counts
-from engine.models.arch import arch_for, documents_alone
-from engine.models.arch.packing import PACKED_ROWS_CHECKED
+from engine.models.arch import arch_for
+from engine.models.arch.packing import PACKED_ROWS_CHECKED, STOCK_MASKS_MIX, documents_alone
 from engine.models.logits_check import logits_mismatch, needs_check
 from engine.train.step import decoder_and_head
 
@@ -38,11 +38,17 @@ def _tiny(model_type: str, lora: bool = True):
     return tiny_family(model_type, extra, lora=lora, without=without)
 
 
-def _loss_and_fallbacks(model, docs) -> tuple[float, dict]:
+def _loss_and_fallbacks(model, docs, packed_attention=True) -> tuple[float, dict]:
     counters = Counters()
     with counters.active():
-        loss = engine_loss(model, docs)
+        loss = engine_loss(model, docs, packed_attention=packed_attention)
     return loss, split_counts(counters)[1]
+
+
+def _family(model_type: str, lora: bool = True):
+    if model_type in FAMILIES:
+        return tiny_family(model_type, FAMILIES[model_type], lora=lora)
+    return _tiny(model_type, lora=lora)
 
 
 @pytest.mark.parametrize("model_type", sorted(PACKED_ROWS_CHECKED - set(FAMILIES)))
@@ -56,6 +62,40 @@ def test_a_checked_family_packs_a_row_with_the_stock_loss(model_type):
     assert not needs_check(model_type)
 
 
+@pytest.mark.parametrize("model_type", sorted(PACKED_ROWS_CHECKED))
+def test_a_checked_family_keeps_its_documents_apart_with_the_packed_attention_off(model_type):
+    # fast_paths.packed_attention: false (or a model the packed attention refuses) leaves the
+    # family's stock attention: its masks keep packed documents apart, or (STOCK_MASKS_MIX) the
+    # documents run alone, saying why.
+    _, model = _family(model_type)
+    docs = documents()
+    ref = stock_loss(model, docs)
+    got, fallbacks = _loss_and_fallbacks(model, docs, packed_attention=False)
+    assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
+    said = [key for key in fallbacks if "packed_rows" in key]
+    if model_type in STOCK_MASKS_MIX:
+        assert said and "the engine's packed attention is off" in said[0], fallbacks
+    else:
+        assert not said, fallbacks
+
+
+@pytest.mark.parametrize("model_type", sorted(STOCK_MASKS_MIX))
+def test_the_stock_attention_of_a_mixing_family_would_let_packed_documents_see_each_other(model_type):
+    # Why STOCK_MASKS_MIX exists: its stock attention on a packed row is not each document alone.
+    from engine.data.collate import PackedBatch
+    from engine.peft_model import hf_model
+
+    _, model = _family(model_type, lora=False)
+    docs = documents()
+    batch = PackedBatch.from_documents(docs)
+    decoder = decoder_and_head(model)[1]
+    with torch.no_grad():
+        hidden = decoder(**batch.model_kwargs(), use_cache=False).last_hidden_state
+        alone = torch.cat([decoder(input_ids=torch.tensor([d])).last_hidden_state for d in docs], 1)
+    assert hf_model(model).config._attn_implementation != "tunesmith_varlen"
+    assert (hidden - alone).abs().max() > 1e-4
+
+
 def test_the_family_table_is_checked_or_carries_state_along_a_row():
     # test_more_families checks each of its families on a packed row: a family there either packs
     # (then it must be in the list, or it would run one document at a time for nothing) or carries
@@ -63,7 +103,7 @@ def test_the_family_table_is_checked_or_carries_state_along_a_row():
     for model_type in FAMILIES:
         arch = arch_for(model_type)
         if arch is not None and arch.row_state:
-            assert "carry state along a row" in documents_alone(type("C", (), {"model_type": model_type}))
+            assert "carry state along a row" in documents_alone(model_type)
         else:
             assert model_type in PACKED_ROWS_CHECKED, model_type
 
