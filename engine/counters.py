@@ -47,7 +47,8 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
   streamed over a tied table in host memory (engine.fastpath.host_head).
 - ``attention:<backend>``: packed attention calls by backend (varlen_triton, torch_flash,
   flash_attn, reference) and ``attention:dense``, the dense path of the packed attention
-  function for a KV cache or an explicit mask.
+  function for a KV cache or an explicit mask; ``attention:padded_head_dim``: Triton calls whose
+  head dims were padded to one the kernel tiles (MLA's 192-wide keys over 128-wide values).
 - ``nf4_dequant:<path>`` / ``nf4_matmul:<path>``: a 4-bit (NF4) base weight decoded whole
   (Triton kernel or torch reference), or multiplied with the weight decoded inside the matmul
   (``nf4_matmul:triton``) or by dequantize + torch matmul (``nf4_matmul:torch``); on CUDA a
@@ -88,6 +89,7 @@ CALL_KEYS = (
     "attention:flash_attn",
     "attention:reference",
     "attention:dense",
+    "attention:padded_head_dim",
     "moe:grouped_mm",
     "moe:loop",
     "nf4_dequant:triton",

@@ -98,13 +98,12 @@ def varlen_attention(
     by the Triton kernel only. `sinks`: [Hq] attention-sink logits (GPT-OSS) or None; flash-attn
     and torch's kernels take none, so a call with sinks runs ours (or the reference off CUDA).
     """
-    if sinks is not None and backend in ("flash_attn", "torch_flash"):
-        backend = "auto"
+    d, dv = q.shape[-1], v.shape[-1]
+    if (sinks is not None or dv != d) and backend in ("flash_attn", "torch_flash"):
+        backend = "auto"  # neither takes sinks, nor values narrower than the keys
     if backend == "auto":
-        d = q.shape[-1]
-        # Head dims the kernel does not tile (not a power of two, or > 256) take the reference.
-        supported = 16 <= d <= 256 and d & (d - 1) == 0
-        backend = "triton" if q.is_cuda and supported else "reference"
+        # Head dims wider than the kernel tiles (> 256) take the reference.
+        backend = "triton" if q.is_cuda and kernel_head_dim(d, dv) is not None else "reference"
     if dropout_p > 0.0:
         backend = "reference"
     if backend == "reference":
@@ -134,6 +133,17 @@ def varlen_attention(
         raise ValueError(f"unknown attention backend {backend!r}")
     from engine.kernels.varlen_attention import varlen_attention_triton
 
+    width = kernel_head_dim(d, dv)
+    if width is None:
+        raise ValueError(f"the triton attention backend tiles head dims up to 256, got {d} (values {dv})")
+    if width != d or width != dv:
+        # MLA (DeepSeek-V2/V3, GLM-4-MoE-Lite: queries and keys 192 wide, values 128) and other head
+        # dims that are not a power of two: zeros appended to q and k leave q.k as it was, and to v
+        # add output columns that are cut off; the scale stays the unpadded one.
+        count("attention:padded_head_dim")
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        pad = torch.nn.functional.pad
+        q, k, v = pad(q, (0, width - d)), pad(k, (0, width - d)), pad(v, (0, width - dv))
     if info is None:
         info = packed.lookup(cu_seqlens)
     tables = info.block_table if info is not None and info.cu_seqlens.device == q.device else None
@@ -155,7 +165,14 @@ def varlen_attention(
         covers_all_tokens=covers,
         kept=kept,
         sinks=sinks,
-    )
+    )[..., :dv]
+
+
+def kernel_head_dim(d: int, dv: int) -> Optional[int]:
+    """The head dim the Triton kernel runs for queries/keys of `d` and values of `dv`: the next
+    power of two of both, at least 16; None past 256 (the widest it tiles)."""
+    width = max(16, 1 << (max(d, dv) - 1).bit_length())
+    return width if width <= 256 else None
 
 
 def _flash_attn_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window, softcap):
@@ -198,7 +215,7 @@ def backend_available(backend: str, q: torch.Tensor) -> bool:
     if backend in ("reference", "auto"):
         return True
     if backend == "triton":
-        return q.is_cuda and 16 <= d <= 256 and d & (d - 1) == 0
+        return q.is_cuda and kernel_head_dim(d, d) is not None
     if backend == "flash_attn":
         return q.is_cuda and flash_attn_available()
     if backend == "torch_flash":
@@ -326,7 +343,7 @@ def tunesmith_varlen_attention_forward(
     if b == 1:  # views, whatever the layout the projections left
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     else:
-        q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
+        q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[-1]) for x in (query, key, value))
     backend = opts.backend
     if opts.use_flash_attn and query.is_cuda and flash_attn_available():
         backend = "flash_attn"
@@ -347,7 +364,7 @@ def tunesmith_varlen_attention_forward(
         kept=kwargs.get(KEPT_KWARG),
         sinks=sinks,
     )
-    return out.view(b, t, hq, d), None
+    return out.view(b, t, hq, value.shape[-1]), None
 
 
 def register() -> None:

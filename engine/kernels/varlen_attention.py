@@ -117,7 +117,7 @@ def varlen_attention_reference(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     bounds = cu_seqlens.tolist()
     count("host_syncs")
-    out = q.new_empty(t, hq, d)
+    out = q.new_empty(t, hq, v.shape[-1])  # values may be narrower than keys (MLA)
     for s, e in zip(bounds[:-1], bounds[1:]):
         if e <= s:
             continue

@@ -36,14 +36,15 @@ def _rel(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
 
 
-def _check(lengths, hq, hkv, d, dtype, seed=0, tol=1e-2, backend="auto", **kw):
+def _check(lengths, hq, hkv, d, dtype, seed=0, tol=1e-2, backend="auto", dv=None, **kw):
     torch.manual_seed(seed)
     info = PackedSeqInfo.from_lengths(lengths).to("cuda")
     t = info.total_tokens
+    dv = d if dv is None else dv
     q = torch.randn(t, hq, d, device="cuda", dtype=dtype)
     k = torch.randn(t, hkv, d, device="cuda", dtype=dtype)
-    v = torch.randn(t, hkv, d, device="cuda", dtype=dtype)
-    do = torch.randn(t, hq, d, device="cuda", dtype=dtype)
+    v = torch.randn(t, hkv, dv, device="cuda", dtype=dtype)
+    do = torch.randn(t, hq, dv, device="cuda", dtype=dtype)
     qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
     out = varlen_attention(qt, kt, vt, info.cu_seqlens, info.max_seqlen, backend=backend, **kw)
     out.backward(do)
@@ -136,6 +137,13 @@ def test_sinks_at_gpt_oss_shapes_bf16(lengths, kw):
     }
     print(errs)
     assert max(errs.values()) < 1e-2, errs
+
+
+def test_mla_head_dims_bf16():
+    # DeepSeek-V3's attention: queries and keys 192 wide (128 + 64 rotary), values 128; the Triton
+    # backend pads them to 256 (engine.fastpath.attention.kernel_head_dim).
+    errs = _check(doc_lengths(seed=5), 16, 16, 192, torch.bfloat16, dv=128)
+    print(errs)
 
 
 def test_fp32_on_gpu_is_tight():

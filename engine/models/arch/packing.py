@@ -69,6 +69,7 @@ PACKED_ROWS_CHECKED: frozenset[str] = frozenset(
         "codegen",
         "ctrl",
         "cwm",
+        "deepseek_v2",
         "deepseek_v3",
         "deepseek_v4",
         "diffllama",
@@ -84,6 +85,7 @@ PACKED_ROWS_CHECKED: frozenset[str] = frozenset(
         "glm",
         "glm4",
         "glm4_moe",
+        "glm4_moe_lite",
         "gpt_neox_japanese",
         "helium",
         "hrm_text",
@@ -98,6 +100,7 @@ PACKED_ROWS_CHECKED: frozenset[str] = frozenset(
         "kolibri1",
         "laguna",
         "llama4_text",
+        "longcat_flash",
         "mellum",
         "mimo_v2_flash",
         "minimax_m2",
@@ -113,6 +116,7 @@ PACKED_ROWS_CHECKED: frozenset[str] = frozenset(
         "solar_open",
         "stablelm",
         "vaultgemma",
+        "youtu",
     }
 )
 

@@ -195,3 +195,32 @@ def test_torch_flash_backend_is_cuda_only():
     assert backend_available("reference", q)
     with pytest.raises(ValueError, match="softcap"):
         varlen_attention(q, q, q, torch.tensor([0, 8], dtype=torch.int32), 8, backend="torch_flash", softcap=5.0)
+
+
+@pytest.mark.parametrize("d,dv", [(24, 16), (192, 128), (16, 16)], ids=["mla-tiny", "deepseek-v3", "plain"])
+def test_the_triton_backend_pads_head_dims_it_does_not_tile(d, dv):
+    # MLA's queries and keys are wider than its values and not a power of two (DeepSeek-V3: 192
+    # against 128): the kernel runs them padded with zeros, with the unpadded scale, and the output
+    # and gradients are the reference's (which takes the shapes as they are).
+    from engine.counters import Counters
+    from engine.fastpath.attention import kernel_head_dim, varlen_attention
+    from engine.fastpath.packed import PackedSeqInfo
+
+    info = PackedSeqInfo.from_lengths([9, 1, 14])
+    t = info.total_tokens
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(t, h, w, generator=g) for h, w in ((4, d), (2, d), (2, dv), (4, dv)))
+    grads = []
+    counters = Counters()
+    for backend in ("triton", "reference"):
+        x = [a.clone().requires_grad_() for a in (q, k, v)]
+        with counters.active():
+            out = varlen_attention(*x, info.cu_seqlens, info.max_seqlen, backend=backend, info=info)
+        assert out.shape == (t, 4, dv)
+        out.backward(do)
+        grads.append([out] + [a.grad for a in x])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    padded = kernel_head_dim(d, dv) != d or d != dv
+    assert (counters["attention:padded_head_dim"] > 0) == padded
+    assert kernel_head_dim(192, 128) == 256 and kernel_head_dim(8, 8) == 16 and kernel_head_dim(320, 256) is None

@@ -26,9 +26,12 @@ from engine.train.step import forward_loss, prepare_model
 
 LENGTHS = (9, 6, 13)
 ROUTED = dict(num_local_experts=4, num_experts_per_tok=2)
+# Multi-head latent attention as the real models shape it: queries and keys wider than values and
+# not a power of two (DeepSeek-V3: 128 + 64 = 192 against 128; here 16 + 8 = 24 against 16).
 MLA = dict(
-    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4
+    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4
 )
+MLA_MOE = dict(MLA, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
 
 # model_type -> its tiny config beyond TINY_BASE (logit scales set apart from 1, dropout off).
 FAMILIES = {
@@ -53,15 +56,18 @@ FAMILIES = {
     "llama4_text": dict(
         num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96, interleave_moe_layer_step=2
     ),
-    "deepseek_v3": dict(
+    "deepseek_v3": dict(MLA_MOE, n_group=1, topk_group=1, head_dim=8),
+    "deepseek_v2": dict(MLA_MOE, n_shared_experts=1, head_dim=8),
+    "glm4_moe_lite": dict(MLA_MOE, n_shared_experts=1, head_dim=8),  # GLM-4.7-Flash
+    "youtu": dict(MLA, head_dim=8),
+    "longcat_flash": dict(
         MLA,
         n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
+        moe_topk=2,
+        expert_ffn_hidden_size=32,
+        ffn_hidden_size=64,
         head_dim=8,
+        zero_expert_num=0,
     ),
     "mixtral": dict(ROUTED),
     "glm": {},
