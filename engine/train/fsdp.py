@@ -34,8 +34,9 @@ or fp32 folder trained in bf16) become private copies, so then N times the base'
 measured).
 
 A family whose layers carry state along a row (Arch.row_state: LFM2, Jamba, Nemotron-H, Qwen3.5,
-...), or one not checked to keep packed documents apart (engine.models.arch.packing), is refused
-too (`alone_refusal`): engine.train.step runs each document of its packed rows as its own
+...), one not checked to keep packed documents apart, or one whose stock attention mixes them
+while the engine's packed attention is off (engine.models.arch.packing), is refused too
+(`alone_refusal`): engine.train.step runs each document of its packed rows as its own
 forward, every forward gathers each layer from all ranks, and ranks holding different
 numbers of documents would call different numbers of gathers and wait on each other forever. DDP
 has no such wait: its one collective, the gradients' all-reduce, runs once per backward whatever
