@@ -85,7 +85,8 @@ def varlen_attention(
     kept=None,
     sinks: Optional[torch.Tensor] = None,
 ):
-    """Attention over packed documents: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
+    """Attention over packed documents: q/k [T, Hq or Hkv, D], v [T, Hkv, Dv] -> [T, Hq, Dv]
+    (Dv < D for MLA).
 
     `cu_seqlens` int32 [n_docs + 1] on q's device; `max_seqlen` a Python int (flash-attn sizes
     its grid with it; our kernel uses block tables instead). `sliding_window` W: query i sees
