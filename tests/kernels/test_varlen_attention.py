@@ -13,7 +13,9 @@ from engine.kernels.varlen_attention import varlen_attention_reference, varlen_a
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3)}
 
 
-def _compare(lengths, hq, hkv, d, dtype, *, blocks=None, use_info=True, seed=0, **kw):
+def _compare(lengths, hq, hkv, d, dtype, *, blocks=None, use_info=True, seed=0, sinks=None, backward=None, **kw):
+    """Kernel against the fp32 reference: output and every gradient (the sinks' too, when given;
+    their reference gradient is returned)."""
     gen = torch.Generator().manual_seed(seed)
     info = PackedSeqInfo.from_lengths(lengths)
     t = info.total_tokens
@@ -23,6 +25,7 @@ def _compare(lengths, hq, hkv, d, dtype, *, blocks=None, use_info=True, seed=0, 
 
     q, k, v, do = rnd(t, hq, d), rnd(t, hkv, d), rnd(t, hkv, d), rnd(t, hq, d)
     qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+    st = sinks.clone().requires_grad_() if sinks is not None else None
     out = varlen_attention_triton(
         qt,
         kt,
@@ -32,24 +35,26 @@ def _compare(lengths, hq, hkv, d, dtype, *, blocks=None, use_info=True, seed=0, 
         blocks=blocks,
         tables=info.block_table if use_info else None,
         covers_all_tokens=use_info,
+        sinks=st,
+        backward=backward,
         **kw,
     )
     out.backward(do)
     # The reference runs in fp32 on the same (rounded) inputs: it is the truth for both dtypes.
     qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
-    ref = varlen_attention_reference(qr, kr, vr, info.cu_seqlens, info.max_seqlen, **kw)
+    sr = sinks.clone().requires_grad_() if sinks is not None else None
+    ref = varlen_attention_reference(qr, kr, vr, info.cu_seqlens, info.max_seqlen, sinks=sr, **kw)
     ref.backward(do.float())
     atol, rtol = TOL[dtype]
     assert out.dtype == dtype and out.shape == (t, hq, d)
-    for name, got, want in (
-        ("out", out, ref),
-        ("dq", qt.grad, qr.grad),
-        ("dk", kt.grad, kr.grad),
-        ("dv", vt.grad, vr.grad),
-    ):
+    pairs = [("out", out, ref), ("dq", qt.grad, qr.grad), ("dk", kt.grad, kr.grad), ("dv", vt.grad, vr.grad)]
+    if sinks is not None:
+        pairs.append(("dsinks", st.grad, sr.grad))
+    for name, got, want in pairs:
         scale = max(want.abs().max().item(), 1.0)
         err = (got.float() - want).abs().max().item()
         assert err <= atol * scale + rtol * scale, f"{name}: max error {err:.3e} (scale {scale:.2f})"
+    return sr.grad if sinks is not None else None
 
 
 CASES = [
@@ -168,42 +173,9 @@ def test_the_reference_with_sinks_is_transformers_gpt_oss_attention(window):
     "use_info,backward", [(True, "split"), (False, "split"), (True, "onepass")], ids=["host", "device", "onepass"]
 )
 def test_sinks_match_the_reference_with_their_gradient(lengths, hq, hkv, kw, dtype, use_info, backward):
-    gen = torch.Generator().manual_seed(6)
-    info = PackedSeqInfo.from_lengths(lengths)
-    t, d = info.total_tokens, 16
-    q, k, v, do = (torch.randn(t, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv, hq))
     sinks = torch.linspace(-2.0, 4.0, hq)
-    qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
-    st = sinks.clone().requires_grad_()
-    out = varlen_attention_triton(
-        qt,
-        kt,
-        vt,
-        info.cu_seqlens,
-        info.max_seqlen,
-        tables=info.block_table if use_info else None,
-        covers_all_tokens=use_info,
-        sinks=st,
-        backward=backward,
-        **kw,
-    )
-    out.backward(do)
-    qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
-    sr = sinks.clone().requires_grad_()
-    ref = varlen_attention_reference(qr, kr, vr, info.cu_seqlens, sinks=sr, **kw)
-    ref.backward(do.float())
-    atol, rtol = TOL[dtype]
-    for name, got, want in (
-        ("out", out, ref),
-        ("dq", qt.grad, qr.grad),
-        ("dk", kt.grad, kr.grad),
-        ("dv", vt.grad, vr.grad),
-        ("dsinks", st.grad, sr.grad),
-    ):
-        scale = max(want.abs().max().item(), 1.0)
-        err = (got.float() - want).abs().max().item()
-        assert err <= (atol + rtol) * scale, f"{name}: max error {err:.3e} (scale {scale:.2f})"
-    assert sr.grad.abs().min() > 1e-4  # every head's sink has a gradient to check
+    grad = _compare(lengths, hq, hkv, 16, dtype, use_info=use_info, seed=6, sinks=sinks, backward=backward, **kw)
+    assert grad.abs().min() > 1e-4  # every head's sink has a gradient to check
 
 
 def test_frozen_sinks_get_no_gradient_and_tokens_past_the_documents_are_left_out():
