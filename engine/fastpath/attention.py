@@ -388,6 +388,11 @@ def enable_packed_attention(
     base = hf_model(model)
     if not isinstance(base, PreTrainedModel):
         return f"off: {type(base).__name__} is not a transformers PreTrainedModel"
+    for name, mod in base.named_modules():
+        # DeepSeek Sparse Attention (DeepSeek-V3.2/V4, HunYuan-V4, GLM-5, ...): an indexer picks each
+        # query's keys and hands them over as a mask; this function has no such selection.
+        if getattr(mod, "indexer", None) is not None:
+            return f"off: {name} picks its keys with a sparse-attention indexer, which {ATTN_NAME} does not run"
     can_set = getattr(base, "_can_set_attn_implementation", None)
     if callable(can_set) and not can_set():
         return f"off: {type(base).__name__} does not dispatch attention through AttentionInterface"

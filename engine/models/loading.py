@@ -8,6 +8,7 @@ pickle weight files (.bin / .pt, which can execute code when unpickled) are refu
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import sys
@@ -116,9 +117,10 @@ def quiet_third_party():
     """Within the block, silence the noise third-party libraries print while a model loads or
     gets its adapter: transformers' info/warning logs and tqdm bars ("Loading weights"),
     bitsandbytes' import-time notices ("Failed to load CPU gemm_4bit_forward from
-    kernels-community"), and FutureWarnings/DeprecationWarnings raised from inside transformers,
-    PEFT or bitsandbytes. Scoped: everything is put back on exit, errors still raise, and the
-    engine's own messages (its events, its loggers, warnings from engine modules) pass."""
+    kernels-community"), Hugging Face `kernels`' offline notices, and FutureWarnings/
+    DeprecationWarnings raised from inside transformers, PEFT or bitsandbytes. Scoped: everything
+    is put back on exit, errors still raise, and the engine's own messages (its events, its
+    loggers, warnings from engine modules) pass."""
     restore = []
     if "transformers" in sys.modules or importlib.util.find_spec("transformers") is not None:
         from transformers.utils import logging as hf_logging
@@ -133,10 +135,13 @@ def quiet_third_party():
                 hf_logging.enable_progress_bar()
 
         restore.append(_restore_hf)
-    bnb = logging.getLogger("bitsandbytes")
-    bnb_level = bnb.level
-    bnb.setLevel(logging.ERROR)
-    restore.append(lambda: bnb.setLevel(bnb_level))
+    # bitsandbytes' notices, and those of Hugging Face's `kernels` (which transformers >= 5.25 pulls
+    # in): "Skipping publisher trust check for 'kernels-community/...' because Hugging Face Hub is in
+    # offline mode" at every load on a machine without the network.
+    for name in ("bitsandbytes", "kernels"):
+        quiet = logging.getLogger(name)
+        restore.append(functools.partial(quiet.setLevel, quiet.level))
+        quiet.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             for category in (FutureWarning, DeprecationWarning):

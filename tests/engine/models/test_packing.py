@@ -167,3 +167,14 @@ def test_the_logits_check_leaves_the_model_as_it_was():
     assert logits_mismatch(*decoder_and_head(model)) is None
     assert model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_sparse_attention_indexer_keeps_its_stock_attention():
+    # DeepSeek Sparse Attention picks each query's keys with an indexer and hands them to the
+    # attention as a mask; the packed attention has no such selection, so it stays off (and the
+    # family's stock masks keep the packed documents apart, as the checked-family test shows).
+    from engine.fastpath.attention import enable_packed_attention
+
+    _, model = _tiny("hy_v4")  # HunYuan-V4: attention sinks and an indexer
+    said = enable_packed_attention(model)
+    assert said.startswith("off:") and "sparse-attention indexer" in said, said
