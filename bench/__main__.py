@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-peak",
         action="store_true",
         help="after the timed steps, one more with the allocator's history on: what is alive at its peak, "
-        "by the source line that allocated it (bench/memory_peak.py)",
+        "by the source line that allocated it (bench/memory_peak.py); with --memcap, every trial of the search",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan (N, ceiling, batches, impls); build nothing")
     p.add_argument("--summarize", action="store_true", help="regenerate RESULTS.md from --results and exit")
@@ -355,6 +355,7 @@ def run_memcaps(args, workloads, device, budget, env) -> list[dict]:
                         args.memcap_max_tokens,
                         lr,
                         min_tokens=args.memcap_min_tokens,
+                        memory_peak=args.memory_peak,
                     )
                 )
             elif device.type != "cuda":

@@ -182,10 +182,13 @@ def run_memcap(
     hi_units: int = 128,
     lr: float = DEFAULT_LR,
     on_trial: Callable[[dict], None] | None = None,
+    memory_peak: bool = False,
 ) -> dict:
     """Fields of the memcap record (status, longest_tokens, trials ...); raises NotSupported
     when the implementation cannot run here. `on_trial(fields)` gets the record as it stands
-    after every trial (status UNFINISHED)."""
+    after every trial (status UNFINISHED). With `memory_peak`, every trial runs with the
+    allocator's history on and the record keeps each trial's peak breakdown (bench.memory_peak;
+    for a trial that ran out of memory, the highest point before the failure)."""
     import torch
 
     from bench.ours import _need_bnb
@@ -206,6 +209,7 @@ def run_memcap(
     gen = torch.Generator().manual_seed(7)
     vocab = workload.config["vocab_size"]
     peaks: dict[int, float] = {}
+    breakdowns: dict[str, dict] = {}  # tokens -> bench.memory_peak's breakdown, with memory_peak
     done: list[dict] = []  # the trials so far, for on_trial
 
     def fields(status: str, longest: int, trials: list[dict]) -> dict:
@@ -217,7 +221,7 @@ def run_memcap(
             "peak_gib": peaks.get(longest),
             "weights_gib": round(weights_gib, 2),
             "search_range": [lo_units * UNIT, hi_units * UNIT],
-        }
+        } | ({"memory_peaks": dict(breakdowns)} if memory_peak else {})
 
     def trial(n: int) -> bool:
         budget.check(f"memcap trial at {n} tokens")
@@ -226,7 +230,13 @@ def run_memcap(
         t0 = time.monotonic()
         ok, err = True, None
         try:
-            step(ids)
+            if memory_peak:
+                from bench.memory_peak import recorded_peak
+
+                with recorded_peak(f"{workload.id} {impl} at {n} tokens", breakdowns.setdefault(str(n), {})):
+                    step(ids)
+            else:
+                step(ids)
             torch.cuda.synchronize(device)
             peaks[n] = torch.cuda.max_memory_allocated(device) / GIB
         except Exception as exc:
@@ -270,6 +280,7 @@ def memcap_fields(
     lr: float = DEFAULT_LR,
     on_trial: Callable[[dict], None] | None = None,
     min_tokens: int = UNIT,
+    memory_peak: bool = False,
 ) -> dict:
     """`run_memcap`'s fields for a search from `min_tokens` up to `max_tokens`, or a status that says why there
     are none ("not supported: ...", "error: ..."); never raises. What run_memcaps records for
@@ -288,6 +299,7 @@ def memcap_fields(
                 hi_units=hi_units_for(max_tokens),
                 lr=lr,
                 on_trial=on_trial,
+                memory_peak=memory_peak,
             )
     except NotSupported as exc:
         out = {"status": f"not supported: {exc}"}

@@ -15,6 +15,8 @@ these lines to shrink, not a guess.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from bench.report import progress
 
 MIB = 1 << 20
@@ -64,30 +66,46 @@ def peak_breakdown(trace: list[dict], held_before: int, top: int = 15) -> dict:
     return {"peak_gib": round(best / (1 << 30), 3), "set_by": best_event, "lines_mib": rows}
 
 
-def memory_peak_step(prep, ctx, label: str) -> dict:
-    """Run one step with the allocator's history on and return its peak's breakdown."""
+@contextmanager
+def recorded_peak(label: str, out: dict):
+    """Record the allocator's history over the block; on leaving it (also by an exception, such as
+    an out-of-memory error: then the breakdown is of the highest point before the failure), fill
+    `out` with the peak's breakdown and print it."""
     import torch
 
-    if ctx.device.type != "cuda":
-        return {}
-    n = len(ctx.batches)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
+        yield
+    finally:
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError:  # an error the block left on the device must not hide the breakdown
+            pass
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        dev = torch.cuda.current_device()
+        traces = snap.get("device_traces") or []
+        out.update(peak_breakdown(traces[dev] if dev < len(traces) else [], held))
+        out["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / (1 << 30), 3)
+        table = "\n".join(f"  {mib:>10,.1f} MiB  {where}" for where, mib in out["lines_mib"])
+        progress(
+            f"{label} memory at the step's peak: {out['peak_gib']} GiB from the trace "
+            f"(max_memory_allocated {out['max_memory_allocated_gib']} GiB), set by {out['set_by']}\n{table}"
+        )
+
+
+def memory_peak_step(prep, ctx, label: str) -> dict:
+    """Run one step with the allocator's history on and return its peak's breakdown."""
+    if ctx.device.type != "cuda":
+        return {}
+    import torch
+
+    n = len(ctx.batches)
+    out: dict = {}
+    with recorded_peak(label, out):
         prep.step((ctx.warmup + ctx.steps) % n)
         torch.cuda.synchronize()
-        snap = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    dev = torch.cuda.current_device()
-    traces = snap.get("device_traces") or []
-    out = peak_breakdown(traces[dev] if dev < len(traces) else [], held)
-    out["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / (1 << 30), 3)
-    table = "\n".join(f"  {mib:>10,.1f} MiB  {where}" for where, mib in out["lines_mib"])
-    progress(
-        f"{label} memory at the step's peak: {out['peak_gib']} GiB from the trace "
-        f"(max_memory_allocated {out['max_memory_allocated_gib']} GiB), set by {out['set_by']}\n{table}"
-    )
     return {"memory_peak": out}
