@@ -336,7 +336,14 @@ class LoRAMLPUnread(torch.autograd.Function):
         dy = dy.reshape(-1, dy.shape[-1])
         n, inter = r2.shape[0], down.bases[0].in_features
         w_down = base_operand(down.bases[0], dy, False, down.nf4)
-        d_res = torch.empty_like(r2) if ctx.needs_input_grad[0] else None
+        d_res = None
+        if ctx.needs_input_grad[0]:
+            # The residual's gradient goes into dy's memory, each tile's rows after their last read
+            # of dy: this Function is only the root of offload's lean recompute, whose dy is the
+            # layer's output gradient, handed to this layer's backward alone. So one activation
+            # less is live through the rest of the layer's backward (its attention, W7's peak).
+            own = dy.is_contiguous() and dy.dtype == r2.dtype and dy.shape == r2.shape
+            d_res = dy if own else torch.empty_like(r2)
         acc: list[Optional[torch.Tensor]] = [None] * 6
         rows = _tile_rows(inter, r2.element_size())
         for s in range(0, n, rows):

@@ -56,6 +56,7 @@ from engine.counters import count_fallback
 from engine.fastpath import patching, recompute
 from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp, lora_mlp_unread, mlp_can_skip_output
 from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason
+from engine.fastpath.tiled_mlp import KIND as TILED_KIND
 from engine.kernels.rope import rope_reference
 from engine.models.arch import arch_for
 from engine.models.arch import patched as patched_archs
@@ -402,8 +403,18 @@ def _fused_layer(self, plan: _LayerPlan, hidden_states, **kwargs):
 
 
 def _unread_mlp(mlp: nn.Module, x: torch.Tensor) -> Optional[tuple]:
-    """(gate_up, down, act) of a fused LoRA MLP that `lora_mlp_unread` can stand in for, else None."""
+    """(gate_up, down, act) of a fused LoRA MLP that `lora_mlp_unread` can stand in for, else None.
+
+    A tiled MLP (engine.fastpath.tiled_mlp) wraps the fused one; LoRAMLPUnread's backward runs row
+    tiles of its own, so the stand-in serves it too, and then neither the normed input TiledMLP
+    keeps nor the layer's output is made (two activations of the row less at the backward's peak
+    on W7's long rows, and one MLP forward less)."""
     patch = patching.installed(mlp, _KIND)
+    if patch is None:
+        tiled = patching.installed(mlp, TILED_KIND)
+        inner = getattr(getattr(tiled, "plan", None), "inner", None)
+        if isinstance(inner, patching.PatchedForward) and inner.kind == _KIND:
+            patch = inner
     plan = None if patch is None else patch.plan
     if not isinstance(plan, _MLPPlan) or plan.groups is None or not mlp_can_skip_output(*plan.groups):
         return None

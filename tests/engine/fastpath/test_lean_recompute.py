@@ -17,8 +17,9 @@ from torch.profiler import ProfilerActivity, profile
 from engine.config import FastPathConfig
 from engine.data.collate import PackedBatch
 from engine.fastpath import lora as lora_mod
+from engine.fastpath import tiled_mlp
 from engine.models.patches import apply_fast_paths
-from engine.train.step import forward_loss, prepare_model
+from engine.train.step import forward_loss, prepare_model, tile_mlps
 from tests.engine.models.test_patches import tiny
 
 CPU = torch.device("cpu")
@@ -27,13 +28,21 @@ LAYERS = 2
 
 @pytest.fixture
 def unread_calls(monkeypatch):
-    """How many times LoRAMLPUnread's backward ran (the real one, counted on the way through)."""
-    calls = []
+    """How many times LoRAMLPUnread's backward ran (the real one, counted on the way through), and
+    for each whether the residual's gradient came back in dy's memory (`calls.in_dy`)."""
+
+    class Calls(list):
+        in_dy: list
+
+    calls = Calls()
+    calls.in_dy = []
     real = lora_mod.LoRAMLPUnread.backward
 
     def counted(ctx, dy):
         calls.append(dy.shape)
-        return real(ctx, dy)
+        out = real(ctx, dy)
+        calls.in_dy.append(out[0] is not None and out[0].data_ptr() == dy.data_ptr())
+        return out
 
     monkeypatch.setattr(lora_mod.LoRAMLPUnread, "backward", staticmethod(counted))
     return calls
@@ -44,7 +53,7 @@ def _batch(vocab, lengths, seed=3):
     return PackedBatch.from_documents([torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths])
 
 
-def _step(model_type, lean, offload="single", train_norms=False, impl="auto", **shape):
+def _step(model_type, lean, offload="single", train_norms=False, impl="auto", tiled=False, **shape):
     model = tiny(model_type, attn="eager" if model_type == "gemma2" else "sdpa", num_hidden_layers=LAYERS, **shape)
     if train_norms:  # a norm weight that trains gets its gradient through the tiles' autograd
         for name, p in model.named_parameters():
@@ -52,6 +61,8 @@ def _step(model_type, lean, offload="single", train_norms=False, impl="auto", **
                 p.requires_grad_(True)
     fp = FastPathConfig(lean_recompute=lean)
     prepared = prepare_model(model, fp, CPU, gradient_checkpointing=True, offload=offload)
+    if tiled:  # the MLPs over tiles of tokens (engine.fastpath.tiled_mlp), as a long row turns them on
+        assert tile_mlps(model, CPU).startswith("on")
     if impl == "triton":  # every kernel through Triton (the interpreter): the in-place activation backward
         apply_fast_paths(model, fp, CPU, kernel_impl="triton")
     model.train()
@@ -78,9 +89,31 @@ def test_lean_recompute_gives_the_same_gradients_over_several_tiles(monkeypatch,
     monkeypatch.setattr(lora_mod, "UNREAD_TILE_BYTES", 64 * inter * 4)
     lean = _step("qwen3", True, offload)
     assert len(unread_calls) == LAYERS
+    assert unread_calls.in_dy == [True] * LAYERS  # the residual's gradient took dy's memory
     full = _step("qwen3", False, offload)
     assert len(unread_calls) == LAYERS  # the switch off: the full recompute
     _assert_same(lean, full, tol=1e-5)
+
+
+def _small_tiles(monkeypatch, inter):
+    """Tiles of 64 rows for LoRAMLPUnread and of 32 tokens for the tiled MLP, on 172-token batches."""
+    monkeypatch.setattr(lora_mod, "UNREAD_TILE_BYTES", 64 * inter * 4)
+    monkeypatch.setattr(tiled_mlp, "TILE_UNIT", 32)
+    monkeypatch.setattr(tiled_mlp, "TILE_BYTES", 32 * 4 * inter * 2)
+
+
+def test_lean_recompute_stands_in_for_a_tiled_mlp(monkeypatch, unread_calls):
+    # A long row turns the tiled MLP on (W7); LoRAMLPUnread tiles its own backward, so the lean
+    # recompute skips the tiled MLP's forward and the layer's output there too. Same gradients as
+    # the tiled MLP's full recompute and as the untiled layer.
+    _small_tiles(monkeypatch, tiny("qwen3").config.intermediate_size)
+    lean = _step("qwen3", True, tiled=True)
+    assert len(unread_calls) == LAYERS
+    full = _step("qwen3", False, tiled=True)
+    plain = _step("qwen3", False)
+    assert len(unread_calls) == LAYERS
+    _assert_same(lean, full, tol=1e-5)
+    _assert_same(full, plain, tol=1e-5)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on a CPU")
