@@ -1044,8 +1044,15 @@ def _sink_grad(do, o, lse, sinks, L: _Launch) -> torch.Tensor:
     return -torch.where(covered, p * delta, 0.0).sum(0).to(sinks.dtype)
 
 
-def _backward(do, q, k, v, o, lse, L: _Launch):
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def _backward(do, q, k, v, o, lse, L: _Launch, o_private: bool = False):
+    # o_private: O belongs to this backward alone (a recompute took it back from the offloader's
+    # KeptAttention: no caller holds it). Then dQ goes into O's memory: after the delta kernel (the
+    # first launch below, in stream order) nothing reads O, and on a long row one activation less
+    # is live at the layer backward's highest point (W7). O's version is bumped, so a second
+    # backward through a retained graph stops with torch's "modified by an inplace operation"
+    # instead of reading dQ as O.
+    reuse_o = o_private and o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous()
+    dq = o if reuse_o else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if L.t == 0:
@@ -1088,6 +1095,8 @@ def _backward(do, q, k, v, o, lse, L: _Launch):
     L.run("dkdv", _attn_bwd_dkdv_tuned, _attn_bwd_dkdv, L.hkv, dkdv_args, dkdv_rest, extra=extra)
     dq_rest = common + (dq.stride(0), dq.stride(1), lse.stride(0), L.scale, L.mul_a, L.mul_b, L.window, L.long_docs)
     L.run("dq", _attn_bwd_dq_tuned, _attn_bwd_dq, L.hq, (q, k, v, do, dq, lse, delta, L.cu), dq_rest)
+    if reuse_o:
+        torch.autograd.graph.increment_version(o)
     return dq, dk, dv
 
 
@@ -1128,6 +1137,7 @@ def _forward_or_kept(q, k, v, launch: _Launch, kept: Optional[KeptAttention] = N
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, launch: _Launch, kept: Optional[KeptAttention] = None):
+        ctx.o_private = kept is not None and kept.mode == "reuse" and bool(kept.outputs)
         o, lse = _forward_or_kept(q, k, v, launch, kept, sinks)
         ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.launch = launch
@@ -1146,7 +1156,7 @@ class _VarlenAttention(torch.autograd.Function):
             if varlen_attention_bwd.onepass_allowed():
                 dq, dk, dv = varlen_attention_bwd.onepass_backward(do, q, k, v, o, lse, ctx.launch)
                 return dq, dk, dv, dsinks, None, None
-        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.launch)
+        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.launch, o_private=ctx.o_private)
         return dq, dk, dv, dsinks, None, None
 
 

@@ -192,3 +192,36 @@ def test_frozen_sinks_get_no_gradient_and_tokens_past_the_documents_are_left_out
     sr = sinks.clone().requires_grad_()
     varlen_attention_reference(q.detach(), k.detach(), v.detach(), cu, sinks=sr)[:30].sum().backward()
     torch.testing.assert_close(st.grad, sr.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kept_output_takes_dq_and_a_retained_graph_cannot_read_it_twice():
+    # The offloader's recompute hands the first forward's output back (KeptAttention "reuse"): the
+    # backward writes dQ into that output's memory, with the same gradients, and bumps its version,
+    # so a second backward through a retained graph stops instead of reading dQ as the output.
+    from engine.kernels.varlen_attention import KeptAttention
+
+    gen = torch.Generator().manual_seed(2)
+    info = PackedSeqInfo.from_lengths([19, 33, 12])
+    t = info.total_tokens
+    q, k, v, do = (torch.randn(t, h, 16, generator=gen) for h in (4, 2, 2, 4))
+
+    def run(kept):
+        qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+        out = varlen_attention_triton(qt, kt, vt, info.cu_seqlens, info.max_seqlen, kept=kept)
+        return out, (qt, kt, vt)
+
+    out, leaves = run(None)
+    out.backward(do)
+    want = [x.grad for x in leaves]
+    kept = KeptAttention(mode="keep")
+    with torch.no_grad():
+        run(kept)
+    kept.mode = "reuse"
+    out, leaves = run(kept)
+    o_ptr = out.data_ptr()
+    out.backward(do, retain_graph=True)
+    assert leaves[0].grad.data_ptr() == o_ptr  # dQ in the kept output's memory
+    for got, exp in zip([x.grad for x in leaves], want):
+        torch.testing.assert_close(got, exp, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        out.backward(do)

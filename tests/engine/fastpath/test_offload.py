@@ -145,6 +145,14 @@ def long_step(keep: bool, monkeypatch):
         return forward(*args)
 
     monkeypatch.setattr(va, "_forward", counting_forward)
+    backward, reused = va._backward, []
+
+    def spying_backward(do, q, k, v, o, lse, L, o_private=False):
+        out = backward(do, q, k, v, o, lse, L, o_private=o_private)
+        reused.append(out[0].data_ptr() == o.data_ptr())  # dQ written into O's memory
+        return out
+
+    monkeypatch.setattr(va, "_backward", spying_backward)
     monkeypatch.setattr(offload, "ATTENTION_KEEP_MIN_SHARE", 0.25 if keep else float("inf"))
     model = tiny("qwen3", attn="sdpa", num_hidden_layers=3)
     prepared = prepare_model(
@@ -160,13 +168,17 @@ def long_step(keep: bool, monkeypatch):
     kept_after_forward = [len(s.attention.outputs) for s in off.slots]
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return loss.detach(), grads, len(calls), kept_after_forward, off
+    return loss.detach(), grads, len(calls), kept_after_forward, off, reused
 
 
 @pytest.mark.slow  # two offloaded steps over long documents through the attention kernel (interpreted on a CPU)
 def test_long_documents_keep_attention_outputs_for_the_recompute(monkeypatch):
-    l1, g1, calls1, kept1, off1 = long_step(True, monkeypatch)
-    l0, g0, calls0, kept0, off0 = long_step(False, monkeypatch)
+    l1, g1, calls1, kept1, off1, reused1 = long_step(True, monkeypatch)
+    reused1 = list(reused1)  # the second step's spy calls through the first one
+    l0, g0, calls0, kept0, off0, reused0 = long_step(False, monkeypatch)
+    # A kept output is the backward's alone: dQ goes into its memory (one activation less at the
+    # layer backward's peak); an output made in the recompute may be the caller's, and is left alone.
+    assert reused1 == [True] * 3 and reused0 == [False] * 3
     assert off1.stats.attention_kept == "kept" and off0.stats.attention_kept == ""
     assert off1.stats.attention_layers == 3 and off1.stats.note() == "single, attention kept in 3 layers"
     assert off0.stats.attention_layers == 0 and off0.stats.note() == "single"
