@@ -44,6 +44,11 @@ complete, and the host runs the forward layers ahead of the device: on the H200 
 parked inputs (1 GiB) waiting so (bench --memory-peak). Only the last parked input, which the head
 and the loss follow, is left to `record_stream`.
 
+Single-buffered long rows (at least EARLY_RELEASE_TOKENS tokens: a memory-short step, as W7's
+under a 16 GiB cap) let the parked input go at the start of the next layer instead: the compute
+stream waits for its copy there (about 30 ms for a 196k-token row on the H200, against seconds of
+the layer's own work), so one layer input less is live at the forward's peak, inside that layer.
+
 On a CPU there is no copy stream; the "host buffer" is a plain CPU tensor (a copy that saves
 nothing), which keeps the mechanism testable without a GPU.
 """
@@ -61,6 +66,10 @@ from engine.fastpath import recompute
 from engine.kernels.varlen_attention import KEPT_KWARG, KeptAttention
 
 MODES = ("single", "double")
+# Rows from this many tokens, single-buffered, let a parked input go at the next layer's start
+# (module docstring): there one layer's compute dwarfs the copy it waits for (a 65k-token row's
+# input takes about 10 ms to copy at hidden 4,096; the layer's forward about 100 ms on the H200).
+EARLY_RELEASE_TOKENS = 65_536
 # Headroom kept free beside the second buffer when choosing double buffering.
 DOUBLE_BUFFER_MARGIN = 256 * 2**20
 # Keep attention outputs for the recompute when the attention forward costs at least this
@@ -130,6 +139,8 @@ class ActivationOffloader:
         self.stats = OffloadStats()
         self._step_mode = mode
         self._step_second = 0  # bytes of this step's second buffer (one layer input)
+        # This step's parked inputs are let go at the next layer's start (single, long rows).
+        self._early_release = False
         # (peak allocated bytes, mode, second-buffer bytes) of the last step whose backward
         # reached the first layer; None until one has (CUDA only).
         self._measured: Optional[tuple[int, str, int]] = None
@@ -192,6 +203,7 @@ class ActivationOffloader:
                 self._keep_attention = True
                 self.stats.attention_kept = "kept"
         self.stats.mode = self._step_mode
+        self._early_release = self._step_mode == "single" and tokens >= EARLY_RELEASE_TOKENS
         return self._step_mode
 
     def _second_buffer_short(self, free: int) -> str:
@@ -389,6 +401,8 @@ class OffloadedLayer(torch.autograd.Function):
         ctx.offloader, ctx.index, ctx.fn = offloader, index, fn
         ctx.rng = RngState.capture(hidden.device) if offloader.keep_rng else None
         kept = offloader.slots[index].attention
+        if offloader._early_release:  # a long single-buffered row: the previous input goes now
+            offloader._release_pending()
         with torch.no_grad(), _passing(kept, "keep" if offloader._keep_attention else None) as extra:
             out = fn(hidden, **extra)
         if kept.outputs:
@@ -411,7 +425,7 @@ class OffloadedLayer(torch.autograd.Function):
         with (
             torch.enable_grad(),
             ctx.rng.restored() if ctx.rng is not None else contextlib.nullcontext(),
-            _passing(kept, "reuse" if kept.outputs else None) as extra,
+            _passing(kept, _recompute_mode(kept, off)) as extra,
             recompute.recomputing(off.lean_recompute),
         ):
             out = ctx.fn(hidden, **extra)
@@ -425,9 +439,18 @@ class OffloadedLayer(torch.autograd.Function):
         return None, None, None, None, dx
 
 
+def _recompute_mode(kept: KeptAttention, off: ActivationOffloader) -> Optional[str]:
+    """How the recompute hands `kept` to the layer's attention: "reuse" its kept outputs, or
+    "recompute" (outputs made here belong to this backward alone, so the attention backward may
+    write dQ into its output's memory), or not at all (fast_paths.keep_attention false)."""
+    if kept.outputs:
+        return "reuse"
+    return "recompute" if off.keep_attention_allowed else None
+
+
 @contextlib.contextmanager
 def _passing(kept: KeptAttention, mode: Optional[str]):
-    """The layer kwargs that hand `kept` to its attention calls in `mode` ("keep" or "reuse");
+    """The layer kwargs that hand `kept` to its attention calls in `mode` ("keep", "reuse" or "recompute");
     none when there is nothing to keep or reuse (the layer then runs exactly as without it)."""
     if mode is None:
         yield {}

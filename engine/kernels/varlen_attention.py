@@ -1045,8 +1045,8 @@ def _sink_grad(do, o, lse, sinks, L: _Launch) -> torch.Tensor:
 
 
 def _backward(do, q, k, v, o, lse, L: _Launch, o_private: bool = False):
-    # o_private: O belongs to this backward alone (a recompute took it back from the offloader's
-    # KeptAttention: no caller holds it). Then dQ goes into O's memory: after the delta kernel (the
+    # o_private: O belongs to this backward alone (an offloader's recompute made it, or took it back
+    # from the layer's KeptAttention: no caller holds it). Then dQ goes into O's memory: after the delta kernel (the
     # first launch below, in stream order) nothing reads O, and on a long row one activation less
     # is live at the layer backward's highest point (W7). O's version is bumped, so a second
     # backward through a retained graph stops with torch's "modified by an inplace operation"
@@ -1110,10 +1110,12 @@ class KeptAttention:
     `outputs`; mode "reuse" (the recompute): the calls take them back in call order instead of
     running the forward kernel again. The recompute's q/k/v are bitwise those of the first
     forward (same inputs, same kernels), so the backward is the one it would have been. Costs
-    the kept outputs' memory; pays when attention is long.
+    the kept outputs' memory; pays when attention is long. Mode "recompute" (a recompute with
+    nothing kept): the calls compute as usual, and their outputs belong to the backward alone.
+    In both recompute modes the backward writes dQ into the output's memory.
     """
 
-    mode: Optional[str] = None  # None, "keep" or "reuse"
+    mode: Optional[str] = None  # None, "keep", "reuse" or "recompute"
     outputs: list = field(default_factory=list)
 
 
@@ -1137,7 +1139,8 @@ def _forward_or_kept(q, k, v, launch: _Launch, kept: Optional[KeptAttention] = N
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, launch: _Launch, kept: Optional[KeptAttention] = None):
-        ctx.o_private = kept is not None and kept.mode == "reuse" and bool(kept.outputs)
+        # The output is this backward's alone when an offloader's recompute makes it or hands a kept one back.
+        ctx.o_private = kept is not None and (kept.mode == "recompute" or (kept.mode == "reuse" and bool(kept.outputs)))
         o, lse = _forward_or_kept(q, k, v, launch, kept, sinks)
         ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.launch = launch

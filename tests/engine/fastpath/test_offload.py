@@ -176,9 +176,9 @@ def test_long_documents_keep_attention_outputs_for_the_recompute(monkeypatch):
     l1, g1, calls1, kept1, off1, reused1 = long_step(True, monkeypatch)
     reused1 = list(reused1)  # the second step's spy calls through the first one
     l0, g0, calls0, kept0, off0, reused0 = long_step(False, monkeypatch)
-    # A kept output is the backward's alone: dQ goes into its memory (one activation less at the
-    # layer backward's peak); an output made in the recompute may be the caller's, and is left alone.
-    assert reused1 == [True] * 3 and reused0 == [False] * 3
+    # A kept output handed back, or one the recompute made, is the backward's alone: dQ goes into
+    # its memory (one activation less at the layer backward's peak).
+    assert reused1 == [True] * 3 and reused0 == [True] * 3
     assert off1.stats.attention_kept == "kept" and off0.stats.attention_kept == ""
     assert off1.stats.attention_layers == 3 and off1.stats.note() == "single, attention kept in 3 layers"
     assert off0.stats.attention_layers == 0 and off0.stats.note() == "single"
@@ -265,3 +265,43 @@ def test_double_buffering_is_chosen_from_the_last_measured_peak():
     stats = OffloadStats(mode="double", layers=28, copies=True)
     assert stats.note() == "double, 0 of 28 reloads waited"
     assert OffloadStats(mode="single", layers=28).note() == "single"  # a CPU: nothing travels
+
+
+def test_long_single_buffered_rows_let_a_parked_input_go_at_the_next_layer():
+    # (Its memory effect is measured on the GPU: tests/gpu/test_offload_gpu.py.)
+    from types import SimpleNamespace
+
+    from engine.fastpath.offload import EARLY_RELEASE_TOKENS, ActivationOffloader
+
+    def early(mode, tokens):
+        off = ActivationOffloader(mode, "cpu")
+        off.install([SimpleNamespace(), SimpleNamespace()])
+        off.begin_step(tokens, 64, torch.float32)
+        return off._early_release
+
+    assert early("single", EARLY_RELEASE_TOKENS)
+    assert not early("single", EARLY_RELEASE_TOKENS - 1)  # a short row: the copy would show
+    assert not early("double", EARLY_RELEASE_TOKENS)  # double keeps its inputs' timing
+
+
+def test_an_output_outside_the_offloaders_recompute_is_left_alone(monkeypatch):
+    # Plain checkpointing (no offloader): the recompute is torch's, the attention output may be held
+    # by anyone, so dQ gets memory of its own.
+    from engine.fastpath.attention import enable_packed_attention
+    from engine.kernels import varlen_attention as va
+
+    backward, reused = va._backward, []
+
+    def spying_backward(do, q, k, v, o, lse, L, o_private=False):
+        out = backward(do, q, k, v, o, lse, L, o_private=o_private)
+        reused.append(out[0].data_ptr() == o.data_ptr())
+        return out
+
+    monkeypatch.setattr(va, "_backward", spying_backward)
+    model = tiny("qwen3", attn="sdpa", num_hidden_layers=2)
+    prepared = prepare_model(model, FastPathConfig(), torch.device("cpu"), gradient_checkpointing=True, offload="off")
+    assert enable_packed_attention(model, backend="triton") == "on"
+    model.train()
+    b = batch()
+    forward_loss(prepared, b, normalizer=b.num_trained_tokens).backward()
+    assert reused == [False, False]
