@@ -48,6 +48,8 @@ from bench.runner import (
 )
 
 UNIT = 1024
+# More than this still allocated after a failed trial's clean-up ends the search (see run_memcap).
+STALE_BYTES = 64 * 2**20
 CUDA_ONLY = "the memory-capped search needs a CUDA GPU"
 CUT_SHORT = "ok (search cut short by the time budget)"
 # What a record written after a trial says until the search's end replaces it (the Unsloth
@@ -61,17 +63,24 @@ def hi_units_for(max_tokens: int) -> int:
 
 
 def search_longest(
-    trial: Callable[[int], bool], lo_units: int, hi_units: int, budget: Budget | None = None, unit: int = UNIT
+    trial: Callable[[int], bool],
+    lo_units: int,
+    hi_units: int,
+    budget: Budget | None = None,
+    unit: int = UNIT,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[int, list[dict]]:
     """Largest n*unit in [lo, hi] units with trial(n*unit) true, assuming monotonic; 0 if none.
 
     Returns (longest tokens, trials in order). Stops early (keeping what it knows) when the
-    budget runs out.
+    budget runs out or `stop()` says the later trials would not be comparable.
     """
     good, bad = lo_units - 1, hi_units + 1
     trials: list[dict] = []
     while bad - good > 1:
         if budget is not None and budget.remaining() <= 0:
+            break
+        if stop is not None and stop():
             break
         mid = (good + bad) // 2
         t0 = time.monotonic()
@@ -209,6 +218,7 @@ def run_memcap(
     gen = torch.Generator().manual_seed(7)
     vocab = workload.config["vocab_size"]
     peaks: dict[int, float] = {}
+    stale: list[str] = []  # why the search stopped early: memory a failed trial left behind
     breakdowns: dict[str, dict] = {}  # tokens -> bench.memory_peak's breakdown, with memory_peak
     done: list[dict] = []  # the trials so far, for on_trial
 
@@ -225,6 +235,7 @@ def run_memcap(
 
     def trial(n: int) -> bool:
         budget.check(f"memcap trial at {n} tokens")
+        before = torch.cuda.memory_allocated(device)
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
         torch.cuda.reset_peak_memory_stats(device)
         t0 = time.monotonic()
@@ -248,6 +259,12 @@ def run_memcap(
         opt.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated(device) - before
+        if not ok and left > STALE_BYTES:
+            # Memory the failed step left allocated: a later trial would start with less than this
+            # one did, and its out-of-memory would say nothing about its length (seen on the H200:
+            # 6 GiB after W7's trial at 212,992 tokens, and every shorter trial then failed).
+            stale.append(f"{left / GIB:.2f} GiB stayed allocated after the out-of-memory trial at {n} tokens")
         progress(
             f"{workload.id} {impl} memcap: {n} tokens -> {'ok' if ok else 'OOM'}"
             + (f", peak {peaks[n]:.2f} GiB" if ok else "")
@@ -259,7 +276,7 @@ def run_memcap(
         return ok
 
     try:
-        longest, trials = search_longest(trial, lo_units, hi_units, budget)
+        longest, trials = search_longest(trial, lo_units, hi_units, budget, stop=lambda: bool(stale))
         if lo_units > 1 and not any(t["ok"] for t in trials):
             longest = 0  # the lengths below the range were not tried: nothing is known to train
     finally:
@@ -267,6 +284,8 @@ def run_memcap(
         _model = opt = step = None  # noqa: F841 - drop the model before freeing memory
         gc.collect()
         torch.cuda.empty_cache()
+    if stale:
+        return fields(f"ok (search stopped: {stale[0]}; shorter lengths need a fresh process)", longest, trials)
     return fields(CUT_SHORT if budget.remaining() <= 0 else "ok", longest, trials)
 
 

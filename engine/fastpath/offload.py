@@ -56,6 +56,7 @@ nothing), which keeps the mechanism testable without a GPU.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional
@@ -425,7 +426,7 @@ class OffloadedLayer(torch.autograd.Function):
         with (
             torch.enable_grad(),
             ctx.rng.restored() if ctx.rng is not None else contextlib.nullcontext(),
-            _passing(kept, _recompute_mode(kept, off)) as extra,
+            _passing(kept, _recompute_mode(kept, off, ctx.fn)) as extra,
             recompute.recomputing(off.lean_recompute),
         ):
             out = ctx.fn(hidden, **extra)
@@ -439,13 +440,22 @@ class OffloadedLayer(torch.autograd.Function):
         return None, None, None, None, dx
 
 
-def _recompute_mode(kept: KeptAttention, off: ActivationOffloader) -> Optional[str]:
+def _recompute_mode(kept: KeptAttention, off: ActivationOffloader, fn: Callable) -> Optional[str]:
     """How the recompute hands `kept` to the layer's attention: "reuse" its kept outputs, or
     "recompute" (outputs made here belong to this backward alone, so the attention backward may
-    write dQ into its output's memory), or not at all (fast_paths.keep_attention false)."""
+    write dQ into its output's memory), or not at all (fast_paths.keep_attention false, or a layer
+    function that takes no keyword arguments: transformers' decoder layers all do)."""
     if kept.outputs:
         return "reuse"
-    return "recompute" if off.keep_attention_allowed else None
+    return "recompute" if off.keep_attention_allowed and _takes_kwargs(fn) else None
+
+
+def _takes_kwargs(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 @contextlib.contextmanager

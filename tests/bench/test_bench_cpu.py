@@ -318,6 +318,16 @@ def test_memcap_binary_search():
     assert longest == 39 * 1024 and len(trials) == len(calls) <= 8
     assert search_longest(lambda n: False, 1, 128)[0] == 0
     assert search_longest(lambda n: True, 1, 128)[0] == 128 * 1024
+    # A failed trial that left memory behind stops the search: later trials would not compare.
+    stale, seen = [], []
+
+    def leaky(n):
+        seen.append(n)
+        stale.append(n)
+        return False
+
+    longest, trials = search_longest(leaky, 1, 128, stop=lambda: bool(stale))
+    assert longest == 0 and len(trials) == len(seen) == 1
 
 
 def test_patch_guard_restores_transformers():

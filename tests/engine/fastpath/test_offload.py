@@ -305,3 +305,19 @@ def test_an_output_outside_the_offloaders_recompute_is_left_alone(monkeypatch):
     b = batch()
     forward_loss(prepared, b, normalizer=b.num_trained_tokens).backward()
     assert reused == [False, False]
+
+
+def test_a_layer_function_without_keyword_arguments_recomputes_without_the_attention_handle():
+    from types import SimpleNamespace
+
+    from engine.fastpath.offload import ActivationOffloader
+
+    w = torch.randn(8, 8, requires_grad=True)
+    off = ActivationOffloader("single", "cpu")
+    off.install([SimpleNamespace(), SimpleNamespace()])
+    off.begin_step(4, 8, torch.float32)
+    h = torch.randn(4, 8)
+    for i in range(2):
+        h = off.checkpoint(i, lambda x: torch.tanh(x @ w), h)
+    h.sum().backward()  # the recompute calls the plain function with no extra keyword
+    assert w.grad is not None
