@@ -69,7 +69,13 @@ def remade_when_unpacked(t: torch.Tensor, remake: Callable[[], torch.Tensor], on
     def pack(x: torch.Tensor):
         if x.dtype == dtype and x.untyped_storage().data_ptr() == ptr:
             return _Remade(remake, x)
-        return x
+        # Every other saved tensor as it is, but detached: a hook that returns the tensor itself
+        # makes a node that saves its own output (the attention kernel's O, a softmax's result)
+        # hold that output with its grad_fn, the node: a cycle through C++ that Python's collector
+        # cannot see. A backward that runs frees it; one that fails before reaching the node (an
+        # out-of-memory error) left the layer's whole recompute allocated for the rest of the
+        # process (5-6 GiB on W7's rows). Autograd unpacks with the grad_fn it recorded at save.
+        return x.detach()
 
     def unpack(saved):
         if not isinstance(saved, _Remade):

@@ -233,3 +233,51 @@ def test_a_forward_without_autograd_runs_the_mlp_in_row_tiles(monkeypatch):
     torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(base, base_whole, rtol=1e-5, atol=1e-5)
     assert (base - tiled).abs().max() > 1e-3  # the adapters were on in the first pair
+
+
+def test_a_backward_that_fails_leaves_no_recompute_allocated(monkeypatch):
+    # An out-of-memory error in a layer's backward, before the backward reached its attention: the
+    # layer's recompute (its input, q/k/v, the attention's saved tensors) must go with the failed
+    # step, or the session's retry starts with 5-6 GiB less (W7's rows on the H200). The saved-tensor
+    # hook of the lean recompute once tied each output to its own node in a cycle Python cannot see.
+    import gc
+    import traceback
+    from collections import Counter
+
+    model = tiny("qwen3", attn="sdpa", num_hidden_layers=3)
+    prepared = prepare_model(model, FastPathConfig(lean_recompute=True), CPU, True, offload="single")
+    model.train()
+    b = _batch(model.config.vocab_size, (200, 300))
+    hidden = model.config.hidden_size
+
+    def live() -> Counter:  # tensors at least a quarter of a layer input, by shape
+        gc.collect()
+        return Counter(
+            (tuple(o.shape), o.dtype)
+            for o in gc.get_objects()
+            if type(o) is torch.Tensor and o.numel() >= 500 * hidden // 4
+        )
+
+    def step():
+        forward_loss(prepared, b, normalizer=b.num_trained_tokens).backward()
+
+    step()
+    for p in model.parameters():
+        p.grad = None
+    before = live()
+    real, calls = lora_mod.LoRAMLPUnread.backward, []
+
+    def failing(ctx, dy):
+        calls.append(1)
+        if len(calls) == 2:  # the second layer's backward, at its start
+            raise torch.OutOfMemoryError("injected out of memory")
+        return real(ctx, dy)
+
+    monkeypatch.setattr(lora_mod.LoRAMLPUnread, "backward", staticmethod(failing))
+    with pytest.raises(torch.OutOfMemoryError) as failed:
+        step()
+    traceback.clear_frames(failed.value.__traceback__)
+    failed = None
+    for p in model.parameters():
+        p.grad = None
+    assert live() == before
