@@ -101,7 +101,11 @@ def alone_refusal(model_type: Optional[str], packed_attention: bool = True) -> O
     from engine.models.arch.packing import documents_alone
 
     # None for a model_type not known yet: shard() asks again once the model has loaded.
-    alone = documents_alone(model_type, packed_attention)
+    return _refusal(model_type, documents_alone(model_type, packed_attention))
+
+
+def _refusal(model_type: Optional[str], alone: Optional[str]) -> Optional[str]:
+    """alone_refusal's sentence for a model whose documents run alone for reason `alone` (None: none)."""
     if alone is None:
         return None
     return (
@@ -121,11 +125,12 @@ def shard(model: nn.Module, loss_fn: Callable, device: torch.device, world_size:
     loading when its config.json was on disk; this is the check for one that was not."""
     from torch.distributed.fsdp import fully_shard
 
-    from engine.fastpath.attention import ATTN_NAME
     from engine.peft_model import hf_model
+    from engine.train.step import documents_alone
 
-    cfg = hf_model(model).config
-    why = alone_refusal(getattr(cfg, "model_type", None), getattr(cfg, "_attn_implementation", None) == ATTN_NAME)
+    base = hf_model(model)
+    # As loaded: whether the engine's packed attention runs it is the step's own question.
+    why = _refusal(getattr(base.config, "model_type", None), documents_alone(base))
     if why:
         from engine.config import ConfigError
 
