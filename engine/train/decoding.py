@@ -19,7 +19,12 @@ On a tiny CPU Qwen3 that is ~410 aten ops per layer per token.
   each key/value head laid out as the query length (grouped-query attention with no repeated
   K/V);
 - the rotary cos/sin of every generated position are computed once, and the key mask is one
-  [B, 1, 1, slots] boolean buffer, one slot switched on per step (no per-token mask building).
+  [B, 1, 1, slots] boolean buffer, one slot switched on per step (no per-token mask building);
+  a sliding-window layer reads it through a band of its window's slots, made on the device
+  from the step's slot (once per window a step);
+- attention sinks (GPT-OSS: a learned logit per head that takes part in the softmax and adds
+  nothing to the output) are attended as transformers' eager attention does, op for op: the
+  sink as one more column of the scores, the row's max taken off, softmax, the column dropped;
   The loop builds its masks itself, so no prompt reads its left padding (the packed attention
   function gets no padding mask: engine.fastpath.attention.unpacked_attention);
 - the logits are the last position's only; sampling is transformers' own arithmetic, op for
@@ -40,8 +45,8 @@ modules the same way: PEFT's projections, the stock norms, the torch rotation.
 
 `decode_refusal(model, total_len)` says why a model cannot take this loop (an architecture
 outside DECODE_ARCHS, whose forwards scale embeddings, residuals or logits; attention that does
-more than plain causal softmax attention: softcapping, sinks, a sliding window shorter than
-the sequence; a per-layer fact the loop does not repeat: norms beyond the two around attention,
+more than causal softmax attention with an optional sliding window and sinks: softcapping;
+a per-layer fact the loop does not repeat: norms beyond the two around attention,
 q/k norms over the whole projection; rotary tables that change with the sequence length); the
 caller counts the reason (engine.counters' `fallback:decode_loop: <reason>`, in the step's
 report) and uses `generate`, as it does for a sharded (FSDP) model. NoPE layers (SmolLM3's,
@@ -75,7 +80,7 @@ STOP_CHECK_EVERY = 8
 # The architectures whose model and layer forwards are the plain pre-norm decoder this loop
 # repeats (embeddings unscaled, residual adds unscaled, head logits unscaled), each checked
 # against `generate` (tests/engine/train/test_grpo_decoding.py). Others keep `generate`.
-DECODE_ARCHS = frozenset({"llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "smollm3"})
+DECODE_ARCHS = frozenset({"gpt_oss", "llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "smollm3"})
 
 # transformers' rope types whose rotary module recomputes its frequencies as the sequence grows.
 SEQUENCE_LENGTH_ROPE = frozenset({"dynamic", "longrope"})
@@ -108,6 +113,10 @@ class _Layers:
         self.layers = list(self.decoder.layers)
         self.attn_plans = [_attn_plan(layer, arch) for layer in self.layers]
         self.layer_plans = [patching.installed(layer, PATCH_KIND) for layer in self.layers]
+        # Each layer's sliding window in tokens (None: full attention), as its stock forward passes it.
+        self.windows = [
+            plan.attn_kwargs(layer.self_attn).get("sliding_window") for plan, layer in zip(self.attn_plans, self.layers)
+        ]
 
 
 def _attn_plan(layer, arch):
@@ -119,7 +128,9 @@ def _attn_plan(layer, arch):
 
 
 def decode_refusal(model, total_len: int) -> Optional[str]:
-    """None when `decode` can run `model` for sequences of up to `total_len` tokens, else why not."""
+    """None when `decode` can run `model` for sequences of up to `total_len` tokens, else why not.
+    (No refusal depends on the length since the loop applies sliding windows itself; callers
+    still say it, as a refusal that does, a rotary table past its trained length, would need it.)"""
     from engine.models.arch import arch_for
     from engine.models.patches import hf_model
 
@@ -156,15 +167,10 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
             if not hasattr(layer, name):
                 return f"layer {i} has no {name}"
         extra = _attn_plan(layer, arch).attn_kwargs(layer.self_attn)
-        window = extra.pop("sliding_window", None)
-        if window is not None and window < total_len:
-            # No length in the reason: it is counted per step (engine.counters), one key a model.
-            return f"layer {i} has a sliding window of {window} tokens, shorter than the sequences"
+        extra.pop("sliding_window", None)  # the loop applies it (_windowed)
         extra = {k: v for k, v in extra.items() if v is not None}
         if extra:
             return f"layer {i}'s attention takes {', '.join(sorted(extra))}"
-        if getattr(layer.self_attn, "sinks", None) is not None:
-            return f"layer {i}'s attention has sinks"
     return None
 
 
@@ -197,6 +203,35 @@ class _Cache:
         return self.k, self.v
 
 
+def _windowed(mask: torch.Tensor, at, window: int) -> torch.Tensor:
+    """`mask` [B, 1, T, keys] narrowed to a sliding window: a query at slot i reads key slot j
+    only where i - j < window, transformers' sliding-window rule over cache positions (the loop's
+    slots are generate's: both pad prompts on the left to the same width). `at` as in
+    _Cache.write: the first query's slot (int), or the step's slot on the device ([1])."""
+    t, keys = mask.shape[-2:]
+    key_slots = torch.arange(keys, device=mask.device)
+    query_slots = at + torch.arange(t, device=mask.device) if isinstance(at, int) else at
+    return mask & (key_slots > query_slots[:, None] - window)
+
+
+def _sink_attention(attn, qg, keys, values, mask, t):
+    """transformers' eager attention with sinks (GPT-OSS's `eager_attention_forward`), op for op,
+    on the loop's grouped layout: qg [B, kv, g*T, D], mask [B, 1, g*T, keys]. The sink logit of
+    query head kv*g + i is one more score column of that head's T rows; it takes part in the
+    softmax and is dropped before the values are read."""
+    b, kv_heads, rows, _ = qg.shape
+    scores = torch.matmul(qg, keys.transpose(2, 3)) * attn.scaling
+    # eager adds a mask of 0 and the dtype's lowest value; where that is added the softmax gives
+    # 0, as it does for the lowest value written in.
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    g = rows // t
+    sinks = attn.sinks.view(1, kv_heads, g, 1, 1).expand(b, kv_heads, g, t, 1).reshape(b, kv_heads, rows, 1)
+    combined = torch.cat([scores, sinks], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
+
+
 def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask):
     """One layer's attention for h [B, T, hidden], writing its K/V at `at` (_Cache.write); the
     steps of engine.models.patches' attention forward up to the attention call."""
@@ -224,7 +259,10 @@ def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask):
     # attention reads the cache once per K/V head (no repeat_kv copy); a view when T == 1.
     qg = q.reshape(b, t, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
     m = mask.unsqueeze(2).expand(b, 1, g, t, end).reshape(b, 1, g * t, end)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=m, scale=attn.scaling)
+    if getattr(attn, "sinks", None) is not None:
+        out = _sink_attention(attn, qg, keys, values, m, t)
+    else:
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=m, scale=attn.scaling)
     out = out.view(b, kv_heads, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, kv_heads * g * d)
     if plan.o is not None and plan.o.runtime_ok(out):
         (out,) = lora_linears(out, plan.o)
@@ -255,9 +293,13 @@ def _layer(layer, plan, lplan, h, cos, sin, cache, at, mask):
 
 
 def _layers(net: _Layers, h, cos, sin, caches, at, mask):
-    """The decoder layers over embeddings h [B, T, hidden], K/V written at `at` (_Cache.write)."""
-    for layer, plan, lplan, cache in zip(net.layers, net.attn_plans, net.layer_plans, caches):
-        h = _layer(layer, plan, lplan, h, cos, sin, cache, at, mask)
+    """The decoder layers over embeddings h [B, T, hidden], K/V written at `at` (_Cache.write);
+    `mask` [B, 1, T, keys] the full-attention layers' (each window's made from it once)."""
+    masks = {None: mask}
+    for layer, plan, lplan, cache, window in zip(net.layers, net.attn_plans, net.layer_plans, caches, net.windows):
+        if window not in masks:
+            masks[window] = _windowed(mask, at, window)
+        h = _layer(layer, plan, lplan, h, cos, sin, cache, at, masks[window])
     return h
 
 
@@ -369,6 +411,15 @@ class _Step:
         return self.out
 
 
+def _full_width(net: _Layers, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables at the head's width. GPT-OSS's rotary module gives half-width tables and
+    its rotation multiplies each half of q and k by them (x1*cos - x2*sin, x2*cos + x1*sin): the
+    same numbers, op for op, as the usual rotate_half rotation with each table written twice."""
+    if cos.shape[-1] * 2 == net.layers[0].self_attn.head_dim:
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    return cos, sin
+
+
 def graph_refusal(model, device) -> Optional[str]:
     """None when `decode` may capture its step as a CUDA graph on `device`, else why not."""
     if torch.device(device).type != "cuda":
@@ -425,9 +476,12 @@ def decode(
 
     # The rotary tables in the embeddings' dtype (what the stock model passes its rotary module).
     probe = torch.empty(1, dtype=net.decoder.embed_tokens.weight.dtype, device=device)
-    cos_p, sin_p = net.decoder.rotary_emb(probe, positions)
+    cos_p, sin_p = _full_width(net, *net.decoder.rotary_emb(probe, positions))
     # Each generated step's [B, 1, D] rows contiguous (the RoPE kernel's layout).
-    cos_g, sin_g = (t.transpose(0, 1).unsqueeze(2).contiguous() for t in net.decoder.rotary_emb(probe, gen_positions))
+    cos_g, sin_g = (
+        t.transpose(0, 1).unsqueeze(2).contiguous()
+        for t in _full_width(net, *net.decoder.rotary_emb(probe, gen_positions))
+    )
     caches = [_Cache(slots) for _ in net.layers]
     h = net.decoder.embed_tokens(ids)
     step_fn = _Step(net, caches, n, slots, h.shape[-1], cos_g.shape[-1], h.dtype, device)

@@ -1,7 +1,9 @@
 """GRPO's decode loop on a GPU (engine.train.decoding): the step captured as a CUDA graph gives
 the eager loop's tokens exactly (greedy and sampled, same seed), both equal transformers'
 `generate` greedily in fp32, and the graph is really on. Tiny patched Qwen3 with LoRA, the
-Triton kernels and the fused LoRA paths of a real run. Run: pytest -m gpu tests/gpu/test_grpo_decoding_gpu.py
+Triton kernels and the fused LoRA paths of a real run; Mistral's sliding windows (made inside the
+captured step) and GPT-OSS's sinks and windows (eager: its expert routing is not captured).
+Run: pytest -m gpu tests/gpu/test_grpo_decoding_gpu.py
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ pytestmark = [
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], [50]]
 
 
-def patched(dtype):
-    model = tiny_model(
-        "qwen3", lora={}, lora_b_std=0.02, norm_std=0.1, dtype=dtype, hidden_size=256, head_dim=64, vocab_size=512
-    ).cuda()
+SIZE = dict(hidden_size=256, head_dim=64, vocab_size=512)
+
+
+def patched(dtype, model_type="qwen3", **kw):
+    model = tiny_model(model_type, lora={}, lora_b_std=0.02, norm_std=0.1, dtype=dtype, **dict(SIZE, **kw))
+    with torch.no_grad():  # sinks at a trained model's scale (as in the CPU test)
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(0.0, 2.0)
+    model = model.cuda()
     apply_fast_paths(model, FastPathConfig(), "cuda")
     return model.eval()
 
@@ -57,6 +65,22 @@ def test_greedy_decoding_equals_generate_in_fp32():
     model = patched(torch.float32)
     rows, state = run(model, 1, 32, True, graphs=None)
     assert state == "on"
+    with torch.no_grad():
+        ref = generate_completions(model, PROMPTS, 1, 32, 1.0, 1.0, {10**6}, 0, "cuda", greedy=True)
+    assert rows == ref
+
+
+@pytest.mark.parametrize(
+    "model_type, kw, graph",
+    [("mistral", dict(sliding_window=8), "on"), ("gpt_oss", dict(attn="eager", sliding_window=8), "off")],
+    ids=["mistral", "gpt_oss"],
+)
+def test_windows_and_sinks_equal_generate_greedily_in_fp32(model_type, kw, graph):
+    model = patched(torch.float32, model_type, **kw)
+    assert decoding.decode_refusal(model, 64) is None
+    assert 8 in decoding._Layers(model).windows
+    rows, state = run(model, 1, 32, True, graphs=None)
+    assert state.split(":")[0] == graph, state
     with torch.no_grad():
         ref = generate_completions(model, PROMPTS, 1, 32, 1.0, 1.0, {10**6}, 0, "cuda", greedy=True)
     assert rows == ref

@@ -1,7 +1,8 @@
 """GRPO's own decode loop (engine.train.decoding) against transformers' `generate`, on tiny
 patched models with LoRA on a CPU: the same completions for a seed (sampling with temperature
-and top-p, and greedy), the same cut at end-of-turn tokens, the loop actually taken (not the
-fallback), no host read-back per token, and fewer ops per decoding step than `generate`."""
+and top-p, and greedy; sliding windows and GPT-OSS's sinks included), the same cut at end-of-turn
+tokens, the loop actually taken (not the fallback), no host read-back per token, and fewer ops
+per decoding step than `generate`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.config import FastPathConfig
 from engine.models.patches import apply_fast_paths
@@ -20,9 +22,21 @@ from tests.tiny_models import tiny_model
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], [50]]
 
 
+# What a family's tiny model needs here: GPT-OSS has no SDPA attention in transformers (eager),
+# and its tiny config's window (128 tokens) is longer than these sequences, so it gets the 8
+# tokens the tiny Qwen2, Mistral and Ministral configs have: every windowed layer reads a band.
+FAMILY = {"gpt_oss": dict(attn="eager", sliding_window=8)}
+
+
 def patched(model_type="qwen3", fast=True, **kw):
-    """A tiny LoRA model with the fast paths on (as on a GPU), or stock (the CPU policy's)."""
-    model = tiny_model(model_type, lora={}, lora_b_std=0.02, norm_std=0.1, **kw)
+    """A tiny LoRA model with the fast paths on (as on a GPU), or stock (the CPU policy's).
+    Attention sinks are drawn at a trained model's scale (GPT-OSS's init, N(0, 0.02), would
+    hide a loop that ignored them)."""
+    model = tiny_model(model_type, lora={}, lora_b_std=0.02, norm_std=0.1, **{**FAMILY.get(model_type, {}), **kw})
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(0.0, 2.0)
     if fast:
         apply_fast_paths(model, FastPathConfig(), "cpu")
     return model.eval()
@@ -46,18 +60,10 @@ def both(model, group, new, temperature, top_p, eos, greedy=False, seed=3):
     return ours, cut(ref, eos)
 
 
-# The tiny Qwen2, Mistral and Ministral configs have an 8-token window, which the loop refuses (below).
-FULL_ATTENTION = {
-    "qwen2": dict(use_sliding_window=False),
-    "mistral": dict(sliding_window=4096),
-    "ministral": dict(layer_types=["full_attention", "full_attention"]),
-}
-
-
 @pytest.mark.parametrize("fast", [True, False], ids=["patched", "stock"])
 @pytest.mark.parametrize("model_type", sorted(decoding.DECODE_ARCHS))
 def test_sampled_and_greedy_completions_equal_generates_for_a_seed(model_type, fast):
-    model = patched(model_type, fast=fast, **FULL_ATTENTION.get(model_type, {}))
+    model = patched(model_type, fast=fast)
     assert decoding.decode_refusal(model, 64) is None  # the loop runs, not the fallback
     eos = {10**6}  # no end: every row runs to max_new_tokens
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
@@ -167,13 +173,36 @@ def test_rotary_tables_that_grow_with_the_sequence_are_refused_and_generate_samp
     assert decoding.decode_refusal(patched("llama"), 64) is None  # the default rotation is repeated
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "mistral", "ministral"])
-def test_a_sliding_window_shorter_than_the_sequence_is_refused_and_generate_samples(model_type):
-    model = patched(model_type)  # windows of 8 tokens
-    assert "sliding window of 8" in decoding.decode_refusal(model, 64)
-    assert decoding.decode_refusal(model, 8) is None
-    ours, ref = both(model, 2, 12, 1.0, 1.0, {10**6})
+@pytest.mark.parametrize("model_type", ["mistral", "gpt_oss"])
+def test_the_comparison_sees_the_loops_sliding_windows(model_type, monkeypatch):
+    """Windows of 8 tokens over sequences of up to 31: the loop's band equals generate's sliding
+    mask (above), and a loop that read the whole cache would differ."""
+    model = patched(model_type)
+    assert 8 in decoding._Layers(model).windows
+    eos = {10**6}
+    ours, ref = both(model, 2, 16, 1.0, 1.0, eos)
     assert ours == ref
+    monkeypatch.setattr(decoding, "_windowed", lambda mask, at, window: mask)
+    unbanded, _ = both(model, 2, 16, 1.0, 1.0, eos)
+    assert unbanded != ref
+
+
+def test_the_comparison_sees_gpt_oss_sinks(monkeypatch):
+    """GPT-OSS's sinks take part in the loop's softmax as in transformers' eager attention; the
+    loop taken with them left out (plain softmax attention) would sample otherwise."""
+    model = patched("gpt_oss")
+    eos = {10**6}
+    ours, ref = both(model, 2, 16, 1.0, 1.0, eos)
+    assert ours == ref
+    monkeypatch.setattr(
+        decoding,
+        "_sink_attention",
+        lambda attn, qg, keys, values, mask, t: F.scaled_dot_product_attention(
+            qg, keys, values, attn_mask=mask, scale=attn.scaling
+        ),
+    )
+    sinkless, _ = both(model, 2, 16, 1.0, 1.0, eos)
+    assert sinkless != ref
 
 
 def test_no_host_read_back_per_token(monkeypatch):
