@@ -12,7 +12,11 @@ A recompute that knows this (engine.fastpath.lora.LoRAMLPUnread) can:
   apiece on W3) from the recompute to the backward: the backward remakes them a row tile at a
   time, where they are used at once (the same matmuls, moved, on fewer rows each);
 - not keep the normed attention input either (`remade_when_unpacked`): the q/k/v projections'
-  backward gets it remade from the layer's input, which is kept anyway (one norm, 128 MiB).
+  backward gets it remade from the layer's input, which is kept anyway (one norm, 128 MiB);
+- and free it as soon as the q/k/v projections have read it (`release_remade`), rather than
+  when the layer's forward returns: through the attention and o_proj of the recompute, where
+  W7's trace put the backward's highest point, it held an activation of the row (1.5 GiB at
+  196,608 tokens of Llama-3.1-8B).
 
 The flag is scoped to one call (a ContextVar, set and read on the thread that runs the
 recompute): the offloader sets it around a layer's recompute (`recomputing`), and the patched
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -56,18 +60,44 @@ class _Remade:
         self.remake, self.shape, self.stride, self.offset = remake, t.shape, t.stride(), t.storage_offset()
 
 
+class _Block:
+    """The tensor a `remade_when_unpacked` block remakes: its storage's address, its dtype, and
+    whether `release_remade` may free it (and has)."""
+
+    __slots__ = ("ptr", "dtype", "releasable", "released")
+
+    def __init__(self, t: torch.Tensor, releasable: bool):
+        self.ptr, self.dtype = t.untyped_storage().data_ptr(), t.dtype
+        # Only a tensor that is its storage's whole: a view into memory shared with other tensors
+        # would free theirs too.
+        self.releasable = releasable and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        self.released = False
+
+    def matches(self, x: torch.Tensor) -> bool:
+        # Once released, the allocator may hand the same address to a new tensor (the attention's
+        # output): nothing matches any more, or that tensor would be "remade" as the normed input.
+        return not self.released and x.dtype == self.dtype and x.untyped_storage().data_ptr() == self.ptr
+
+
+_BLOCK: ContextVar[Optional[_Block]] = ContextVar("tunesmith_remade_block", default=None)
+
+
 @contextlib.contextmanager
-def remade_when_unpacked(t: torch.Tensor, remake: Callable[[], torch.Tensor], on: bool = True):
+def remade_when_unpacked(
+    t: torch.Tensor, remake: Callable[[], torch.Tensor], on: bool = True, releasable: bool = False
+):
     """Within the block, a tensor autograd saves that is `t` or a view of it is not kept: its
     backward gets ``remake()`` (no grad) seen through the same view. `remake` must give `t`'s
-    values in `t`'s layout from tensors kept anyway (the same function on the same input)."""
+    values in `t`'s layout from tensors kept anyway (the same function on the same input).
+    `releasable`: the caller holds no other use of `t` after its readers in the block, so
+    `release_remade` may free its memory there (the caller's own names then see an empty storage)."""
     if not on:
         yield
         return
-    ptr, dtype = t.untyped_storage().data_ptr(), t.dtype
+    block = _Block(t, releasable)
 
     def pack(x: torch.Tensor):
-        if x.dtype == dtype and x.untyped_storage().data_ptr() == ptr:
+        if block.matches(x):
             return _Remade(remake, x)
         # Every other saved tensor as it is, but detached: a hook that returns the tensor itself
         # makes a node that saves its own output (the attention kernel's O, a softmax's result)
@@ -84,8 +114,24 @@ def remade_when_unpacked(t: torch.Tensor, remake: Callable[[], torch.Tensor], on
             made = saved.remake()
         return made.as_strided(saved.shape, saved.stride, saved.offset)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    token = _BLOCK.set(block)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _BLOCK.reset(token)
+
+
+def release_remade(x: torch.Tensor) -> bool:
+    """Free `x`'s memory now if it is the releasable tensor of the enclosing `remade_when_unpacked`
+    block (whatever saved it holds a remake, not the tensor): call where its last reader in the
+    block has run. True when freed; a tensor of no such block is left alone."""
+    block = _BLOCK.get()
+    if block is None or not block.releasable or not block.matches(x):
+        return False
+    block.released = True
+    x.untyped_storage().resize_(0)
+    return True
 
 
 def unread(like: torch.Tensor, shape) -> torch.Tensor:

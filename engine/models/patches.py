@@ -280,6 +280,8 @@ def _attention_forward(
         if plan.qkv is not None:
             count_fallback("lora_qkv", _lora_runtime_reason((plan.qkv,), hidden_states))
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    # The normed input's last reader: in the lean recompute its memory goes now, not when the layer returns.
+    recompute.release_remade(hidden_states)
     if plan.qk_norm_projection:
         q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
@@ -372,9 +374,12 @@ def _fused_layer(self, plan: _LayerPlan, hidden_states, **kwargs):
     hidden_states = self.input_layernorm(hidden_states)
     if plan.sandwich:  # Gemma-2's layer does not pass use_cache on to its attention
         kwargs.pop("use_cache", None)
-    # Offload's recompute (fast_paths.lean_recompute): the normed input is remade for q/k/v's backward, not kept.
+    # Offload's recompute (fast_paths.lean_recompute): the normed input is remade for q/k/v's backward, not
+    # kept, and the attention frees it once q/k/v are made (release_remade). Never where the norm handed
+    # back the residual's own memory (an identity norm), which the add below reads.
     lean = recompute.layer_output_unused()
-    with recompute.remade_when_unpacked(hidden_states, partial(self.input_layernorm, residual), lean):
+    own = hidden_states.untyped_storage().data_ptr() != residual.untyped_storage().data_ptr()
+    with recompute.remade_when_unpacked(hidden_states, partial(self.input_layernorm, residual), lean, own):
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
     if plan.sandwich:
         hidden_states = self.post_attention_layernorm(hidden_states)

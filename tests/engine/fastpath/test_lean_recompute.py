@@ -281,3 +281,58 @@ def test_a_backward_that_fails_leaves_no_recompute_allocated(monkeypatch):
     for p in model.parameters():
         p.grad = None
     assert live() == before
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "full"])
+def test_the_normed_attention_input_is_freed_once_q_k_v_are_made(monkeypatch, lean):
+    # W7's highest point was the recompute's attention, holding the normed input (an activation of
+    # the row) that only q/k/v read. In the lean recompute its memory goes before the attention runs;
+    # elsewhere (the first forward, the full recompute) it stays until the layer returns.
+    from engine.fastpath import recompute
+    from engine.models import patches
+
+    normed, seen = [], []
+    real = patches._attention_interface
+
+    def interface(impl, eager):
+        attention = real(impl, eager)
+
+        def watched(*args, **kwargs):
+            seen.append((recompute.layer_output_unused(), normed[-1].untyped_storage().nbytes()))
+            return attention(*args, **kwargs)
+
+        return watched
+
+    monkeypatch.setattr(patches, "_attention_interface", interface)
+    model = tiny("qwen3", attn="sdpa", num_hidden_layers=LAYERS)
+    for layer in model.base_model.model.model.layers:
+        layer.input_layernorm.register_forward_hook(lambda m, args, out: normed.append(out))
+    prepared = prepare_model(model, FastPathConfig(lean_recompute=lean), CPU, True, offload="single")
+    model.train()
+    b = _batch(model.config.vocab_size, (37, 12, 64))
+    forward_loss(prepared, b, normalizer=b.num_trained_tokens).backward()
+    recomputed = [nbytes for unused, nbytes in seen if unused]
+    kept = [nbytes for unused, nbytes in seen if not unused]
+    whole = b.input_ids.numel() * model.config.hidden_size * 4
+    assert len(kept) == (1 if lean else 2) * LAYERS and all(n == whole for n in kept)  # the full recompute's too
+    assert len(recomputed) == (LAYERS if lean else 0)
+    assert all(n == 0 for n in recomputed)
+
+
+def test_only_the_blocks_own_whole_tensor_is_released():
+    from engine.fastpath.recompute import release_remade, remade_when_unpacked
+
+    whole = torch.randn(4, 8)
+    with remade_when_unpacked(whole, whole.clone, True, releasable=False):
+        assert not release_remade(whole)  # the caller did not say it may go
+    with remade_when_unpacked(whole, whole.clone, True, releasable=True):
+        assert not release_remade(torch.randn(4, 8))  # not the block's tensor
+        assert release_remade(whole)
+        assert not release_remade(whole)  # once
+    assert whole.untyped_storage().nbytes() == 0
+    shared = torch.randn(8, 8)
+    part = shared[:4]  # a view into memory another tensor's rows share
+    with remade_when_unpacked(part, part.clone, True, releasable=True):
+        assert not release_remade(part)
+    assert shared.untyped_storage().nbytes() == 8 * 8 * 4
+    assert not release_remade(shared)  # outside any block
