@@ -82,7 +82,10 @@ def test_offload_matches_checkpointing_without_syncs(reference, mode):
     # last layer's k_proj lora_B). A wrong reload would be off by far more than that; the copies
     # themselves are exact, so single and double must agree bit for bit.
     errs = sorted(rel(out["grads"][n], reference["grads"][n]) for n in reference["grads"])
-    assert errs[len(errs) // 2] < 0.02 and errs[-1] < 0.05, (errs[len(errs) // 2], errs[-1])
+    # Printed whatever the outcome (run with -s), so the GPU log can say how far inside the bounds it was.
+    median, worst = errs[len(errs) // 2], errs[-1]
+    print(f"\noffload {mode}: LoRA grad rel err median {median:.4f}, worst {worst:.4f} ({len(errs)} grads)")
+    assert median < 0.02 and worst < 0.05, (median, worst)
     _MODE_GRADS[mode] = out["grads"]
     if len(_MODE_GRADS) == 2:
         single, double = _MODE_GRADS["single"], _MODE_GRADS["double"]
