@@ -27,6 +27,30 @@ _TINY = {
     "falcon": ({}, ("head_dim",)),  # FalconConfig derives head_dim
     "gptj": (dict(rotary_dim=8), ()),  # RoPE over part of each 16-wide head
     "codegen": (dict(rotary_dim=8), ()),
+    # DBRX's sizes live in nested attention and FFN configs (its MoE: 4 experts, 2 a token).
+    "dbrx": (
+        dict(
+            d_model=64,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=256,
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
+        ),
+        (),
+    ),
+    "dots1": (
+        dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32)
+        | dict(first_k_dense_replace=1, n_group=1, topk_group=1),
+        (),
+    ),
+    # Gemma-3n's text model: the last two of four layers read the KV of earlier ones (KV sharing),
+    # and a window of 8 tokens, shorter than the longest document, on the sliding layers.
+    "gemma3n_text": (
+        dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+        | dict(num_kv_shared_layers=2, sliding_window=8),
+        (),
+    ),
 }
 
 
