@@ -25,6 +25,8 @@ On a tiny CPU Qwen3 that is ~410 aten ops per layer per token.
 - attention sinks (GPT-OSS: a learned logit per head that takes part in the softmax and adds
   nothing to the output) are attended as transformers' eager attention does, op for op: the
   sink as one more column of the scores, the row's max taken off, softmax, the column dropped;
+- Gemma-3's layers (text model) run their sandwich norms op for op, and each layer reads the
+  rotary table of its layer type (the sliding layers have their own base frequency);
   The loop builds its masks itself, so no prompt reads its left padding (the packed attention
   function gets no padding mask: engine.fastpath.attention.unpacked_attention);
 - the logits are the last position's only; sampling is transformers' own arithmetic, op for
@@ -44,10 +46,12 @@ A layer the fast paths left alone (a CPU run, where the policy turns them off) r
 modules the same way: PEFT's projections, the stock norms, the torch rotation.
 
 `decode_refusal(model, total_len)` says why a model cannot take this loop (an architecture
-outside DECODE_ARCHS, whose forwards scale embeddings, residuals or logits; attention that does
-more than causal softmax attention with an optional sliding window and sinks: softcapping;
-a per-layer fact the loop does not repeat: norms beyond the two around attention,
-q/k norms over the whole projection; rotary tables that change with the sequence length); the
+outside DECODE_ARCHS, whose forwards scale residuals or logits; logits softcapped (Gemma-2) or
+attention both ways (embeddings scaled inside the embedding module, as Gemma-3's, are the
+module's own and need nothing here); attention that does more than causal softmax attention
+with an optional sliding window and sinks: softcapping; a per-layer fact the loop does not
+repeat: norms beyond the two around attention and Gemma-3's sandwich, q/k norms over the whole
+projection; rotary tables that change with the sequence length); the
 caller counts the reason (engine.counters' `fallback:decode_loop: <reason>`, in the step's
 report) and uses `generate`, as it does for a sharded (FSDP) model. NoPE layers (SmolLM3's,
 Arch.uses_rope) skip the rotation here as in the training forward; q/k norms over each head
@@ -59,6 +63,7 @@ expert routing); the graph is recorded once per call, as the adapters change eve
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -80,7 +85,13 @@ STOP_CHECK_EVERY = 8
 # The architectures whose model and layer forwards are the plain pre-norm decoder this loop
 # repeats (embeddings unscaled, residual adds unscaled, head logits unscaled), each checked
 # against `generate` (tests/engine/train/test_grpo_decoding.py). Others keep `generate`.
-DECODE_ARCHS = frozenset({"gpt_oss", "llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "smollm3"})
+DECODE_ARCHS = frozenset(
+    {"gemma3_text", "gpt_oss", "llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "smollm3"}
+)
+
+# The per-layer norms beyond the two around attention that the loop applies: Gemma-3's sandwich
+# (the attention's output normed before the add, the MLP's input and output each normed).
+SANDWICH_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 # transformers' rope types whose rotary module recomputes its frequencies as the sequence grows.
 SEQUENCE_LENGTH_ROPE = frozenset({"dynamic", "longrope"})
@@ -117,6 +128,22 @@ class _Layers:
         self.windows = [
             plan.attn_kwargs(layer.self_attn).get("sliding_window") for plan, layer in zip(self.attn_plans, self.layers)
         ]
+        self.sandwich = [all(hasattr(layer, name) for name in SANDWICH_NORMS) for layer in self.layers]
+        # Each layer's rotary table: Gemma-3's rotary module keeps one per layer type (the sliding
+        # layers' own base frequency) and takes the type; others have one table (key None).
+        rotary = self.decoder.rotary_emb
+        types = getattr(self.hf.config, "layer_types", None)
+        by_type = types is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+        self.rope_keys = [types[i] if by_type else None for i in range(len(self.layers))]
+
+    def rope_tables(self, probe: torch.Tensor, positions: torch.Tensor) -> dict:
+        """{rope key: (cos, sin)} at the head's width for `positions` [B, T] (`_full_width`)."""
+        rotary = self.decoder.rotary_emb
+        tables = {}
+        for key in dict.fromkeys(self.rope_keys):
+            cos, sin = rotary(probe, positions) if key is None else rotary(probe, positions, key)
+            tables[key] = _full_width(self, cos, sin)
+        return tables
 
 
 def _attn_plan(layer, arch):
@@ -141,8 +168,12 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
         return f"model_type {model_type!r} is not one the decode loop repeats"
     # The per-layer facts the loop does not repeat (none of DECODE_ARCHS has them today): refused,
     # so a family added to the list with one of them keeps generate until the loop learns it.
-    if arch.extra_norms:
-        return f"its layers have norms beyond the two the loop applies ({', '.join(arch.extra_norms)})"
+    if arch.extra_norms and tuple(arch.extra_norms) != SANDWICH_NORMS:
+        return f"its layers have norms beyond the ones the loop applies ({', '.join(arch.extra_norms)})"
+    if getattr(hf.config, "final_logit_softcapping", None) is not None:
+        return "the head's logits are softcapped"
+    if getattr(hf.config, "use_bidirectional_attention", False):
+        return "its attention is bidirectional"
     if arch.qk_norm and arch.qk_norm_width != "head":
         return "its q/k norms span the whole projection"
     try:
@@ -155,11 +186,13 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
             return f"the decoder has no {name}"
     if getattr(hf, "lm_head", None) is None:
         return "the model has no lm_head"
-    rope_type = getattr(decoder.rotary_emb, "rope_type", "default")
-    if rope_type in SEQUENCE_LENGTH_ROPE:
-        # The loop computes every generated position's rotation at once, at the final length;
-        # generate's grows its tables token by token past the original context.
-        return f"its rotary tables change with the sequence length (rope_type {rope_type!r})"
+    rope_types = getattr(decoder.rotary_emb, "rope_type", "default")
+    # One type, or (Gemma-3) one per layer type.
+    for rope_type in rope_types.values() if isinstance(rope_types, dict) else (rope_types,):
+        if rope_type in SEQUENCE_LENGTH_ROPE:
+            # The loop computes every generated position's rotation at once, at the final length;
+            # generate's grows its tables token by token past the original context.
+            return f"its rotary tables change with the sequence length (rope_type {rope_type!r})"
     if arch.logit_scale(hf.config) != 1.0:
         return "the head's logits are scaled"
     for i, layer in enumerate(layers):
@@ -271,12 +304,16 @@ def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask):
     return out
 
 
-def _layer(layer, plan, lplan, h, cos, sin, cache, at, mask):
+def _layer(layer, plan, lplan, sandwich, h, cos, sin, cache, at, mask):
     """One decoder layer (engine.models.patches' fused layer, with the cache)."""
     attn = layer.self_attn
     residual = h
     x = layer.input_layernorm(h)
     a = _attention(attn, plan, x, cos, sin, plan.use_rope, cache, at, mask)
+    if sandwich:  # Gemma-3's layer, op for op
+        h = residual + layer.post_attention_layernorm(a)
+        m = layer.mlp(layer.pre_feedforward_layernorm(h))
+        return h + layer.post_feedforward_layernorm(m)
     norm = layer.post_attention_layernorm
     fused = lplan is not None and a.dtype == residual.dtype
     fused = fused and (lplan.plan.offset != 0.0 or norm.weight.dtype == a.dtype)
@@ -292,14 +329,17 @@ def _layer(layer, plan, lplan, h, cos, sin, cache, at, mask):
     return residual + m
 
 
-def _layers(net: _Layers, h, cos, sin, caches, at, mask):
+def _layers(net: _Layers, h, rope: dict, caches, at, mask):
     """The decoder layers over embeddings h [B, T, hidden], K/V written at `at` (_Cache.write);
-    `mask` [B, 1, T, keys] the full-attention layers' (each window's made from it once)."""
+    `rope` {rope key: (cos, sin)} (`_Layers.rope_tables`); `mask` [B, 1, T, keys] the
+    full-attention layers' (each window's made from it once)."""
     masks = {None: mask}
-    for layer, plan, lplan, cache, window in zip(net.layers, net.attn_plans, net.layer_plans, caches, net.windows):
+    for i, (layer, cache, window) in enumerate(zip(net.layers, caches, net.windows)):
         if window not in masks:
             masks[window] = _windowed(mask, at, window)
-        h = _layer(layer, plan, lplan, h, cos, sin, cache, at, masks[window])
+        cos, sin = rope[net.rope_keys[i]]
+        plans = net.attn_plans[i], net.layer_plans[i], net.sandwich[i]
+        h = _layer(layer, *plans, h, cos, sin, cache, at, masks[window])
     return h
 
 
@@ -375,18 +415,21 @@ class _Step:
     once as a graph and replayed (the host's per-token work then is the embedding lookup, a few
     copies, the head and the sampling)."""
 
-    def __init__(self, net, caches, n, slots, hidden, rope_dim, dtype, device):
+    def __init__(self, net, caches, n, slots, hidden, rope_dims: dict, dtype, device):
         self.net, self.caches = net, caches
         self.h = torch.zeros(n, 1, hidden, dtype=dtype, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.cos = torch.zeros(n, 1, rope_dim, dtype=dtype, device=device)
-        self.sin = torch.zeros(n, 1, rope_dim, dtype=dtype, device=device)
+        # {rope key: (cos, sin)}, one pair per table the layers read (_Layers.rope_keys).
+        self.rope = {
+            key: tuple(torch.zeros(n, 1, dim, dtype=dtype, device=device) for _ in range(2))
+            for key, dim in rope_dims.items()
+        }
         self.mask = torch.zeros(n, 1, 1, slots, dtype=torch.bool, device=device)
         self.graph = None
         self.out = None
 
     def eager(self) -> torch.Tensor:
-        return _layers(self.net, self.h, self.cos, self.sin, self.caches, self.slot, self.mask)
+        return _layers(self.net, self.h, self.rope, self.caches, self.slot, self.mask)
 
     def capture(self) -> Optional[str]:
         """Record the step as a CUDA graph (its buffers hold a real step's inputs; capturing
@@ -476,22 +519,23 @@ def decode(
 
     # The rotary tables in the embeddings' dtype (what the stock model passes its rotary module).
     probe = torch.empty(1, dtype=net.decoder.embed_tokens.weight.dtype, device=device)
-    cos_p, sin_p = _full_width(net, *net.decoder.rotary_emb(probe, positions))
-    # Each generated step's [B, 1, D] rows contiguous (the RoPE kernel's layout).
-    cos_g, sin_g = (
-        t.transpose(0, 1).unsqueeze(2).contiguous()
-        for t in _full_width(net, *net.decoder.rotary_emb(probe, gen_positions))
-    )
+    rope_p = net.rope_tables(probe, positions)
+    # Each generated step's [B, 1, D] rows contiguous (the RoPE kernel's layout): [steps, B, 1, D].
+    rope_g = {
+        key: tuple(t.transpose(0, 1).unsqueeze(2).contiguous() for t in pair)
+        for key, pair in net.rope_tables(probe, gen_positions).items()
+    }
     caches = [_Cache(slots) for _ in net.layers]
     h = net.decoder.embed_tokens(ids)
-    step_fn = _Step(net, caches, n, slots, h.shape[-1], cos_g.shape[-1], h.dtype, device)
+    dims = {key: cos.shape[-1] for key, (cos, _) in rope_g.items()}
+    step_fn = _Step(net, caches, n, slots, h.shape[-1], dims, h.dtype, device)
     step_fn.mask[:, 0, 0, :width] = prompt_mask
     refusal = graph_refusal(model, device) if graphs is None else (None if graphs else "not asked for")
 
     out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     eos = torch.tensor(sorted(eos_ids), device=device)
     unfinished = torch.ones(n, dtype=torch.long, device=device)
-    logits = _logits(net, _layers(net, h, cos_p, sin_p, caches, 0, prefill_mask))
+    logits = _logits(net, _layers(net, h, rope_p, caches, 0, prefill_mask))
     done = max_new_tokens
     rng = _RNGTrail(device, keep=not greedy)
     for step in range(max_new_tokens):
@@ -515,8 +559,9 @@ def decode(
         slot = width + step
         step_fn.h.copy_(net.decoder.embed_tokens(nxt[:, None]))
         step_fn.slot.fill_(slot)
-        step_fn.cos.copy_(cos_g[step])
-        step_fn.sin.copy_(sin_g[step])
+        for key, (cos, sin) in step_fn.rope.items():
+            cos.copy_(rope_g[key][0][step])
+            sin.copy_(rope_g[key][1][step])
         step_fn.mask[:, :, :, slot] = True
         if refusal is None and step == 1:  # step 0 ran eagerly: kernels compiled, workspaces made
             refusal = step_fn.capture()

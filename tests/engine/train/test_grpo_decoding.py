@@ -1,6 +1,7 @@
 """GRPO's own decode loop (engine.train.decoding) against transformers' `generate`, on tiny
 patched models with LoRA on a CPU: the same completions for a seed (sampling with temperature
-and top-p, and greedy; sliding windows and GPT-OSS's sinks included), the same cut at end-of-turn
+and top-p, and greedy; sliding windows, GPT-OSS's sinks and Gemma-3's sandwich norms and
+per-layer-type rotary tables included), the same cut at end-of-turn
 tokens, the loop actually taken (not the fallback), no host read-back per token, and fewer ops
 per decoding step than `generate`."""
 
@@ -12,8 +13,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig
 
 from engine.config import FastPathConfig
+from engine.models.arch.spec import TINY_BASE
 from engine.models.patches import apply_fast_paths
 from engine.train import decoding
 from engine.train.objectives.grpo import generate_completions, sample_completions
@@ -25,14 +28,24 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 3
 # What a family's tiny model needs here: GPT-OSS has no SDPA attention in transformers (eager),
 # and its tiny config's window (128 tokens) is longer than these sequences, so it gets the 8
 # tokens the tiny Qwen2, Mistral and Ministral configs have: every windowed layer reads a band.
-FAMILY = {"gpt_oss": dict(attn="eager", sliding_window=8)}
+# Gemma-3's text model (no tiny config in engine/models/arch, whose gemma3 is the multimodal
+# type) is built from TINY_BASE: a sliding layer with its own rotary base, then a full one.
+FAMILY = {
+    "gpt_oss": dict(attn="eager", sliding_window=8),
+    "gemma3_text": dict(
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12
+    ),
+}
 
 
 def patched(model_type="qwen3", fast=True, **kw):
     """A tiny LoRA model with the fast paths on (as on a GPU), or stock (the CPU policy's).
     Attention sinks are drawn at a trained model's scale (GPT-OSS's init, N(0, 0.02), would
     hide a loop that ignored them)."""
-    model = tiny_model(model_type, lora={}, lora_b_std=0.02, norm_std=0.1, **{**FAMILY.get(model_type, {}), **kw})
+    settings = {**FAMILY.get(model_type, {}), **kw}
+    if model_type == "gemma3_text":
+        settings = dict(config=AutoConfig.for_model(model_type, **{**TINY_BASE, **settings}))
+    model = tiny_model(model_type, lora={}, lora_b_std=0.02, norm_std=0.1, **settings)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
@@ -185,6 +198,25 @@ def test_the_comparison_sees_the_loops_sliding_windows(model_type, monkeypatch):
     monkeypatch.setattr(decoding, "_windowed", lambda mask, at, window: mask)
     unbanded, _ = both(model, 2, 16, 1.0, 1.0, eos)
     assert unbanded != ref
+
+
+def test_the_comparison_sees_gemma3s_rotary_table_per_layer_type(monkeypatch):
+    """Gemma-3's sliding layers rotate with their own base frequency (10,000 against 1,000,000):
+    the loop reads each layer's table; one table for every layer would sample otherwise."""
+    model = patched("gemma3_text")
+    assert decoding._Layers(model).rope_keys == ["sliding_attention", "full_attention"]
+    eos = {10**6}
+    ours, ref = both(model, 2, 16, 1.0, 1.0, eos)
+    assert ours == ref
+    real = decoding._Layers.__init__
+
+    def one_table(self, model):
+        real(self, model)
+        self.rope_keys = [self.rope_keys[-1]] * len(self.rope_keys)
+
+    monkeypatch.setattr(decoding._Layers, "__init__", one_table)
+    shared, _ = both(model, 2, 16, 1.0, 1.0, eos)
+    assert shared != ref
 
 
 def test_the_comparison_sees_gpt_oss_sinks(monkeypatch):
