@@ -86,7 +86,20 @@ STOP_CHECK_EVERY = 8
 # repeats (embeddings unscaled, residual adds unscaled, head logits unscaled), each checked
 # against `generate` (tests/engine/train/test_grpo_decoding.py). Others keep `generate`.
 DECODE_ARCHS = frozenset(
-    {"gemma3_text", "gpt_oss", "llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "smollm3"}
+    {
+        "arcee",
+        "gemma3_text",
+        "gpt_oss",
+        "llama",
+        "mistral",
+        "ministral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "smollm3",
+        "starcoder2",
+    }
 )
 
 # The per-layer norms beyond the two around attention that the loop applies: Gemma-3's sandwich

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from engine.config import FastPathConfig
+from engine.models.arch import arch_for
 from engine.models.arch.spec import TINY_BASE
 from engine.models.patches import apply_fast_paths
 from engine.train import decoding
@@ -28,8 +29,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 3
 # What a family's tiny model needs here: GPT-OSS has no SDPA attention in transformers (eager),
 # and its tiny config's window (128 tokens) is longer than these sequences, so it gets the 8
 # tokens the tiny Qwen2, Mistral and Ministral configs have: every windowed layer reads a band.
-# Gemma-3's text model (no tiny config in engine/models/arch, whose gemma3 is the multimodal
-# type) is built from TINY_BASE: a sliding layer with its own rotary base, then a full one.
+# A family with no tiny config in engine/models/arch (StarCoder2; Gemma-3's text model, whose
+# arch's own type is the multimodal one) is built from TINY_BASE; Gemma-3's with a sliding layer
+# (its own rotary base) and a full one.
 FAMILY = {
     "gpt_oss": dict(attn="eager", sliding_window=8),
     "gemma3_text": dict(
@@ -43,7 +45,7 @@ def patched(model_type="qwen3", fast=True, **kw):
     Attention sinks are drawn at a trained model's scale (GPT-OSS's init, N(0, 0.02), would
     hide a loop that ignored them)."""
     settings = {**FAMILY.get(model_type, {}), **kw}
-    if model_type == "gemma3_text":
+    if arch_for(model_type).tiny is None:  # no tiny config of its own: TINY_BASE's sizes
         settings = dict(config=AutoConfig.for_model(model_type, **{**TINY_BASE, **settings}))
     model = tiny_model(model_type, lora={}, lora_b_std=0.02, norm_std=0.1, **settings)
     with torch.no_grad():
