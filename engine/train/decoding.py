@@ -26,7 +26,9 @@ On a tiny CPU Qwen3 that is ~410 aten ops per layer per token.
   nothing to the output) are attended as transformers' eager attention does, op for op: the
   sink as one more column of the scores, the row's max taken off, softmax, the column dropped;
 - Gemma-3's layers (text model) run their sandwich norms op for op, and each layer reads the
-  rotary table of its layer type (the sliding layers have their own base frequency);
+  rotary table of its layer type (the sliding layers have their own base frequency); OLMo-2/3's
+  and EXAONE-4's norm the attention's and MLP's outputs instead of their inputs, and OLMo's
+  q/k norms span the whole projection;
   The loop builds its masks itself, so no prompt reads its left padding (the packed attention
   function gets no padding mask: engine.fastpath.attention.unpacked_attention);
 - the logits are the last position's only; sampling is transformers' own arithmetic, op for
@@ -50,8 +52,8 @@ outside DECODE_ARCHS, whose forwards scale residuals or logits; logits softcappe
 attention both ways (embeddings scaled inside the embedding module, as Gemma-3's, are the
 module's own and need nothing here); attention that does more than causal softmax attention
 with an optional sliding window and sinks: softcapping; a per-layer fact the loop does not
-repeat: norms beyond the two around attention and Gemma-3's sandwich, q/k norms over the whole
-projection; rotary tables that change with the sequence length); the
+repeat: norms beyond the two around attention, Gemma-3's sandwich and OLMo's norms after
+attention and MLP; rotary tables that change with the sequence length); the
 caller counts the reason (engine.counters' `fallback:decode_loop: <reason>`, in the step's
 report) and uses `generate`, as it does for a sharded (FSDP) model. NoPE layers (SmolLM3's,
 Arch.uses_rope) skip the rotation here as in the training forward; q/k norms over each head
@@ -88,11 +90,14 @@ STOP_CHECK_EVERY = 8
 DECODE_ARCHS = frozenset(
     {
         "arcee",
+        "exaone4",
         "gemma3_text",
         "gpt_oss",
         "llama",
         "mistral",
         "ministral",
+        "olmo2",
+        "olmo3",
         "qwen2",
         "qwen2_moe",
         "qwen3",
@@ -118,6 +123,7 @@ class _StockAttention:
     qk_norm: bool
     attn_kwargs: Callable
     use_rope: bool  # Arch.uses_rope: False on NoPE layers (SmolLM3's)
+    qk_norm_projection: bool  # OLMo's q/k norms over the whole projection, before the split into heads
     qkv: None = None
     o: None = None
     rope: None = None
@@ -142,6 +148,7 @@ class _Layers:
             plan.attn_kwargs(layer.self_attn).get("sliding_window") for plan, layer in zip(self.attn_plans, self.layers)
         ]
         self.sandwich = [all(hasattr(layer, name) for name in SANDWICH_NORMS) for layer in self.layers]
+        self.post_norm = [_post_norm(layer) for layer in self.layers]
         # Each layer's rotary table: Gemma-3's rotary module keeps one per layer type (the sliding
         # layers' own base frequency) and takes the type; others have one table (key None).
         rotary = self.decoder.rotary_emb
@@ -159,11 +166,18 @@ class _Layers:
         return tables
 
 
+def _post_norm(layer) -> bool:
+    """OLMo-2/3's and EXAONE-4's layer: no norm before the attention or the MLP, their outputs
+    normed before each add (post_attention_layernorm, post_feedforward_layernorm)."""
+    return not hasattr(layer, "input_layernorm") and hasattr(layer, "post_feedforward_layernorm")
+
+
 def _attn_plan(layer, arch):
     """The attention's patch plan, or the stock module's equivalent."""
     patch = patching.installed(layer.self_attn, PATCH_KIND)
     if patch is None:
-        return _StockAttention(arch.qk_norm, arch.attn_kwargs, arch.uses_rope(layer.self_attn))
+        projection = arch.qk_norm and arch.qk_norm_width == "projection"
+        return _StockAttention(arch.qk_norm, arch.attn_kwargs, arch.uses_rope(layer.self_attn), projection)
     return patch.plan
 
 
@@ -187,8 +201,6 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
         return "the head's logits are softcapped"
     if getattr(hf.config, "use_bidirectional_attention", False):
         return "its attention is bidirectional"
-    if arch.qk_norm and arch.qk_norm_width != "head":
-        return "its q/k norms span the whole projection"
     try:
         decoder = hf.get_decoder()
         layers = list(decoder.layers)
@@ -209,7 +221,8 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
     if arch.logit_scale(hf.config) != 1.0:
         return "the head's logits are scaled"
     for i, layer in enumerate(layers):
-        for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+        norms = ("post_feedforward_layernorm",) if _post_norm(layer) else ("input_layernorm",)
+        for name in (*norms, "self_attn", "post_attention_layernorm", "mlp"):
             if not hasattr(layer, name):
                 return f"layer {i} has no {name}"
         extra = _attn_plan(layer, arch).attn_kwargs(layer.self_attn)
@@ -287,8 +300,10 @@ def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask):
         q, k, v = lora_linears(h, plan.qkv)
     else:
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    if plan.qk_norm_projection:
+        q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.view(shape), k.view(shape), v.view(shape)
-    if plan.qk_norm:
+    if plan.qk_norm and not plan.qk_norm_projection:
         q, k = attn.q_norm(q), attn.k_norm(k)
     if use_rope:
         if plan.rope is None:
@@ -317,9 +332,12 @@ def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask):
     return out
 
 
-def _layer(layer, plan, lplan, sandwich, h, cos, sin, cache, at, mask):
+def _layer(layer, plan, lplan, sandwich, post_norm, h, cos, sin, cache, at, mask):
     """One decoder layer (engine.models.patches' fused layer, with the cache)."""
     attn = layer.self_attn
+    if post_norm:  # OLMo-2/3's, EXAONE-4's layer, op for op
+        h = h + layer.post_attention_layernorm(_attention(attn, plan, h, cos, sin, plan.use_rope, cache, at, mask))
+        return h + layer.post_feedforward_layernorm(layer.mlp(h))
     residual = h
     x = layer.input_layernorm(h)
     a = _attention(attn, plan, x, cos, sin, plan.use_rope, cache, at, mask)
@@ -351,7 +369,7 @@ def _layers(net: _Layers, h, rope: dict, caches, at, mask):
         if window not in masks:
             masks[window] = _windowed(mask, at, window)
         cos, sin = rope[net.rope_keys[i]]
-        plans = net.attn_plans[i], net.layer_plans[i], net.sandwich[i]
+        plans = net.attn_plans[i], net.layer_plans[i], net.sandwich[i], net.post_norm[i]
         h = _layer(layer, *plans, h, cos, sin, cache, at, masks[window])
     return h
 
