@@ -25,7 +25,8 @@ On a tiny CPU Qwen3 that is ~410 aten ops per layer per token.
 - attention sinks (GPT-OSS: a learned logit per head that takes part in the softmax and adds
   nothing to the output) are attended as transformers' eager attention does, op for op: the
   sink as one more column of the scores, the row's max taken off, softmax, the column dropped;
-- Gemma-3's layers (text model) run their sandwich norms op for op, and each layer reads the
+- Gemma-3's layers (the text model, or the language model of the multimodal wrapper its 4B and
+  larger load as; text prompts) run their sandwich norms op for op, and each layer reads the
   rotary table of its layer type (the sliding layers have their own base frequency); OLMo-2/3's
   and EXAONE-4's norm the attention's and MLP's outputs instead of their inputs, and OLMo's
   q/k norms span the whole projection;
@@ -91,6 +92,7 @@ DECODE_ARCHS = frozenset(
     {
         "arcee",
         "exaone4",
+        "gemma3",
         "gemma3_text",
         "gpt_oss",
         "llama",
@@ -152,7 +154,7 @@ class _Layers:
         # Each layer's rotary table: Gemma-3's rotary module keeps one per layer type (the sliding
         # layers' own base frequency) and takes the type; others have one table (key None).
         rotary = self.decoder.rotary_emb
-        types = getattr(self.hf.config, "layer_types", None)
+        types = getattr(_text_config(self.hf), "layer_types", None)
         by_type = types is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         self.rope_keys = [types[i] if by_type else None for i in range(len(self.layers))]
 
@@ -164,6 +166,12 @@ class _Layers:
             cos, sin = rotary(probe, positions) if key is None else rotary(probe, positions, key)
             tables[key] = _full_width(self, cos, sin)
         return tables
+
+
+def _text_config(hf):
+    """The config of the language model: a multimodal wrapper's (Gemma-3's 4B and larger load as
+    Gemma3ForConditionalGeneration, whose decoder is its language model) keeps it in text_config."""
+    return hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
 
 
 def _post_norm(layer) -> bool:
@@ -197,9 +205,10 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
     # so a family added to the list with one of them keeps generate until the loop learns it.
     if arch.extra_norms and tuple(arch.extra_norms) != SANDWICH_NORMS:
         return f"its layers have norms beyond the ones the loop applies ({', '.join(arch.extra_norms)})"
-    if getattr(hf.config, "final_logit_softcapping", None) is not None:
+    text = _text_config(hf)
+    if getattr(text, "final_logit_softcapping", None) is not None:
         return "the head's logits are softcapped"
-    if getattr(hf.config, "use_bidirectional_attention", False):
+    if getattr(text, "use_bidirectional_attention", False):
         return "its attention is bidirectional"
     try:
         decoder = hf.get_decoder()
@@ -218,7 +227,7 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
             # The loop computes every generated position's rotation at once, at the final length;
             # generate's grows its tables token by token past the original context.
             return f"its rotary tables change with the sequence length (rope_type {rope_type!r})"
-    if arch.logit_scale(hf.config) != 1.0:
+    if arch.logit_scale(text) != 1.0:
         return "the head's logits are scaled"
     for i, layer in enumerate(layers):
         norms = ("post_feedforward_layernorm",) if _post_norm(layer) else ("input_layernorm",)
