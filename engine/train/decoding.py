@@ -29,7 +29,8 @@ On a tiny CPU Qwen3 that is ~410 aten ops per layer per token.
   larger load as; text prompts) run their sandwich norms op for op, and each layer reads the
   rotary table of its layer type (the sliding layers have their own base frequency); OLMo-2/3's
   and EXAONE-4's norm the attention's and MLP's outputs instead of their inputs, and OLMo's
-  q/k norms span the whole projection;
+  q/k norms span the whole projection; Granite's multipliers (embeddings, each residual branch,
+  the logits' scaling) are applied where its forwards apply them;
   The loop builds its masks itself, so no prompt reads its left padding (the packed attention
   function gets no padding mask: engine.fastpath.attention.unpacked_attention);
 - the logits are the last position's only; sampling is transformers' own arithmetic, op for
@@ -49,7 +50,7 @@ A layer the fast paths left alone (a CPU run, where the policy turns them off) r
 modules the same way: PEFT's projections, the stock norms, the torch rotation.
 
 `decode_refusal(model, total_len)` says why a model cannot take this loop (an architecture
-outside DECODE_ARCHS, whose forwards scale residuals or logits; logits softcapped (Gemma-2) or
+outside DECODE_ARCHS; logits softcapped (Gemma-2) or
 attention both ways (embeddings scaled inside the embedding module, as Gemma-3's, are the
 module's own and need nothing here); attention that does more than causal softmax attention
 with an optional sliding window and sinks: softcapping; a per-layer fact the loop does not
@@ -95,6 +96,7 @@ DECODE_ARCHS = frozenset(
         "gemma3",
         "gemma3_text",
         "gpt_oss",
+        "granite",
         "llama",
         "mistral",
         "ministral",
@@ -151,12 +153,24 @@ class _Layers:
         ]
         self.sandwich = [all(hasattr(layer, name) for name in SANDWICH_NORMS) for layer in self.layers]
         self.post_norm = [_post_norm(layer) for layer in self.layers]
+        # Granite's multipliers, as its forwards apply them: the embeddings', each layer's residual branch's.
+        self.embedding_multiplier = getattr(self.decoder, "embedding_multiplier", None)
+        self.residual_multipliers = [getattr(layer, "residual_multiplier", None) for layer in self.layers]
+        # The head's logits times or over a config value (Arch.logits_times / logits_over: Granite's logits_scaling).
+        text = _text_config(self.hf)
+        self.logits_times = getattr(text, arch.logits_times) if arch.logits_times else None
+        self.logits_over = getattr(text, arch.logits_over) if arch.logits_over else None
         # Each layer's rotary table: Gemma-3's rotary module keeps one per layer type (the sliding
         # layers' own base frequency) and takes the type; others have one table (key None).
         rotary = self.decoder.rotary_emb
-        types = getattr(_text_config(self.hf), "layer_types", None)
+        types = getattr(text, "layer_types", None)
         by_type = types is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         self.rope_keys = [types[i] if by_type else None for i in range(len(self.layers))]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's input for `ids`, as its forward makes it (Granite multiplies the lookup)."""
+        h = self.decoder.embed_tokens(ids)
+        return h if self.embedding_multiplier is None else h * self.embedding_multiplier
 
     def rope_tables(self, probe: torch.Tensor, positions: torch.Tensor) -> dict:
         """{rope key: (cos, sin)} at the head's width for `positions` [B, T] (`_full_width`)."""
@@ -227,8 +241,6 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
             # The loop computes every generated position's rotation at once, at the final length;
             # generate's grows its tables token by token past the original context.
             return f"its rotary tables change with the sequence length (rope_type {rope_type!r})"
-    if arch.logit_scale(text) != 1.0:
-        return "the head's logits are scaled"
     for i, layer in enumerate(layers):
         norms = ("post_feedforward_layernorm",) if _post_norm(layer) else ("input_layernorm",)
         for name in (*norms, "self_attn", "post_attention_layernorm", "mlp"):
@@ -341,8 +353,9 @@ def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask):
     return out
 
 
-def _layer(layer, plan, lplan, sandwich, post_norm, h, cos, sin, cache, at, mask):
-    """One decoder layer (engine.models.patches' fused layer, with the cache)."""
+def _layer(layer, plan, lplan, sandwich, post_norm, scale, h, cos, sin, cache, at, mask):
+    """One decoder layer (engine.models.patches' fused layer, with the cache); `scale` Granite's
+    residual multiplier (None elsewhere)."""
     attn = layer.self_attn
     if post_norm:  # OLMo-2/3's, EXAONE-4's layer, op for op
         h = h + layer.post_attention_layernorm(_attention(attn, plan, h, cos, sin, plan.use_rope, cache, at, mask))
@@ -350,6 +363,9 @@ def _layer(layer, plan, lplan, sandwich, post_norm, h, cos, sin, cache, at, mask
     residual = h
     x = layer.input_layernorm(h)
     a = _attention(attn, plan, x, cos, sin, plan.use_rope, cache, at, mask)
+    if scale is not None:  # Granite's layer, op for op
+        h = residual + a * scale
+        return h + layer.mlp(layer.post_attention_layernorm(h)) * scale
     if sandwich:  # Gemma-3's layer, op for op
         h = residual + layer.post_attention_layernorm(a)
         m = layer.mlp(layer.pre_feedforward_layernorm(h))
@@ -378,7 +394,7 @@ def _layers(net: _Layers, h, rope: dict, caches, at, mask):
         if window not in masks:
             masks[window] = _windowed(mask, at, window)
         cos, sin = rope[net.rope_keys[i]]
-        plans = net.attn_plans[i], net.layer_plans[i], net.sandwich[i], net.post_norm[i]
+        plans = net.attn_plans[i], net.layer_plans[i], net.sandwich[i], net.post_norm[i], net.residual_multipliers[i]
         h = _layer(layer, *plans, h, cos, sin, cache, at, masks[window])
     return h
 
@@ -388,7 +404,12 @@ def _logits(net: _Layers, h) -> torch.Tensor:
     Outside any captured graph, as the embedding lookup: either may live in host memory
     (engine.fastpath.host_embed, host_head), which reads or copies on the host."""
     h = net.decoder.norm(h[:, -1:])
-    return net.hf.lm_head(h)[:, -1].to(dtype=torch.float32)
+    logits = net.hf.lm_head(h)
+    if net.logits_times is not None:
+        logits = logits * net.logits_times
+    if net.logits_over is not None:
+        logits = logits / net.logits_over
+    return logits[:, -1].to(dtype=torch.float32)
 
 
 def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -566,7 +587,7 @@ def decode(
         for key, pair in net.rope_tables(probe, gen_positions).items()
     }
     caches = [_Cache(slots) for _ in net.layers]
-    h = net.decoder.embed_tokens(ids)
+    h = net.embed(ids)
     dims = {key: cos.shape[-1] for key, (cos, _) in rope_g.items()}
     step_fn = _Step(net, caches, n, slots, h.shape[-1], dims, h.dtype, device)
     step_fn.mask[:, 0, 0, :width] = prompt_mask
@@ -597,7 +618,7 @@ def decode(
             rng.forget()
         # The step's inputs into the buffers (copies on the device; the host reads nothing).
         slot = width + step
-        step_fn.h.copy_(net.decoder.embed_tokens(nxt[:, None]))
+        step_fn.h.copy_(net.embed(nxt[:, None]))
         step_fn.slot.fill_(slot)
         for key, (cos, sin) in step_fn.rope.items():
             cos.copy_(rope_g[key][0][step])

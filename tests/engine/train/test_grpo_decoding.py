@@ -33,7 +33,12 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 3
 # arch's own type is the multimodal one) is built from TINY_BASE; Gemma-3's with a sliding layer
 # (its own rotary base) and a full one.
 GEMMA3_TEXT = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12)
-FAMILY = {"gpt_oss": dict(attn="eager", sliding_window=8), "gemma3_text": GEMMA3_TEXT}
+FAMILY = {
+    "gpt_oss": dict(attn="eager", sliding_window=8),
+    "gemma3_text": GEMMA3_TEXT,
+    # Multipliers that are not 1 (the config's defaults), so a loop that forgot one would differ.
+    "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2),
+}
 # Gemma-3's 4B and larger load as the multimodal wrapper (Gemma3ForConditionalGeneration): the same
 # tiny text model beside a one-layer vision tower; the prompts are text.
 MULTIMODAL = {
