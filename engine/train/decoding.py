@@ -21,18 +21,17 @@ On a tiny CPU Qwen3 that is ~410 aten ops per layer per token.
 - the rotary cos/sin of every generated position are computed once, and the key mask is one
   [B, 1, 1, slots] boolean buffer, one slot switched on per step (no per-token mask building);
   a sliding-window layer reads it through a band of its window's slots, made on the device
-  from the step's slot (once per window a step);
-- attention sinks (GPT-OSS: a learned logit per head that takes part in the softmax and adds
-  nothing to the output) are attended as transformers' eager attention does, op for op: the
-  sink as one more column of the scores, the row's max taken off, softmax, the column dropped;
-- Gemma-3's layers (the text model, or the language model of the multimodal wrapper its 4B and
-  larger load as; text prompts) run their sandwich norms op for op, and each layer reads the
-  rotary table of its layer type (the sliding layers have their own base frequency); OLMo-2/3's
-  and EXAONE-4's norm the attention's and MLP's outputs instead of their inputs, and OLMo's
-  q/k norms span the whole projection; Granite's multipliers (embeddings, each residual branch,
-  the logits' scaling) are applied where its forwards apply them;
-  The loop builds its masks itself, so no prompt reads its left padding (the packed attention
-  function gets no padding mask: engine.fastpath.attention.unpacked_attention);
+  from the step's slot (once per window a step). The loop builds its masks itself, so no prompt
+  reads its left padding (the packed attention function gets no padding mask:
+  engine.fastpath.attention.unpacked_attention);
+- what a family's layers do beyond the plain pre-norm decoder is repeated op for op, as its
+  stock forwards do it: attention sinks (GPT-OSS: a learned logit per head, one more score
+  column that takes part in the softmax and is dropped before the values are read), Gemma-2's
+  attention-logit and head softcaps, Gemma-2's and Gemma-3's sandwich norms, Gemma-3's rotary
+  table per layer type (its sliding layers have their own base), OLMo-2/3's and EXAONE-4's norms
+  after the attention and MLP instead of before, OLMo's q/k norms over the whole projection,
+  Granite's multipliers (embeddings, each residual branch, the logits' scaling). Gemma-3's 4B and
+  larger load as a multimodal wrapper; its language model samples text prompts here;
 - the logits are the last position's only; sampling is transformers' own arithmetic, op for
   op (temperature divide, its top-p warper, softmax, one `torch.multinomial` over all rows),
   so a seed gives the same completions as `generate` did;
@@ -50,13 +49,9 @@ A layer the fast paths left alone (a CPU run, where the policy turns them off) r
 modules the same way: PEFT's projections, the stock norms, the torch rotation.
 
 `decode_refusal(model, total_len)` says why a model cannot take this loop (an architecture
-outside DECODE_ARCHS; logits softcapped (Gemma-2) or
-attention both ways (embeddings scaled inside the embedding module, as Gemma-3's, are the
-module's own and need nothing here); attention that does more than causal softmax attention
-with an optional sliding window and sinks: softcapping; a per-layer fact the loop does not
-repeat: norms beyond the two around attention, Gemma-3's sandwich and OLMo's norms after
-attention and MLP; rotary tables that change with the sequence length); the
-caller counts the reason (engine.counters' `fallback:decode_loop: <reason>`, in the step's
+outside DECODE_ARCHS; attention both ways; attention arguments beyond a sliding window and a
+softcap; norms beyond the layer shapes above; rotary tables that change with the sequence
+length); the caller counts the reason (engine.counters' `fallback:decode_loop: <reason>`, in the step's
 report) and uses `generate`, as it does for a sharded (FSDP) model. NoPE layers (SmolLM3's,
 Arch.uses_rope) skip the rotation here as in the training forward; q/k norms over each head
 (Qwen3) are applied.
@@ -93,6 +88,8 @@ DECODE_ARCHS = frozenset(
     {
         "arcee",
         "exaone4",
+        "gemma",
+        "gemma2",
         "gemma3",
         "gemma3_text",
         "gpt_oss",
@@ -151,6 +148,10 @@ class _Layers:
         self.windows = [
             plan.attn_kwargs(layer.self_attn).get("sliding_window") for plan, layer in zip(self.attn_plans, self.layers)
         ]
+        # Gemma-2's attention-logit softcap per layer (None: none), and its head's.
+        self.softcaps = [
+            plan.attn_kwargs(layer.self_attn).get("softcap") for plan, layer in zip(self.attn_plans, self.layers)
+        ]
         self.sandwich = [all(hasattr(layer, name) for name in SANDWICH_NORMS) for layer in self.layers]
         self.post_norm = [_post_norm(layer) for layer in self.layers]
         # Granite's multipliers, as its forwards apply them: the embeddings', each layer's residual branch's.
@@ -160,6 +161,7 @@ class _Layers:
         text = _text_config(self.hf)
         self.logits_times = getattr(text, arch.logits_times) if arch.logits_times else None
         self.logits_over = getattr(text, arch.logits_over) if arch.logits_over else None
+        self.final_softcap = getattr(text, "final_logit_softcapping", None)
         # Each layer's rotary table: Gemma-3's rotary module keeps one per layer type (the sliding
         # layers' own base frequency) and takes the type; others have one table (key None).
         rotary = self.decoder.rotary_emb
@@ -220,8 +222,6 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
     if arch.extra_norms and tuple(arch.extra_norms) != SANDWICH_NORMS:
         return f"its layers have norms beyond the ones the loop applies ({', '.join(arch.extra_norms)})"
     text = _text_config(hf)
-    if getattr(text, "final_logit_softcapping", None) is not None:
-        return "the head's logits are softcapped"
     if getattr(text, "use_bidirectional_attention", False):
         return "its attention is bidirectional"
     try:
@@ -248,6 +248,7 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
                 return f"layer {i} has no {name}"
         extra = _attn_plan(layer, arch).attn_kwargs(layer.self_attn)
         extra.pop("sliding_window", None)  # the loop applies it (_windowed)
+        extra.pop("softcap", None)  # and this (_softcap_attention)
         extra = {k: v for k, v in extra.items() if v is not None}
         if extra:
             return f"layer {i}'s attention takes {', '.join(sorted(extra))}"
@@ -312,7 +313,18 @@ def _sink_attention(attn, qg, keys, values, mask, t):
     return torch.matmul(probs.to(values.dtype), values)
 
 
-def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask):
+def _softcap_attention(attn, qg, keys, values, mask, softcap):
+    """transformers' eager attention with a logit softcap (Gemma-2's `eager_attention_forward`),
+    op for op, on the loop's grouped layout (as `_sink_attention`): the scores capped by
+    softcap * tanh(scores / softcap), then masked, a float32 softmax cast back, the values read."""
+    scores = torch.matmul(qg, keys.transpose(2, 3)) * attn.scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype)
+    return torch.matmul(probs, values)
+
+
+def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask, softcap=None):
     """One layer's attention for h [B, T, hidden], writing its K/V at `at` (_Cache.write); the
     steps of engine.models.patches' attention forward up to the attention call."""
     b, t, _ = h.shape
@@ -343,6 +355,8 @@ def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask):
     m = mask.unsqueeze(2).expand(b, 1, g, t, end).reshape(b, 1, g * t, end)
     if getattr(attn, "sinks", None) is not None:
         out = _sink_attention(attn, qg, keys, values, m, t)
+    elif softcap is not None:
+        out = _softcap_attention(attn, qg, keys, values, m, softcap)
     else:
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=m, scale=attn.scaling)
     out = out.view(b, kv_heads, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, kv_heads * g * d)
@@ -353,16 +367,17 @@ def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask):
     return out
 
 
-def _layer(layer, plan, lplan, sandwich, post_norm, scale, h, cos, sin, cache, at, mask):
+def _layer(layer, plan, lplan, sandwich, post_norm, scale, softcap, h, cos, sin, cache, at, mask):
     """One decoder layer (engine.models.patches' fused layer, with the cache); `scale` Granite's
-    residual multiplier (None elsewhere)."""
+    residual multiplier, `softcap` Gemma-2's attention-logit cap (None elsewhere)."""
     attn = layer.self_attn
     if post_norm:  # OLMo-2/3's, EXAONE-4's layer, op for op
-        h = h + layer.post_attention_layernorm(_attention(attn, plan, h, cos, sin, plan.use_rope, cache, at, mask))
+        a = _attention(attn, plan, h, cos, sin, plan.use_rope, cache, at, mask, softcap)
+        h = h + layer.post_attention_layernorm(a)
         return h + layer.post_feedforward_layernorm(layer.mlp(h))
     residual = h
     x = layer.input_layernorm(h)
-    a = _attention(attn, plan, x, cos, sin, plan.use_rope, cache, at, mask)
+    a = _attention(attn, plan, x, cos, sin, plan.use_rope, cache, at, mask, softcap)
     if scale is not None:  # Granite's layer, op for op
         h = residual + a * scale
         return h + layer.mlp(layer.post_attention_layernorm(h)) * scale
@@ -394,7 +409,8 @@ def _layers(net: _Layers, h, rope: dict, caches, at, mask):
         if window not in masks:
             masks[window] = _windowed(mask, at, window)
         cos, sin = rope[net.rope_keys[i]]
-        plans = net.attn_plans[i], net.layer_plans[i], net.sandwich[i], net.post_norm[i], net.residual_multipliers[i]
+        plans = (net.attn_plans[i], net.layer_plans[i], net.sandwich[i], net.post_norm[i])
+        plans += (net.residual_multipliers[i], net.softcaps[i])
         h = _layer(layer, *plans, h, cos, sin, cache, at, masks[window])
     return h
 
@@ -409,6 +425,8 @@ def _logits(net: _Layers, h) -> torch.Tensor:
         logits = logits * net.logits_times
     if net.logits_over is not None:
         logits = logits / net.logits_over
+    if net.final_softcap is not None:  # Gemma-2's head, op for op
+        logits = torch.tanh(logits / net.final_softcap) * net.final_softcap
     return logits[:, -1].to(dtype=torch.float32)
 
 

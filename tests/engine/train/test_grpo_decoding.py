@@ -35,6 +35,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 3
 GEMMA3_TEXT = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12)
 FAMILY = {
     "gpt_oss": dict(attn="eager", sliding_window=8),
+    "gemma2": dict(attn="eager"),  # no SDPA attention (softcaps); its tiny config has them and a window
     "gemma3_text": GEMMA3_TEXT,
     # Multipliers that are not 1 (the config's defaults), so a loop that forgot one would differ.
     "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2),
@@ -180,7 +181,33 @@ def test_smollm3s_nope_layer_skips_the_rotation_and_the_comparison_sees_it(fast,
     assert rotated != ref
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma2"])
+def test_the_comparison_sees_gemma2s_softcaps(monkeypatch):
+    """Gemma-2's attention-logit and head softcaps (2.0 each), with sharp attention and logits so
+    that they bite: the loop caps as the stock forward does; without either cap it would differ."""
+    model = patched("gemma2", attn_logit_softcapping=2.0, final_logit_softcapping=2.0)
+    net = decoding._Layers(model)
+    with torch.no_grad():
+        for layer in net.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                proj.base_layer.weight.mul_(8.0)
+        net.hf.lm_head.weight.mul_(30.0)  # tied: the embeddings too, which the norms take back out
+    eos = {10**6}
+    ours, ref = both(model, 4, 20, 1.0, 1.0, eos)
+    assert ours == ref
+    real = decoding._Layers.__init__
+    for name, uncapped in (("softcaps", [None] * len(net.layers)), ("final_softcap", None)):
+
+        def without(self, model, name=name, uncapped=uncapped):
+            real(self, model)
+            setattr(self, name, uncapped)
+
+        monkeypatch.setattr(decoding._Layers, "__init__", without)
+        differs, _ = both(model, 4, 20, 1.0, 1.0, eos)
+        assert differs != ref, name
+        monkeypatch.setattr(decoding._Layers, "__init__", real)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "cohere"])
 def test_a_model_the_loop_refuses_samples_through_generate(model_type):
     model = patched(model_type, attn="eager")
     assert model_type in decoding.decode_refusal(model, 64)
