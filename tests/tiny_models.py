@@ -19,13 +19,37 @@ from engine.models.arch import arch_for
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
 
 
+# Multimodal wrappers whose language model is an architecture here (an alias of its file): built
+# around that file's tiny text config, with a one-layer vision tower (the tests' prompts are text).
+_WRAPPERS = {
+    "gemma3": dict(
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+    )
+}
+
+
 def tiny_config(model_type: str = "llama", **overrides: Any):
-    """A transformers config of a tiny `model_type` model (see the module docstring)."""
+    """A transformers config of a tiny `model_type` model (see the module docstring); for a
+    multimodal wrapper (Gemma-3's 4B and larger), the wrapper around the tiny text model, its
+    image tokens the vocabulary's last three ids."""
     from transformers import AutoConfig
 
     arch = arch_for(model_type)
     if arch is None or arch.tiny is None:
         raise ValueError(f"no tiny test config for model_type {model_type!r} (engine/models/arch/)")
+    if model_type in _WRAPPERS:
+        text = tiny_config(arch.model_type, **overrides)
+        v = text.vocab_size
+        image_tokens = dict(boi_token_index=v - 3, eoi_token_index=v - 2, image_token_index=v - 1)
+        return AutoConfig.for_model(model_type, text_config=text.to_dict(), **_WRAPPERS[model_type], **image_tokens)
     return AutoConfig.for_model(model_type, **arch.tiny_config(**overrides))
 
 

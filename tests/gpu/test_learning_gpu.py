@@ -184,6 +184,24 @@ SHAPES = {
         rope_theta=1_000_000.0,
         max_position_embeddings=65_536,
     ),
+    # Gemma-3-1B's layer: (1 + w) norms before and after attention and the MLP, per-head q/k norms,
+    # one query group, 256-wide heads; a sliding layer (its own rotary base) with a window that cuts
+    # the rows, then a full one.
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32_768,
+    ),
 }
 
 # Llama's shape with its own output head: the input table may move to host memory.
@@ -315,6 +333,7 @@ CASES = [
     ("arcee", {}, {}, ("lora_linears", "rmsnorm:triton", "rope:triton") + CE + ATTN),
     ("olmo3", {}, {}, ALL),
     ("exaone4", {}, {}, ALL),
+    ("gemma3_text", {}, {}, ALL),
 ]
 
 

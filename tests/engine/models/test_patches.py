@@ -39,6 +39,7 @@ ARCHS = [
     "exaone4",
     "gemma",
     "gemma2",
+    "gemma3_text",
 ]
 LENGTHS = (9, 6, 13)  # one packed row of three documents
 ALL_ON = {k: "on" for k in FAST_PATHS}
@@ -190,6 +191,25 @@ def test_gradient_checkpointing(model_type):
     assert_same_step(step(model, ids, pos), ref, 1e-4)
 
 
+def test_gemma3s_multimodal_wrapper_patches_its_language_model_only():
+    """Gemma-3's 4B and larger load as Gemma3ForConditionalGeneration: its language model is the
+    text model's modules (patched, the same loss and gradients as stock on a packed row); the
+    vision tower's modules keep their own forwards."""
+    model = tiny("gemma3")
+    assert type(model.base_model.model).__name__ == "Gemma3ForConditionalGeneration"
+    for name, p in model.named_parameters():  # text rows: the vision tower's adapters get no gradient
+        if "language_model" not in name:
+            p.requires_grad_(False)
+    ids, pos = packed_batch(vocab=model.base_model.model.config.get_text_config().vocab_size - 3)
+    ref = step(model, ids, pos)
+    assert_all_on_but_kept("gemma3", apply_fast_paths(model, FastPathConfig(), CPU))
+    assert_same_step(step(model, ids, pos), ref, 1e-4)
+    language = model.base_model.model.model.language_model
+    vision = model.base_model.model.model.vision_tower
+    assert all(patching.installed(layer, "patches") is not None for layer in language.layers)
+    assert not any(patching.installed(m, "patches") for m in vision.modules())
+
+
 def test_bf16_within_rounding():
     """bf16 patched vs bf16 stock, both against fp32 stock on the same weights."""
     model16 = tiny("qwen3", dtype=torch.bfloat16)
@@ -204,10 +224,10 @@ def test_bf16_within_rounding():
         assert rel(got[1][n], ref[1][n]) <= 2 * rel(stock[1][n], ref[1][n]) + 1e-2, n
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "olmo3", "smollm3", "exaone4"])
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo3", "smollm3", "exaone4", "gemma3_text"])
 def test_triton_kernels_through_interpreter(model_type):
-    """kernel_impl="triton": RMSNorm, in-place RoPE (after Qwen3's per-head and OLMo's whole-projection
-    q/k norms; skipped on SmolLM3's NoPE layer) and the gated activation run as Triton kernels,
+    """kernel_impl="triton": RMSNorm, in-place RoPE (after Qwen3's and Gemma-3's (1 + w) per-head and
+    OLMo's whole-projection q/k norms; skipped on SmolLM3's NoPE layer) and the gated activation run as Triton kernels,
     through the interpreter on a CPU."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs TRITON_INTERPRET=1 without a GPU")

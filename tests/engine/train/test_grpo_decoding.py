@@ -28,36 +28,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 3
 
 # What a family's tiny model needs here: GPT-OSS has no SDPA attention in transformers (eager),
 # and its tiny config's window (128 tokens) is longer than these sequences, so it gets the 8
-# tokens the tiny Qwen2, Mistral and Ministral configs have: every windowed layer reads a band.
-# A family with no tiny config in engine/models/arch (StarCoder2; Gemma-3's text model, whose
-# arch's own type is the multimodal one) is built from TINY_BASE; Gemma-3's with a sliding layer
-# (its own rotary base) and a full one.
-GEMMA3_TEXT = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12)
+# tokens the tiny Qwen2, Mistral, Ministral and Gemma-3 configs have: every windowed layer reads
+# a band. A family with no tiny config in engine/models/arch (StarCoder2) is built from TINY_BASE.
 FAMILY = {
     "gpt_oss": dict(attn="eager", sliding_window=8),
     "gemma2": dict(attn="eager"),  # no SDPA attention (softcaps); its tiny config has them and a window
-    "gemma3_text": GEMMA3_TEXT,
     # Multipliers that are not 1 (the config's defaults), so a loop that forgot one would differ.
     "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2),
-}
-# Gemma-3's 4B and larger load as the multimodal wrapper (Gemma3ForConditionalGeneration): the same
-# tiny text model beside a one-layer vision tower; the prompts are text.
-MULTIMODAL = {
-    "gemma3": dict(
-        text_config={**TINY_BASE, **GEMMA3_TEXT},
-        vision_config=dict(
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=14,
-        ),
-        mm_tokens_per_image=4,
-        boi_token_index=125,
-        eoi_token_index=126,
-        image_token_index=127,
-    )
 }
 
 
@@ -66,9 +43,7 @@ def patched(model_type="qwen3", fast=True, **kw):
     Attention sinks are drawn at a trained model's scale (GPT-OSS's init, N(0, 0.02), would
     hide a loop that ignored them)."""
     settings = {**FAMILY.get(model_type, {}), **kw}
-    if model_type in MULTIMODAL:
-        settings = dict(config=AutoConfig.for_model(model_type, **MULTIMODAL[model_type]), **kw)
-    elif arch_for(model_type).tiny is None:  # no tiny config of its own: TINY_BASE's sizes
+    if arch_for(model_type).tiny is None:  # no tiny config of its own: TINY_BASE's sizes
         settings = dict(config=AutoConfig.for_model(model_type, **{**TINY_BASE, **settings}))
     model = tiny_model(model_type, lora={}, lora_b_std=0.02, norm_std=0.1, **settings)
     with torch.no_grad():
