@@ -2,7 +2,8 @@
 the eager loop's tokens exactly (greedy and sampled, same seed), both equal transformers'
 `generate` greedily in fp32, and the graph is really on. Tiny patched Qwen3 with LoRA, the
 Triton kernels and the fused LoRA paths of a real run; Mistral's sliding windows (made inside the
-captured step) and GPT-OSS's sinks and windows (eager: its expert routing is not captured).
+captured step), Gemma-2's softcaps, Gemma-3's rotary tables per layer type, and GPT-OSS's sinks
+and windows (eager: its expert routing is not captured).
 Run: pytest -m gpu tests/gpu/test_grpo_decoding_gpu.py
 """
 
@@ -72,8 +73,13 @@ def test_greedy_decoding_equals_generate_in_fp32():
 
 @pytest.mark.parametrize(
     "model_type, kw, graph",
-    [("mistral", dict(sliding_window=8), "on"), ("gpt_oss", dict(attn="eager", sliding_window=8), "off")],
-    ids=["mistral", "gpt_oss"],
+    [
+        ("mistral", dict(sliding_window=8), "on"),
+        ("gemma3_text", dict(), "on"),  # its tiny config: 8-token window, a rotary table per layer type
+        ("gemma2", dict(attn="eager"), "on"),  # softcaps and an 8-token window
+        ("gpt_oss", dict(attn="eager", sliding_window=8), "off"),
+    ],
+    ids=["mistral", "gemma3_text", "gemma2", "gpt_oss"],
 )
 def test_windows_and_sinks_equal_generate_greedily_in_fp32(model_type, kw, graph):
     model = patched(torch.float32, model_type, **kw)
