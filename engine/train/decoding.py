@@ -81,9 +81,9 @@ PATCH_KIND = "patches"
 STOP_CHECK_EVERY = 8
 
 
-# The architectures whose model and layer forwards are the plain pre-norm decoder this loop
-# repeats (embeddings unscaled, residual adds unscaled, head logits unscaled), each checked
-# against `generate` (tests/engine/train/test_grpo_decoding.py). Others keep `generate`.
+# The architectures whose model and layer forwards this loop repeats (the pre-norm decoder and
+# the variants in the module docstring), each checked against `generate` for a seed
+# (tests/engine/train/test_grpo_decoding.py). Others keep `generate`.
 DECODE_ARCHS = frozenset(
     {
         "arcee",
@@ -108,8 +108,8 @@ DECODE_ARCHS = frozenset(
     }
 )
 
-# The per-layer norms beyond the two around attention that the loop applies: Gemma-3's sandwich
-# (the attention's output normed before the add, the MLP's input and output each normed).
+# The per-layer norms beyond the two around attention that the loop applies: Gemma-2's and
+# Gemma-3's sandwich (the attention's output normed before the add, the MLP's input and output each normed).
 SANDWICH_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 # transformers' rope types whose rotary module recomputes its frequencies as the sequence grows.
@@ -144,14 +144,11 @@ class _Layers:
         self.layers = list(self.decoder.layers)
         self.attn_plans = [_attn_plan(layer, arch) for layer in self.layers]
         self.layer_plans = [patching.installed(layer, PATCH_KIND) for layer in self.layers]
-        # Each layer's sliding window in tokens (None: full attention), as its stock forward passes it.
-        self.windows = [
-            plan.attn_kwargs(layer.self_attn).get("sliding_window") for plan, layer in zip(self.attn_plans, self.layers)
-        ]
-        # Gemma-2's attention-logit softcap per layer (None: none), and its head's.
-        self.softcaps = [
-            plan.attn_kwargs(layer.self_attn).get("softcap") for plan, layer in zip(self.attn_plans, self.layers)
-        ]
+        # Each layer's sliding window in tokens and Gemma-2's attention-logit softcap (None: none),
+        # as its stock forward passes them to the attention.
+        kwargs = [plan.attn_kwargs(layer.self_attn) for plan, layer in zip(self.attn_plans, self.layers)]
+        self.windows = [k.get("sliding_window") for k in kwargs]
+        self.softcaps = [k.get("softcap") for k in kwargs]
         self.sandwich = [all(hasattr(layer, name) for name in SANDWICH_NORMS) for layer in self.layers]
         self.post_norm = [_post_norm(layer) for layer in self.layers]
         # Granite's multipliers, as its forwards apply them: the embeddings', each layer's residual branch's.
@@ -161,7 +158,7 @@ class _Layers:
         text = _text_config(self.hf)
         self.logits_times = getattr(text, arch.logits_times) if arch.logits_times else None
         self.logits_over = getattr(text, arch.logits_over) if arch.logits_over else None
-        self.final_softcap = getattr(text, "final_logit_softcapping", None)
+        self.final_softcap = getattr(text, "final_logit_softcapping", None)  # Gemma-2's head
         # Each layer's rotary table: Gemma-3's rotary module keeps one per layer type (the sliding
         # layers' own base frequency) and takes the type; others have one table (key None).
         rotary = self.decoder.rotary_emb
@@ -381,7 +378,7 @@ def _layer(layer, plan, lplan, sandwich, post_norm, scale, softcap, h, cos, sin,
     if scale is not None:  # Granite's layer, op for op
         h = residual + a * scale
         return h + layer.mlp(layer.post_attention_layernorm(h)) * scale
-    if sandwich:  # Gemma-3's layer, op for op
+    if sandwich:  # Gemma-2's and Gemma-3's layer, op for op
         h = residual + layer.post_attention_layernorm(a)
         m = layer.mlp(layer.pre_feedforward_layernorm(h))
         return h + layer.post_feedforward_layernorm(m)
