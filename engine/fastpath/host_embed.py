@@ -8,6 +8,12 @@ the CPU and sends only them (a 8,192-token micro-batch at hidden 4,096: 64 MiB) 
 with a non-blocking copy. The output is bit-identical to the table's lookup on the device (a
 gather copies rows, it computes nothing).
 
+Families that scale the lookup inside the embedding module (Gemma 1-3's ScaledWordEmbedding:
+the rows times sqrt(hidden) cast to the table's dtype; BART-style ones by a float) keep the
+scale: the rows are multiplied on the device, the same op as the module's. Before the table moves,
+a probe of a few ids through both must agree bit for bit; an embedding whose forward does more
+than a (scaled) lookup stays on the device.
+
 The training step hands the batch's host copy of the ids (PackedBatch.host_ids), so nothing is
 read back from the device; generation hands device ids, which are copied to the host first
 (one small sync per generated token, where the forward is tiny anyway).
@@ -45,6 +51,11 @@ class HostEmbedding(nn.Module):
         host = torch.empty(weight.shape, dtype=weight.dtype, device="cpu", pin_memory=pin)
         host.copy_(weight)
         self.host_weight = host
+        # The module's own scale of its rows, as its forward applies it (None: a plain lookup).
+        scale = getattr(embedding, "embed_scale", None)
+        if torch.is_tensor(scale):
+            scale = scale.detach().to(device=self.device, dtype=weight.dtype)
+        self.scale = scale
 
     @property
     def weight(self) -> torch.Tensor:
@@ -61,7 +72,8 @@ class HostEmbedding(nn.Module):
         rows = rows.view(*ids.shape, self.embedding_dim)
         # From pinned memory the copy is asynchronous; the caching host allocator keeps `rows`
         # until the copy has read it.
-        return rows.to(self.device, non_blocking=pin)
+        rows = rows.to(self.device, non_blocking=pin)
+        return rows if self.scale is None else rows * self.scale
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, in host memory"
@@ -97,6 +109,16 @@ def why_not(model, device) -> str:
     return ""
 
 
+def same_lookup(embedding: nn.Module, hosted: HostEmbedding) -> bool:
+    """Does the host table give the embedding module's output, bit for bit, on a probe of ids (the
+    first, second and last row)? False for a module whose forward does more than a scaled lookup."""
+    ids = torch.tensor([[0, 1, hosted.num_embeddings - 1]], device=embedding.weight.device)
+    with torch.no_grad():
+        want = embedding(ids)
+        got = hosted(ids)
+    return want.dtype == got.dtype and torch.equal(want, got.to(want.device))
+
+
 def is_tied(model) -> bool:
     """Does the model's output head multiply by its input embedding's table (on the device)?"""
     from engine.peft_model import hf_model
@@ -119,6 +141,8 @@ def move_to_host(model, device) -> str:
     emb = base.get_input_embeddings()
     size = emb.weight.numel() * emb.weight.element_size()
     hosted = HostEmbedding(emb, torch.device(device))
+    if not same_lookup(emb, hosted):
+        return f"off: its input embedding ({type(emb).__name__}) does more than a scaled lookup"
     base.set_input_embeddings(hosted)
     if tied:  # the head reads the same pinned table, streamed by the loss
         from engine.fastpath.host_head import HostHead

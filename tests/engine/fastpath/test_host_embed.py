@@ -27,8 +27,8 @@ def batch():
     return PackedBatch.from_documents([torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 14, 6)])
 
 
-def step(hosted: bool):
-    model = tiny("qwen3", attn="sdpa", num_hidden_layers=2, tie_word_embeddings=False)
+def step(hosted: bool, model_type: str = "qwen3"):
+    model = tiny(model_type, attn="sdpa", num_hidden_layers=2, tie_word_embeddings=False)
     prepared = prepare_model(model, FastPathConfig(), CPU, gradient_checkpointing=False)
     if hosted:  # on a CPU the session never offers it (nothing to free); the module works alike
         from engine.peft_model import hf_model
@@ -42,9 +42,11 @@ def step(hosted: bool):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, model
 
 
-def test_host_table_gives_identical_loss_and_gradients():
-    l0, g0, _ = step(hosted=False)
-    l1, g1, model = step(hosted=True)
+# Gemma-3's embedding module scales its rows (ScaledWordEmbedding): the host table keeps the scale.
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_host_table_gives_identical_loss_and_gradients(model_type):
+    l0, g0, _ = step(hosted=False, model_type=model_type)
+    l1, g1, model = step(hosted=True, model_type=model_type)
     assert host_embedding(model) is not None
     assert torch.equal(l0, l1)
     assert g0.keys() == g1.keys() and all(torch.equal(g0[n], g1[n]) for n in g0)
@@ -56,6 +58,22 @@ def test_host_table_answers_device_ids_too():
     ids = torch.tensor([[3, 1, 49, 3]])
     assert torch.equal(hosted(ids), emb(ids).detach())
     assert hosted.weight.shape == (50, 8) and "in host memory" in repr(hosted)
+
+
+def test_a_scaled_lookup_moves_and_an_embedding_that_does_more_stays():
+    gemma = tiny("gemma3_text").get_input_embeddings()
+    assert type(gemma).__name__ == "Gemma3TextScaledWordEmbedding"
+    hosted = HostEmbedding(gemma, CPU)
+    assert host_embed.same_lookup(gemma, hosted)
+    ids = torch.tensor([[5, 0, 127]])
+    assert torch.equal(hosted(ids), gemma(ids)) and not torch.equal(hosted(ids), gemma.weight[ids])
+
+    class Shifted(torch.nn.Embedding):  # a forward that does more than a scaled lookup
+        def forward(self, ids):
+            return super().forward(ids) + 1.0
+
+    shifted = Shifted(50, 8)
+    assert not host_embed.same_lookup(shifted, HostEmbedding(shifted, CPU))
 
 
 def test_who_may_move_the_table():
