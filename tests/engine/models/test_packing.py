@@ -20,10 +20,21 @@ from engine.models.arch import arch_for
 from engine.models.arch.packing import PACKED_ROWS_CHECKED, STOCK_MASKS_MIX, documents_alone
 from engine.models.logits_check import logits_mismatch, needs_check
 from engine.train.step import decoder_and_head
+from tests.tiny_models import tiny_config
+
+
+def _wrapper(model_type: str) -> dict:
+    """A multimodal wrapper's config values around its language model's tiny config (tests/tiny_models.py):
+    its defaults alone make a full-size model (Gemma-3's: 2,304 wide, 26 layers, 262k vocabulary; 22 GB here)."""
+    values = tiny_config(model_type).to_dict()
+    values.pop("model_type", None)
+    return values
+
 
 # Tiny configs beyond TINY_BASE for checked families outside test_more_families' table:
 # (extra values, TINY_BASE keys the config cannot take). Default: the family's Arch.tiny, or none.
 _TINY = {
+    "gemma3": (_wrapper("gemma3"), ()),
     "falcon": ({}, ("head_dim",)),  # FalconConfig derives head_dim
     "gptj": (dict(rotary_dim=8), ()),  # RoPE over part of each 16-wide head
     "codegen": (dict(rotary_dim=8), ()),
