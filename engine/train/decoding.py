@@ -50,11 +50,11 @@ modules the same way: PEFT's projections, the stock norms, the torch rotation.
 
 `decode_refusal(model, total_len)` says why a model cannot take this loop (an architecture
 outside DECODE_ARCHS; attention both ways; attention arguments beyond a sliding window and a
-softcap; norms beyond the layer shapes above; rotary tables that change with the sequence
-length); the caller counts the reason (engine.counters' `fallback:decode_loop: <reason>`, in the step's
-report) and uses `generate`, as it does for a sharded (FSDP) model. NoPE layers (SmolLM3's,
-Arch.uses_rope) skip the rotation here as in the training forward; q/k norms over each head
-(Qwen3) are applied.
+softcap; norms beyond the layer shapes above; dynamic or longrope rotary tables past the
+length where they change); the caller counts the reason (engine.counters'
+`fallback:decode_loop: <reason>`, in the step's report) and uses `generate`, as it does for a
+sharded (FSDP) model. NoPE layers (SmolLM3's, Arch.uses_rope) skip the rotation here as in the
+training forward; q/k norms over each head (Qwen3) are applied.
 
 The step is captured as a CUDA graph where `graph_refusal` allows (not for 4-bit bases or
 expert routing); the graph is recorded once per call, as the adapters change every step.
@@ -202,10 +202,22 @@ def _attn_plan(layer, arch):
     return patch.plan
 
 
+def _rope_fixed_length(rotary, layer_type) -> int:
+    """The longest sequence for which a dynamic or longrope rotary module keeps its original
+    frequencies (transformers' dynamic_rope_update switches past it). Where versions read the
+    length from different places, the shortest of them: refusing early costs speed, not results."""
+    config = rotary.config
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
+    candidates = [getattr(rotary, "original_max_seq_len", None), params.get("original_max_position_embeddings")]
+    candidates.append(getattr(config, "original_max_position_embeddings", None))
+    return min(int(c) for c in candidates if c)
+
+
 def decode_refusal(model, total_len: int) -> Optional[str]:
-    """None when `decode` can run `model` for sequences of up to `total_len` tokens, else why not.
-    (No refusal depends on the length since the loop applies sliding windows itself; callers
-    still say it, as a refusal that does, a rotary table past its trained length, would need it.)"""
+    """None when `decode` can run `model` for sequences of up to `total_len` tokens, else why not
+    (a rotary table that changes with the length refuses only past the length where it would)."""
     from engine.models.arch import arch_for
     from engine.models.patches import hf_model
 
@@ -231,13 +243,22 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
             return f"the decoder has no {name}"
     if getattr(hf, "lm_head", None) is None:
         return "the model has no lm_head"
-    rope_types = getattr(decoder.rotary_emb, "rope_type", "default")
+    rotary = decoder.rotary_emb
+    rope_types = getattr(rotary, "rope_type", "default")
     # One type, or (Gemma-3) one per layer type.
-    for rope_type in rope_types.values() if isinstance(rope_types, dict) else (rope_types,):
-        if rope_type in SEQUENCE_LENGTH_ROPE:
-            # The loop computes every generated position's rotation at once, at the final length;
-            # generate's grows its tables token by token past the original context.
-            return f"its rotary tables change with the sequence length (rope_type {rope_type!r})"
+    by_type = rope_types.items() if isinstance(rope_types, dict) else ((None, rope_types),)
+    for layer_type, rope_type in by_type:
+        if rope_type not in SEQUENCE_LENGTH_ROPE:
+            continue
+        # The loop computes every generated position's rotation at once, at the final length;
+        # generate's module switches its frequencies token by token once the sequence passes the
+        # original context. Up to that length both use the original table, exactly.
+        limit = _rope_fixed_length(rotary, layer_type)
+        if total_len > limit:
+            return (
+                f"its rotary tables change with the sequence length (rope_type {rope_type!r}) past "
+                f"{limit} tokens, and the sequences reach {total_len}"
+            )
     for i, layer in enumerate(layers):
         norms = ("post_feedforward_layernorm",) if _post_norm(layer) else ("input_layernorm",)
         for name in (*norms, "self_attn", "post_attention_layernorm", "mlp"):

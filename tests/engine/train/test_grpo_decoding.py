@@ -194,22 +194,39 @@ def test_a_model_the_loop_refuses_samples_through_generate(model_type):
     assert report["generate"] == f"model_type {model_type!r} is not one the decode loop repeats"
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
-def test_rotary_tables_that_grow_with_the_sequence_are_refused_and_generate_samples(rope_type):
+def rope_that_grows(rope_type, original):
+    """A tiny Llama whose rotary tables change once a sequence passes `original` tokens."""
     rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
-    if rope_type == "longrope":
-        rope.update(short_factor=[1.0] * 8, long_factor=[2.0] * 8, original_max_position_embeddings=32)
-    model = patched("llama", rope_parameters=rope)
-    assert decoding.decode_refusal(model, 64) == (
-        f"its rotary tables change with the sequence length (rope_type {rope_type!r})"
+    if rope_type == "longrope":  # attention_factor != 1, so the tables' scale is compared too
+        rope.update(short_factor=[1.0] * 8, long_factor=[2.0] * 8, original_max_position_embeddings=original)
+        return patched("llama", rope_parameters=rope)
+    return patched("llama", rope_parameters=rope, max_position_embeddings=original)
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rotary_tables_that_grow_are_repeated_up_to_the_length_where_they_change(rope_type):
+    """PROMPTS plus 8 new tokens reach 19: inside 32 the loop samples as generate does (its
+    tables are the original ones); past 16 it refuses and generate samples."""
+    model = rope_that_grows(rope_type, 32)
+    assert decoding.decode_refusal(model, 32) is None
+    ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
+    assert ours == ref
+    report = {}
+    with torch.no_grad():
+        sample_completions(model, PROMPTS, 2, 8, 1.0, 1.0, {10**6}, 0, "cpu", report=report)
+    assert report["generate"] is None  # the loop ran, no fallback
+
+    model = rope_that_grows(rope_type, 16)
+    assert decoding.decode_refusal(model, 19) == (
+        f"its rotary tables change with the sequence length (rope_type {rope_type!r}) past 16 tokens, "
+        "and the sequences reach 19"
     )
     ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
     assert ours == ref
     report = {}
     with torch.no_grad():
-        sample_completions(model, PROMPTS, 1, 4, 1.0, 1.0, {10**6}, 0, "cpu", report=report)
+        sample_completions(model, PROMPTS, 1, 8, 1.0, 1.0, {10**6}, 0, "cpu", report=report)
     assert "rotary tables" in report["generate"]
-    assert decoding.decode_refusal(patched("llama"), 64) is None  # the default rotation is repeated
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "gpt_oss"])
