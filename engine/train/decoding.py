@@ -99,6 +99,7 @@ DECODE_ARCHS = frozenset(
         "ministral",
         "olmo2",
         "olmo3",
+        "phi3",
         "qwen2",
         "qwen2_moe",
         "qwen3",
@@ -111,6 +112,10 @@ DECODE_ARCHS = frozenset(
 # The per-layer norms beyond the two around attention that the loop applies: Gemma-2's and
 # Gemma-3's sandwich (the attention's output normed before the add, the MLP's input and output each normed).
 SANDWICH_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+# The families whose rotary module gives half-width tables that multiply each half of q and k
+# (`_full_width`); a narrower table elsewhere rotates only the first dims (Phi-3's partial rotary).
+HALF_WIDTH_ROPE = frozenset({"gpt_oss"})
 
 # transformers' rope types whose rotary module recomputes its frequencies as the sequence grows.
 SEQUENCE_LENGTH_ROPE = frozenset({"dynamic", "longrope"})
@@ -342,6 +347,23 @@ def _softcap_attention(attn, qg, keys, values, mask, softcap):
     return torch.matmul(probs, values)
 
 
+def _split_qkv(attn, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v of a fused projection's output (Phi-3's qkv_proj): query heads, then K, then V."""
+    q_end = attn.config.num_attention_heads * attn.head_dim
+    k_end = q_end + attn.num_key_value_heads * attn.head_dim
+    return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+
+
+def _rotate(q, k, cos, sin):
+    """transformers' rotation on [B, T, H, D]; a table narrower than the head (Phi-3's
+    partial_rotary_factor) rotates the first dims and passes the rest, op for op as its forward."""
+    width = cos.shape[-1]
+    if width == q.shape[-1]:
+        return rope_reference(q, k, cos, sin)
+    q_rot, k_rot = rope_reference(q[..., :width], k[..., :width], cos, sin)
+    return torch.cat([q_rot, q[..., width:]], dim=-1), torch.cat([k_rot, k[..., width:]], dim=-1)
+
+
 def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask, softcap=None):
     """One layer's attention for h [B, T, hidden], writing its K/V at `at` (_Cache.write); the
     steps of engine.models.patches' attention forward up to the attention call."""
@@ -349,6 +371,8 @@ def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask, softcap=None)
     shape = (b, t, -1, attn.head_dim)
     if plan.qkv is not None and plan.qkv.runtime_ok(h):
         q, k, v = lora_linears(h, plan.qkv)
+    elif hasattr(attn, "qkv_proj"):  # Phi-3's one projection, split as its forward splits it
+        q, k, v = _split_qkv(attn, attn.qkv_proj(h))
     else:
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
     if plan.qk_norm_projection:
@@ -358,7 +382,7 @@ def _attention(attn, plan, h, cos, sin, use_rope, cache, at, mask, softcap=None)
         q, k = attn.q_norm(q), attn.k_norm(k)
     if use_rope:
         if plan.rope is None:
-            q, k = rope_reference(q, k, cos, sin)
+            q, k = _rotate(q, k, cos, sin)
         else:
             if plan.qk_norm and (plan.rope_always_inplace or q.is_cuda):
                 q = q.clone() if q._is_view() else q.contiguous()
@@ -555,7 +579,7 @@ def _full_width(net: _Layers, cos: torch.Tensor, sin: torch.Tensor) -> tuple[tor
     """The rotary tables at the head's width. GPT-OSS's rotary module gives half-width tables and
     its rotation multiplies each half of q and k by them (x1*cos - x2*sin, x2*cos + x1*sin): the
     same numbers, op for op, as the usual rotate_half rotation with each table written twice."""
-    if cos.shape[-1] * 2 == net.layers[0].self_attn.head_dim:
+    if net.hf.config.model_type in HALF_WIDTH_ROPE and cos.shape[-1] * 2 == net.layers[0].self_attn.head_dim:
         return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     return cos, sin
 

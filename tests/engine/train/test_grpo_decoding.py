@@ -33,6 +33,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 3
 FAMILY = {
     "gpt_oss": dict(attn="eager", sliding_window=8),
     "gemma2": dict(attn="eager"),  # no SDPA attention (softcaps); its tiny config has them and a window
+    # Phi-3's window comes from its config; Phi-4-mini rotates part of each head (0.75 there; half
+    # here, which GPT-OSS's half-width tables would also match, so the two readings must differ).
+    "phi3": dict(sliding_window=8, partial_rotary_factor=0.5),
     # Multipliers that are not 1 (the config's defaults), so a loop that forgot one would differ.
     "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2),
 }
@@ -182,7 +185,7 @@ def test_the_comparison_sees_gemma2s_softcaps(monkeypatch):
         monkeypatch.setattr(decoding._Layers, "__init__", real)
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "cohere"])
+@pytest.mark.parametrize("model_type", ["cohere"])
 def test_a_model_the_loop_refuses_samples_through_generate(model_type):
     model = patched(model_type, attn="eager")
     assert model_type in decoding.decode_refusal(model, 64)
@@ -229,7 +232,7 @@ def test_rotary_tables_that_grow_are_repeated_up_to_the_length_where_they_change
     assert "rotary tables" in report["generate"]
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["mistral", "gpt_oss", "phi3"])
 def test_the_comparison_sees_the_loops_sliding_windows(model_type, monkeypatch):
     """Windows of 8 tokens over sequences of up to 31: the loop's band equals generate's sliding
     mask (above), and a loop that read the whole cache would differ."""
@@ -241,6 +244,29 @@ def test_the_comparison_sees_the_loops_sliding_windows(model_type, monkeypatch):
     monkeypatch.setattr(decoding, "_windowed", lambda mask, at, window: mask)
     unbanded, _ = both(model, 2, 16, 1.0, 1.0, eos)
     assert unbanded != ref
+
+
+def test_the_comparison_sees_phi3s_partial_rotation(monkeypatch):
+    """Phi-3's table covers half of each head here: the loop rotates those dims and passes the
+    rest; reading it as GPT-OSS's half-width table (each half rotated) would sample otherwise."""
+    model = patched("phi3")
+    assert decoding.decode_refusal(model, 64) is None
+    eos = {10**6}
+    ours, ref = both(model, 4, 20, 1.0, 1.0, eos)
+    assert ours == ref
+    monkeypatch.setattr(decoding, "HALF_WIDTH_ROPE", frozenset({"gpt_oss", "phi3"}))
+    halves, _ = both(model, 4, 20, 1.0, 1.0, eos)
+    assert halves != ref
+
+
+def test_phi4_minis_longrope_with_partial_rotation_samples_as_generate():
+    """Phi-4-mini's shape: longrope tables over 3/4 of each head, inside the original length."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    rope.update(short_factor=[1.0] * 6, long_factor=[2.0] * 6, original_max_position_embeddings=32)
+    model = patched("phi3", rope_parameters=rope, max_position_embeddings=128)
+    assert decoding.decode_refusal(model, 32) is None
+    ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
+    assert ours == ref
 
 
 def test_the_comparison_sees_gemma3s_rotary_table_per_layer_type(monkeypatch):
