@@ -78,8 +78,10 @@ def test_greedy_decoding_equals_generate_in_fp32():
         ("gemma3_text", dict(), "on"),  # its tiny config: 8-token window, a rotary table per layer type
         ("gemma2", dict(attn="eager"), "on"),  # softcaps and an 8-token window
         ("gpt_oss", dict(attn="eager", sliding_window=8), "off"),
+        # Phi-3's stock modules (not patched): its fused qkv_proj, the config's window, a partial rotation
+        ("phi3", dict(sliding_window=8, partial_rotary_factor=0.75, pad_token_id=0), "on"),
     ],
-    ids=["mistral", "gemma3_text", "gemma2", "gpt_oss"],
+    ids=["mistral", "gemma3_text", "gemma2", "gpt_oss", "phi3"],
 )
 def test_windows_and_sinks_equal_generate_greedily_in_fp32(model_type, kw, graph):
     model = patched(torch.float32, model_type, **kw)
