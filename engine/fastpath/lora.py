@@ -39,7 +39,15 @@ import torch
 
 from engine.counters import count
 from engine.fastpath import quant, recompute
-from engine.fastpath.lora_group import LoRAGroup, as_group, base_linear, base_mm, base_operand, lora_linear_out
+from engine.fastpath.lora_group import (
+    LoRAGroup,
+    as_group,
+    base_linear,
+    base_mm,
+    base_operand,
+    dense_4bit_once,
+    lora_linear_out,
+)
 from engine.kernels import activations as K
 
 # -- the math shared by the Functions (plain tensors, no autograd) ----------------------------
@@ -253,9 +261,12 @@ UNREAD_TILE_BYTES = 48 * 2**20
 
 
 def mlp_can_skip_output(gate_up: LoRAGroup, down: LoRAGroup) -> bool:
-    """Whether `LoRAMLPUnread` can stand in for these groups: 16-bit bases only (a 4-bit base
-    would be decoded once per tile; QLoRA keeps LoRAMLP)."""
-    return not any(quant.is_4bit(b) for b in (*gate_up.bases, *down.bases))
+    """Whether `LoRAMLPUnread` can stand in for these groups. A 4-bit (QLoRA) base is dequantized
+    once for the backward's tiles (`dense_4bit_once`), which needs the dequantize path: with the
+    fused NF4 matmul (fast_paths.nf4_matmul) each tile would decode the weight again, so such a
+    base keeps LoRAMLP."""
+    bases = (*gate_up.bases, *down.bases)
+    return not any(quant.is_4bit(b) for b in bases) or (gate_up.nf4 == "off" and down.nf4 == "off")
 
 
 def _tile_rows(inter: int, element_size: int) -> int:
@@ -335,55 +346,58 @@ class LoRAMLPUnread(torch.autograd.Function):
         r2 = residual.reshape(-1, shape[-1])
         dy = dy.reshape(-1, dy.shape[-1])
         n, inter = r2.shape[0], down.bases[0].in_features
-        w_down = base_operand(down.bases[0], dy, False, down.nf4)
-        d_res = None
-        if ctx.needs_input_grad[0]:
-            # The residual's gradient goes into dy's memory, each tile's rows after their last read
-            # of dy: this Function is only the root of offload's lean recompute, whose dy is the
-            # layer's output gradient, handed to this layer's backward alone. So one activation
-            # less is live through the rest of the layer's backward (its attention, W7's peak).
-            own = dy.is_contiguous() and dy.dtype == r2.dtype and dy.shape == r2.shape
-            d_res = dy if own else torch.empty_like(r2)
-        acc: list[Optional[torch.Tensor]] = [None] * 6
-        rows = _tile_rows(inter, r2.element_size())
-        for s in range(0, n, rows):
-            e = min(s + rows, n)
-            with torch.enable_grad():
-                r = r2[s:e].detach().requires_grad_(d_res is not None)
-                xn = ctx.norm(r)
-            x = xn.detach()
-            (gate, up), xa = _group_forward(x, gate_up, w_in)
-            h, act_grad = ctx.act.backward_raw(gate, up)
-            dyt = dy[s:e]
-            g = None
-            if b_down is not None:
-                g = torch.mm(dyt, b_down)  # dy (s B): [rows, r]
-                if need_ab[4]:
-                    acc[4] = _add_f32(acc[4], torch.mm(g.t(), h))  # dA_down: [r, inter]
-                if need_ab[5]:
-                    ha = torch.mm(h, a_down.t())
-                    acc[5] = _add_f32(acc[5], _scaled_mm(dyt.t(), ha, down.scales[0], torch.float32))
-                    del ha
-            del h
-            if g is None:
-                dh = base_mm(dyt, w_down, False)
-            else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
-                dh = base_mm(dyt, w_down, False, out=torch.mm(g, a_down), accumulate=True)
-            dgate, dup = act_grad(dh)
-            del dh
-            need_x = d_res is not None or xn.requires_grad
-            dx, dab = _group_backward((dgate, dup), x, xa, gate_up, w_in, ab[:4], need_x, need_ab[:4])
-            del dgate, dup, gate, up
-            for i, part in enumerate(dab):
-                acc[i] = _add_f32(acc[i], part)
-            if xn.requires_grad:  # the norm's backward (and a trainable norm weight's gradient)
-                torch.autograd.backward(xn, dx)
-                if d_res is not None:  # the tail's output is residual + MLP: dy reaches it directly too
-                    torch.add(dyt, r.grad, out=d_res[s:e])
-            del dx, xn, r
-        dab_all = [None if a is None else a.to(t.dtype) for a, t in zip(acc, ab)]
-        d_res = None if d_res is None else d_res.view(shape)
-        return (d_res, None, None, None, None, *dab_all)
+        # A 4-bit base's dense copy is made once for all the tiles (mlp_can_skip_output): three
+        # weights at once, where LoRAMLP's backward holds one, against the saved gate and up.
+        with dense_4bit_once((*gate_up.bases, *down.bases), r2.dtype):
+            w_down = base_operand(down.bases[0], dy, False, down.nf4)
+            d_res = None
+            if ctx.needs_input_grad[0]:
+                # The residual's gradient goes into dy's memory, each tile's rows after their last read
+                # of dy: this Function is only the root of offload's lean recompute, whose dy is the
+                # layer's output gradient, handed to this layer's backward alone. So one activation
+                # less is live through the rest of the layer's backward (its attention, W7's peak).
+                own = dy.is_contiguous() and dy.dtype == r2.dtype and dy.shape == r2.shape
+                d_res = dy if own else torch.empty_like(r2)
+            acc: list[Optional[torch.Tensor]] = [None] * 6
+            rows = _tile_rows(inter, r2.element_size())
+            for s in range(0, n, rows):
+                e = min(s + rows, n)
+                with torch.enable_grad():
+                    r = r2[s:e].detach().requires_grad_(d_res is not None)
+                    xn = ctx.norm(r)
+                x = xn.detach()
+                (gate, up), xa = _group_forward(x, gate_up, w_in)
+                h, act_grad = ctx.act.backward_raw(gate, up)
+                dyt = dy[s:e]
+                g = None
+                if b_down is not None:
+                    g = torch.mm(dyt, b_down)  # dy (s B): [rows, r]
+                    if need_ab[4]:
+                        acc[4] = _add_f32(acc[4], torch.mm(g.t(), h))  # dA_down: [r, inter]
+                    if need_ab[5]:
+                        ha = torch.mm(h, a_down.t())
+                        acc[5] = _add_f32(acc[5], _scaled_mm(dyt.t(), ha, down.scales[0], torch.float32))
+                        del ha
+                del h
+                if g is None:
+                    dh = base_mm(dyt, w_down, False)
+                else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
+                    dh = base_mm(dyt, w_down, False, out=torch.mm(g, a_down), accumulate=True)
+                dgate, dup = act_grad(dh)
+                del dh
+                need_x = d_res is not None or xn.requires_grad
+                dx, dab = _group_backward((dgate, dup), x, xa, gate_up, w_in, ab[:4], need_x, need_ab[:4])
+                del dgate, dup, gate, up
+                for i, part in enumerate(dab):
+                    acc[i] = _add_f32(acc[i], part)
+                if xn.requires_grad:  # the norm's backward (and a trainable norm weight's gradient)
+                    torch.autograd.backward(xn, dx)
+                    if d_res is not None:  # the tail's output is residual + MLP: dy reaches it directly too
+                        torch.add(dyt, r.grad, out=d_res[s:e])
+                del dx, xn, r
+            dab_all = [None if a is None else a.to(t.dtype) for a, t in zip(acc, ab)]
+            d_res = None if d_res is None else d_res.view(shape)
+            return (d_res, None, None, None, None, *dab_all)
 
 
 class _DtypeOnly:

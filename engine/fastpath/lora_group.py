@@ -21,6 +21,7 @@ Light on purpose (torch, engine.counters and engine.fastpath.quant only): the op
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -37,16 +38,38 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # -- base layer access: the one place a quantized base plugs in ---------------------------------
 
 
+# {id(4-bit layer): (dtype, its dense weight)} inside `dense_4bit_once` (None outside any).
+_DENSE: ContextVar[Optional[dict]] = ContextVar("dense_4bit", default=None)
+
+
 def base_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The frozen base weight [out, in] as a dense tensor in `dtype`.
 
     A 4-bit base is dequantized into a fresh tensor: callers use it for one matmul and drop it
-    (it is never saved for backward), so one layer's dense weight exists at a time.
+    (it is never saved for backward), so one layer's dense weight exists at a time; inside
+    `dense_4bit_once` the scope's one copy is handed out instead.
     """
     if quant.is_4bit(layer):
+        held = (_DENSE.get() or {}).get(id(layer))
+        if held is not None and held[0] == dtype:
+            return held[1]
         return quant.dequantize(layer, dtype)
     w = layer.weight
     return w if w.dtype == dtype else w.to(dtype)
+
+
+@contextmanager
+def dense_4bit_once(layers: Sequence[nn.Module], dtype: torch.dtype) -> Iterator[None]:
+    """Inside, each 4-bit base of `layers` is dequantized once and that copy serves every product
+    (for a loop of row tiles that would otherwise decode the weight per tile); the copies are
+    dropped on leaving. 16-bit bases are unaffected. Scopes do not nest (the inner one wins)."""
+    held = {id(layer): (dtype, quant.dequantize(layer, dtype)) for layer in layers if quant.is_4bit(layer)}
+    token = _DENSE.set(held)
+    try:
+        yield
+    finally:
+        _DENSE.reset(token)
+        held.clear()
 
 
 def base_dtype(layer: nn.Module) -> Optional[torch.dtype]:

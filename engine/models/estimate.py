@@ -377,17 +377,19 @@ def lean_recompute_saving(info: ModelInfo, tokens: int, mode: Mode = "lora16") -
     each) for the backward, which remakes them and their gradients a row tile at a time. Counted
     conservatively: the two kept tensors less the tiles alive at once, nothing for the skipped
     down projection, layer output or normed inputs (Qwen3-8B at 16,384 tokens: 768 - 240 = 528 MiB,
-    where the measured peak fell 0.88 GiB, 18.41 -> 17.53). None for a 4-bit base (QLoRA keeps the
-    full MLP backward: engine.fastpath.lora.mlp_can_skip_output) or MoE layers (no dense MLP)."""
+    where the measured peak fell 0.88 GiB, 18.41 -> 17.53). A 4-bit base's backward holds the three
+    MLP weights dequantized at once (engine.fastpath.lora_group.dense_4bit_once), counted against it
+    in full. None for MoE layers (no dense MLP)."""
     inter = info.intermediate_size
-    if mode == "qlora4" or info.is_moe or not inter:
+    if info.is_moe or not inter:
         return 0
     act_bytes = 4 if mode == "lora32" else 2
     # engine.fastpath.lora._tile_rows: rows of a tile of about LEAN_TILE_BYTES, a multiple of 64.
     rows = max(64, LEAN_TILE_BYTES // (inter * act_bytes) // 64 * 64)
     kept = 2 * tokens * inter * act_bytes
     tiles = LEAN_TILES_LIVE * min(tokens, rows) * inter * act_bytes
-    return max(0, kept - tiles)
+    dense = 3 * info.hidden_size * inter * act_bytes if mode == "qlora4" else 0
+    return max(0, kept - tiles - dense)
 
 
 def estimate_vram(

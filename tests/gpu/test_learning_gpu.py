@@ -352,13 +352,20 @@ def test_fast_path_learns_like_stock(root, data, arch, fast, training, expected)
         assert ours.fast_report.get("host_embeddings", "").startswith("on: "), ours.fast_report
 
 
-def test_qlora_nf4_learns_like_stock_qlora(root, data):
+@pytest.mark.parametrize("w7", [False, True], ids=["plain", "offload-lean-tiled"])
+def test_qlora_nf4_learns_like_stock_qlora(root, data, w7):
     pytest.importorskip("bitsandbytes")
-    name, cfg = _case(root, data, "qwen3")
+    if w7:  # W7's settings on long rows: single offload, the lean recompute standing in for the tiled MLP
+        fast = {"tiled_mlp": True, "lean_recompute": True}
+        name, cfg = _case(root, data, "llama", fast, data_kind="long", gradient_checkpointing=True, offload="single")
+    else:
+        name, cfg = _case(root, data, "qwen3")
     cfg.model.load_in_4bit = True
     name += "-nf4"
     ours = train(cfg)
-    _check(name, ours, _reference(cfg), ALL)
+    _check(name, ours, _reference(cfg), ALL, cfg if w7 else None)
+    if w7:
+        assert ours.fast_report.get("lean_recompute", "").startswith("on"), ours.fast_report
 
 
 # GPT-OSS's attention has sinks, which our varlen kernel takes (its rows pack since 2026-12-03);

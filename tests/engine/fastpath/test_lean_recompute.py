@@ -336,3 +336,55 @@ def test_only_the_blocks_own_whole_tensor_is_released():
         assert not release_remade(part)
     assert shared.untyped_storage().nbytes() == 8 * 8 * 4
     assert not release_remade(shared)  # outside any block
+
+
+def _qlora_step(lean, dequantized=None):
+    """One step of a tiny NF4 (QLoRA) Qwen3 under single offload, fp32 compute; `dequantized`
+    collects the MLP bases dequantized during the backward."""
+    pytest.importorskip("bitsandbytes")
+    from engine.fastpath import quant
+    from tests.engine.fastpath.test_qlora import qlora_model
+
+    model = qlora_model()
+    fast = FastPathConfig(lean_recompute=lean)
+    prepared = prepare_model(model, fast, CPU, gradient_checkpointing=True, offload="single")
+    model.train()
+    b = _batch(model.config.vocab_size, (37, 12, 64, 9, 50))
+    loss = forward_loss(prepared, b, normalizer=b.num_trained_tokens)
+    if dequantized is not None:
+        mlp_bases = {
+            id(getattr(layer.mlp, name).base_layer): name
+            for layer in model.get_base_model().get_decoder().layers
+            for name in ("gate_proj", "up_proj", "down_proj")
+        }
+        real = quant.dequantize
+
+        def counted(layer, dtype):
+            if id(layer) in mlp_bases:
+                dequantized.append(id(layer))
+            return real(layer, dtype)
+
+        quant.dequantize = counted
+    try:
+        loss.backward()
+    finally:
+        if dequantized is not None:
+            quant.dequantize = real
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads
+
+
+def test_a_4bit_base_takes_the_lean_recompute_and_is_dequantized_once_for_all_tiles(monkeypatch, unread_calls):
+    # QLoRA under offload: the recompute skips the MLP as for 16-bit bases, and the backward's row
+    # tiles (3 of 64 rows here) share one dense copy of each MLP weight instead of decoding per tile.
+    from bench.workloads import CPU_TINY
+
+    inter = CPU_TINY.config["intermediate_size"]
+    monkeypatch.setattr(lora_mod, "UNREAD_TILE_BYTES", 64 * inter * 4)
+    seen = []
+    lean = _qlora_step(True, seen)
+    assert len(unread_calls) == LAYERS
+    assert len(seen) == 3 * LAYERS and len(set(seen)) == 3 * LAYERS  # each MLP weight once
+    full = _qlora_step(False)
+    assert len(unread_calls) == LAYERS  # the switch off: LoRAMLP's full recompute
+    _assert_same(lean, full, tol=1e-5)

@@ -70,12 +70,22 @@ def test_the_lean_recompute_lowers_the_w3_estimate_by_less_than_the_measured_fal
     [
         dict(offload="off"),  # no offload, no recompute of that kind
         dict(ckpt=False),
-        dict(mode="qlora4"),  # a 4-bit base keeps the full MLP backward (mlp_can_skip_output)
     ],
 )
 def test_no_saving_where_the_lean_recompute_does_not_run(case):
     info = qwen3_8b()
     assert _estimate(info, True, **case) == _estimate(info, False, **case)
+
+
+def test_a_4bit_base_saves_less_by_its_three_dense_mlp_weights():
+    # The backward's tiles read gate, up and down dequantized once (dense_4bit_once): 3 x 96 MiB on Qwen3-8B.
+    info = qwen3_8b()
+    dense = 3 * 4096 * 12288 * 2
+    assert est.lean_recompute_saving(info, TOKENS, "qlora4") == (768 - 240) * MiB - dense
+    full = est.estimate_breakdown(info, TOKENS, mode="qlora4", offload="double").working
+    lean = est.estimate_breakdown(info, TOKENS, mode="qlora4", offload="double", lean_recompute=True).working
+    assert full - lean == (768 - 240) * MiB - dense
+    assert est.lean_recompute_saving(info, 4096, "qlora4") == 0  # short rows: the copies outweigh it
 
 
 def test_a_short_micro_batch_saves_nothing_the_tiles_would_not_take_back():
