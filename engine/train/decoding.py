@@ -260,10 +260,8 @@ def decode_refusal(model, total_len: int) -> Optional[str]:
         # original context. Up to that length both use the original table, exactly.
         limit = _rope_fixed_length(rotary, layer_type)
         if total_len > limit:
-            return (
-                f"its rotary tables change with the sequence length (rope_type {rope_type!r}) past "
-                f"{limit} tokens, and the sequences reach {total_len}"
-            )
+            # (The length reached is left out: the reason is a counter's key, one per cause.)
+            return f"its rotary tables change with the sequence length (rope_type {rope_type!r}) past {limit} tokens"
     for i, layer in enumerate(layers):
         norms = ("post_feedforward_layernorm",) if _post_norm(layer) else ("input_layernorm",)
         for name in (*norms, "self_attn", "post_attention_layernorm", "mlp"):

@@ -1,7 +1,7 @@
 """The Monitor names GRPO's decode-loop fallback: a run whose model the engine's decode loop refuses
 samples through transformers' `generate` (slower), each step counts `decode_loop: <why>`, and the
 banner says so with the reason. The events are a real GRPO session's on the CPU (the demo model
-with dynamic RoPE, which the loop refuses), so the run's fast-path report key and the counted
+with dynamic RoPE from 16 tokens on, which the loop refuses), so the run's fast-path report key and the counted
 fallback key are the engine's own, not written here."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from engine.events import Failed, RunStarted, StepMetrics
 from engine.resources import DEMO_DATA_FILE, DEMO_MODEL_DIR, DEMO_PRESET
 from engine.train.session import TrainingSession
 
-REASON = "its rotary tables change with the sequence length (rope_type 'dynamic')"
+REASON = "its rotary tables change with the sequence length (rope_type 'dynamic') past 16 tokens"
 
 
 def _prompts(path, n=8):
@@ -33,7 +33,9 @@ def grpo_events(tmp_path_factory):
     model = tmp / "dynamic-rope"
     shutil.copytree(DEMO_MODEL_DIR, model)
     config = json.loads((model / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    # Dynamic RoPE from 16 tokens on: the prompts are longer, so the loop refuses it (inside, it repeats it).
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16}
+    config["rope_parameters"] = rope
     (model / "config.json").write_text(json.dumps(config))
     cfg = RunConfig.load(DEMO_PRESET)
     cfg.model.name_or_path = str(model)

@@ -221,9 +221,9 @@ def test_rotary_tables_that_grow_are_repeated_up_to_the_length_where_they_change
 
     model = rope_that_grows(rope_type, 16)
     assert decoding.decode_refusal(model, 19) == (
-        f"its rotary tables change with the sequence length (rope_type {rope_type!r}) past 16 tokens, "
-        "and the sequences reach 19"
+        f"its rotary tables change with the sequence length (rope_type {rope_type!r}) past 16 tokens"
     )
+    assert decoding.decode_refusal(model, 16) is None
     ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
     assert ours == ref
     report = {}

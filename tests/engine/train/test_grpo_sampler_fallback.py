@@ -1,8 +1,8 @@
 """GRPO's sampler in a real session: a model the engine's decode loop refuses samples through
 transformers' `generate`, and each step's fallbacks say so with the reason (`decode_loop: ...`),
 although the counts made while generating are set aside; a model the loop takes counts nothing.
-The refused model is the demo model with dynamic RoPE (rotary tables that grow with the
-sequence), which the loop does not repeat."""
+The refused model is the demo model with dynamic RoPE from 16 tokens on (rotary tables that
+grow with the sequence past it), which the loop does not repeat."""
 
 from __future__ import annotations
 
@@ -50,11 +50,13 @@ def test_a_step_sampled_by_generate_counts_the_decode_loops_refusal(tmp_path):
     model = tmp_path / "dynamic-rope"
     shutil.copytree(DEMO_MODEL_DIR, model)
     config = json.loads((model / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    # Dynamic RoPE from 16 tokens on: the prompts are longer, so the loop refuses it (inside, it repeats it).
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16}
+    config["rope_parameters"] = rope
     (model / "config.json").write_text(json.dumps(config))
     steps = _steps(tmp_path, str(model))
     assert len(steps) == 2
-    want = "decode_loop: its rotary tables change with the sequence length (rope_type 'dynamic')"
+    want = "decode_loop: its rotary tables change with the sequence length (rope_type 'dynamic') past 16 tokens"
     for s in steps:
         assert s.fallbacks.get(want, 0) >= 1, s.fallbacks
         assert not any("KV cache" in k for k in s.fallbacks), s.fallbacks  # generate's own counts stay aside
