@@ -76,6 +76,15 @@ def both(model, group, new, temperature, top_p, eos, greedy=False, seed=3):
     return ours, cut(ref, eos)
 
 
+def sampling_report(model, group, new):
+    """What GRPO's sampler reports for PROMPTS (report["generate"]: None when the loop ran, else
+    the refusal counted as fallback:decode_loop)."""
+    report = {}
+    with torch.no_grad():
+        sample_completions(model, PROMPTS, group, new, 1.0, 1.0, {10**6}, 0, "cpu", report=report)
+    return report
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["patched", "stock"])
 @pytest.mark.parametrize("model_type", sorted(decoding.DECODE_ARCHS))
 def test_sampled_and_greedy_completions_equal_generates_for_a_seed(model_type, fast):
@@ -191,9 +200,7 @@ def test_a_model_the_loop_refuses_samples_through_generate(model_type):
     assert model_type in decoding.decode_refusal(model, 64)
     ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
     assert ours == ref
-    report = {}  # what GRPO's step counts (fallback:decode_loop: <why>)
-    with torch.no_grad():
-        sample_completions(model, PROMPTS, 2, 4, 1.0, 1.0, {10**6}, 0, "cpu", report=report)
+    report = sampling_report(model, 2, 4)
     assert report["generate"] == f"model_type {model_type!r} is not one the decode loop repeats"
 
 
@@ -214,9 +221,7 @@ def test_rotary_tables_that_grow_are_repeated_up_to_the_length_where_they_change
     assert decoding.decode_refusal(model, 32) is None
     ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
     assert ours == ref
-    report = {}
-    with torch.no_grad():
-        sample_completions(model, PROMPTS, 2, 8, 1.0, 1.0, {10**6}, 0, "cpu", report=report)
+    report = sampling_report(model, 2, 8)
     assert report["generate"] is None  # the loop ran, no fallback
 
     model = rope_that_grows(rope_type, 16)
@@ -226,9 +231,7 @@ def test_rotary_tables_that_grow_are_repeated_up_to_the_length_where_they_change
     assert decoding.decode_refusal(model, 16) is None
     ours, ref = both(model, 2, 8, 1.0, 1.0, {10**6})
     assert ours == ref
-    report = {}
-    with torch.no_grad():
-        sample_completions(model, PROMPTS, 1, 8, 1.0, 1.0, {10**6}, 0, "cpu", report=report)
+    report = sampling_report(model, 1, 8)
     assert "rotary tables" in report["generate"]
 
 
