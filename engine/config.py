@@ -187,9 +187,10 @@ class FastPathConfig:
     # (hidden size >= engine.train.step.LEAN_RECOMPUTE_MIN_HIDDEN).
     lean_recompute: Union[bool, Literal["auto"]] = "auto"
     # The frozen embedding table in host memory (engine.fastpath.host_embed; a tied head
-    # streams it, engine.fastpath.host_head): auto moves it when the pre-flight or a step runs
-    # out of memory (untied first: no speed cost; tied after the free changes: a copy of the
-    # table per micro-batch); true from the start; false never.
+    # streams it, engine.fastpath.host_head): auto moves a 4-bit (QLoRA) base's untied table
+    # from the start, and any other when the pre-flight or a step runs out of memory (untied
+    # first: no speed cost; tied after the free changes: a copy of the table per micro-batch);
+    # true from the start; false never.
     host_embeddings: Union[bool, Literal["auto"]] = "auto"
     # Dense MLPs over tiles of tokens (engine.fastpath.tiled_mlp): long rows' MLP intermediates
     # one tile at a time, for one more MLP forward. auto: when memory runs short at one row.

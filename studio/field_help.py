@@ -109,8 +109,8 @@ HELP = {
     ),
     "fast_paths.host_embeddings": (
         "Keep the frozen embedding table in host memory, sending only each batch's rows to the GPU; "
-        "a tied output head streams the table through the GPU once per micro-batch. auto: when the "
-        "card runs short."
+        "a tied output head streams the table through the GPU once per micro-batch. auto: from the start "
+        "for a 4-bit (QLoRA) model whose table is not tied to its head, otherwise when the card runs short."
     ),
     "fast_paths.tiled_mlp": (
         "Run each MLP over tiles of tokens, so long rows need far less memory (one more MLP forward "

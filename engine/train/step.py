@@ -84,15 +84,7 @@ def prepare_model(
     report["fused_ce"] = "on" if _wanted(fast_paths.fused_ce) else "off: disabled in config"
     report["cached_metadata"] = "on" if fast_paths.cached_metadata else "off: rebuilt in every layer"
 
-    hosted = fast_paths.host_embeddings
-    if hosted is True:
-        from engine.fastpath.host_embed import move_to_host
-
-        report["host_embeddings"] = move_to_host(model, device)
-    else:
-        report["host_embeddings"] = (
-            "off: disabled in config" if hosted is False else "off: moved when memory runs short"
-        )
+    report["host_embeddings"] = _host_embeddings(model, fast_paths.host_embeddings, device)
     if fast_paths.tiled_mlp is True:
         report["tiled_mlp"] = tile_mlps(model, device)
     else:
@@ -113,6 +105,32 @@ def prepare_model(
 
 # Report keys whose switch is not a fast_paths field of the same name.
 _REPORT_FIELDS = {"offload": "training.offload"}
+
+
+def _host_embeddings(model, setting, device) -> str:
+    """Move the input table to host memory where `setting` wants it; the report line.
+
+    auto moves it from the start for a 4-bit (QLoRA) base whose table is not tied to its head:
+    QLoRA is chosen to save memory, the untied move costs no matmul (measured on W4, Qwen3-14B
+    NF4: 11.83 against 13.28 GiB at 0.6% of the speed), and the frozen table is then the largest
+    16-bit tensor left on the card after the head. Other bases keep it until memory runs short."""
+    from engine.fastpath.host_embed import is_tied, move_to_host
+
+    if setting is True:
+        return move_to_host(model, device)
+    if setting is False:
+        return "off: disabled in config"
+    if _has_4bit_layers(model) and not is_tied(model):
+        moved = move_to_host(model, device)
+        if moved.startswith("on"):
+            return moved.replace("on: ", "on: auto for a 4-bit base's untied table, ", 1)
+    return "off: moved when memory runs short"
+
+
+def _has_4bit_layers(model) -> bool:
+    from engine.fastpath.quant import is_4bit
+
+    return any(is_4bit(m) for m in model.modules())
 
 
 def _say_policy_offs(report: dict[str, str], auto_reasons: dict[str, str]) -> dict[str, str]:

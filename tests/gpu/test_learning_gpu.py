@@ -352,20 +352,23 @@ def test_fast_path_learns_like_stock(root, data, arch, fast, training, expected)
         assert ours.fast_report.get("host_embeddings", "").startswith("on: "), ours.fast_report
 
 
-@pytest.mark.parametrize("w7", [False, True], ids=["plain", "offload-lean-tiled"])
-def test_qlora_nf4_learns_like_stock_qlora(root, data, w7):
+@pytest.mark.parametrize("kind", ["plain", "offload-lean-tiled", "untied"])
+def test_qlora_nf4_learns_like_stock_qlora(root, data, kind):
     pytest.importorskip("bitsandbytes")
+    w7 = kind == "offload-lean-tiled"
     if w7:  # W7's settings on long rows: single offload, the lean recompute standing in for the tiled MLP
         fast = {"tiled_mlp": True, "lean_recompute": True}
         name, cfg = _case(root, data, "llama", fast, data_kind="long", gradient_checkpointing=True, offload="single")
-    else:
-        name, cfg = _case(root, data, "qwen3")
+    else:  # untied: auto moves a 4-bit base's untied table to host memory from the start
+        name, cfg = _case(root, data, "llama_untied" if kind == "untied" else "qwen3")
     cfg.model.load_in_4bit = True
     name += "-nf4"
     ours = train(cfg)
     _check(name, ours, _reference(cfg), ALL, cfg if w7 else None)
     if w7:
         assert ours.fast_report.get("lean_recompute", "").startswith("on"), ours.fast_report
+    if kind == "untied":
+        assert ours.fast_report.get("host_embeddings", "").startswith("on: auto"), ours.fast_report
 
 
 # GPT-OSS's attention has sinks, which our varlen kernel takes (its rows pack since 2026-12-03);

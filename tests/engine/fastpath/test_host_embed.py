@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import FastPathConfig
+from engine.config import FastPathConfig, LoraConfig
 from engine.data.collate import PackedBatch
 from engine.events import MemoryAdjusted, StepMetrics
 from engine.fastpath import host_embed
@@ -134,3 +134,32 @@ def test_out_of_memory_moves_the_table_to_host_first_and_loses_nothing(tmp_path,
     curve = [e.loss for e in events if isinstance(e, StepMetrics)]
     assert [e.step for e in events if isinstance(e, StepMetrics)] == [1, 2, 3, 4]
     assert curve == pytest.approx([e.loss for e in events0 if isinstance(e, StepMetrics)], rel=1e-5)
+
+
+def _nf4_model(tied: bool, quantized: bool = True):
+    """A tiny LoRA Qwen3 on NF4 (bitsandbytes Linear4bit) bases, its head tied or not."""
+    from bench.workloads import quantize_nf4
+    from engine.models.lora import attach_lora
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("qwen3", num_hidden_layers=1, tie_word_embeddings=tied)
+    if quantized:
+        quantize_nf4(model, compute_dtype=torch.float32)
+    return attach_lora(model, LoraConfig(r=4, alpha=8.0, dropout=0.0))
+
+
+def test_auto_moves_a_4bit_bases_untied_table_from_the_start(monkeypatch):
+    # QLoRA is chosen to save memory, and an untied table costs no matmul in host memory: auto
+    # moves it in prepare_model. A 16-bit base, a tied 4-bit one, or the setting off keep it.
+    pytest.importorskip("bitsandbytes")
+    movable_on_the_cpu(monkeypatch)
+
+    def hosted(model, setting="auto"):
+        report = prepare_model(model, FastPathConfig(host_embeddings=setting), CPU, gradient_checkpointing=False)
+        return report.report["host_embeddings"], host_embedding(model) is not None
+
+    line, moved = hosted(_nf4_model(tied=False))
+    assert moved and line.startswith("on: auto for a 4-bit base's untied table, "), line
+    assert hosted(_nf4_model(tied=False, quantized=False)) == ("off: moved when memory runs short", False)
+    assert hosted(_nf4_model(tied=True)) == ("off: moved when memory runs short", False)
+    assert hosted(_nf4_model(tied=False), setting=False) == ("off: disabled in config", False)
