@@ -83,6 +83,7 @@ OVERRIDES = {
     "rows": ("training", "rows_per_micro_batch"),
     "accum": ("training", "grad_accum"),
     "host": ("fast_paths", "host_embeddings"),  # 1: the table in host memory from the start; 0: never
+    "lean": ("fast_paths", "lean_recompute"),  # 1: the lean recompute under offload; 0: the full one
     "method": ("training", "method"),  # dpo, orpo, simpo: trains on pairs (write_pairs_jsonl); sft: on text
 }
 # The methods a case may name, each with the data file it reads: SFT the text documents, the
@@ -104,7 +105,7 @@ def parse_case(text: str) -> tuple[float, str, bool, dict]:
         overrides = {k: v if k == "method" else int(v) for k, _, v in (e.partition("=") for e in extra)}
     except ValueError:
         raise SystemExit(
-            f"bad case {text!r}: CAP:MODEL[-qlora][+seq=N][+rows=N][+accum=N][+host=0|1][+method=NAME]"
+            f"bad case {text!r}: CAP:MODEL[-qlora][+seq=N][+rows=N][+accum=N][+host=0|1][+lean=0|1][+method=NAME]"
         ) from None
     if (
         model not in MODELS
@@ -210,7 +211,7 @@ def run_config(
         cfg["training"]["grad_accum"] = accum
     for key, value in (overrides or {}).items():
         section, field = OVERRIDES[key]
-        cfg.setdefault(section, {})[field] = bool(value) if key == "host" else value
+        cfg.setdefault(section, {})[field] = bool(value) if key in ("host", "lean") else value
     cfg["output"] = {"dir": str(out.parent), "run_name": out.name}
     path = out.parent / f"{out.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

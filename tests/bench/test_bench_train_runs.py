@@ -37,6 +37,9 @@ def test_the_case_config_is_the_preset_with_the_case_settings(tmp_path):
     assert hosted == {"seq": 2048, "host": 1}
     cfg = RunConfig.load(run_config(tmp_path / "model", data, True, 20, tmp_path / "runs" / "c", hosted))
     assert cfg.fast_paths.host_embeddings is True
+    _, _, _, full = parse_case("7.5:qwen3-8b-qlora+seq=8192+rows=1+lean=0")
+    cfg = RunConfig.load(run_config(tmp_path / "model", data, True, 20, tmp_path / "runs" / "d", full))
+    assert cfg.fast_paths.lean_recompute is False
 
 
 def test_results_md_has_the_multi_gpu_and_laptop_rows(tmp_path):
