@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="after the timed steps, profile two more by op and print where the time goes",
     )
     p.add_argument(
+        "--profile-stacks",
+        action="store_true",
+        help="with --profile: also print the torch ops outside the matmuls by GPU time, each with its "
+        "Python stack and input shapes (attributes elementwise kernels; a graphed step hides its ops: "
+        "add --ours-variants cuda_graphs=false)",
+    )
+    p.add_argument(
         "--memory-peak",
         action="store_true",
         help="after the timed steps, one more with the allocator's history on: what is alive at its peak, "

@@ -19,6 +19,11 @@ counted as host time), then two more run under torch.profiler, one profiler sess
 
 `--ours-variants all-on,add_rmsnorm=false` then shows a lever's launches and host time before
 and after in one run.
+
+`--profile-stacks` records shapes and Python stacks in the profiled steps and also prints the torch
+ops other than the matmuls by GPU time, one row per op, input shapes and stack: which line of ours
+launched a copy or elementwise kernel. A CUDA graph replay hides its ops, so attribute with
+`--ours-variants cuda_graphs=false`.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
+def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30, stacks: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = ctx.device.type == "cuda"
@@ -84,7 +89,7 @@ def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
     for j in range(steps):
         _sync(cuda)
         t0 = time.perf_counter()
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, record_shapes=stacks, with_stack=stacks) as prof:
             prep.step((ctx.warmup + steps + j) % n)
             _sync(cuda)
         prof_wall.append(time.perf_counter() - t0)
@@ -99,6 +104,8 @@ def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
         gpu_us.append(sum(getattr(e, attr, 0) for e in events) if cuda else 0.0)
         sort = attr if cuda else "self_cpu_time_total"
         tables.append(events.table(sort_by=sort, row_limit=top, max_name_column_width=60))
+        if stacks and j == steps - 1:
+            tables[-1] += "\n" + _stack_table(prof, cuda, top)
 
     wall = statistics.fmean(prof_wall)
     gpu = statistics.fmean(gpu_us)
@@ -118,3 +125,53 @@ def profile_steps(prep, ctx, label: str, steps: int = 2, top: int = 30) -> dict:
         "host_cpu_ms": [round(h, 2) for h in host_ms],
         "step_wall_ms": [round(w, 2) for w in wall_ms],
     }
+
+
+# Ops whose GPU time is a matmul's (cuBLAS): the by-stack table leaves them out, so what remains is
+# the glue between the matmuls.
+_MATMUL_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::addmm_",
+    "aten::bmm",
+    "aten::matmul",
+    "aten::linear",
+    "aten::_grouped_mm",
+)
+
+
+def _frames(event, limit: int = 6) -> tuple[str, ...]:
+    """The Python frames above a profiler event (its parents that the Python tracer recorded),
+    innermost first, leaving out torch's own files and built-ins."""
+    frames = []
+    p = event.cpu_parent
+    while p is not None and len(frames) < limit:
+        name = p.name
+        if ".py(" in name and "torch/" not in name.split(".py(")[0]:
+            frames.append(name)
+        p = p.cpu_parent
+    return tuple(frames)
+
+
+def _stack_table(prof, cuda: bool, top: int) -> str:
+    """Torch ops other than the matmuls, outermost aten op of each call, grouped by (op, input
+    shapes, Python stack), by GPU time (CPU time on a CPU): one line per group with its count,
+    then its frames."""
+    groups: dict[tuple, list] = {}
+    for e in prof.events():
+        if not e.name.startswith("aten::") or e.name in _MATMUL_OPS:
+            continue
+        if e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"):
+            continue  # a nested op: its time is in the op that called it
+        frames = _frames(e) or ("(no Python frame: the autograd engine or C++)",)
+        t = e.device_time_total if cuda else e.cpu_time_total
+        key = (e.name, str(e.input_shapes), frames)
+        slot = groups.setdefault(key, [0.0, 0])
+        slot[0] += t
+        slot[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    lines = [f"torch ops outside the matmuls by {'GPU' if cuda else 'CPU'} time, with stacks (top {top}):"]
+    for (name, shapes, frames), (t, n) in rows:
+        lines.append(f"{t / 1e3:9.3f} ms  x{n:<5} {name}  shapes {shapes}")
+        lines.extend(f"              {frame}" for frame in frames)
+    return "\n".join(lines)

@@ -300,7 +300,7 @@ def run_impl(
             if ctx.args is not None and getattr(ctx.args, "profile", False):
                 from bench.profile import profile_steps
 
-                rec.update(profile_steps(prep, ctx, label))
+                rec.update(profile_steps(prep, ctx, label, stacks=bool(getattr(ctx.args, "profile_stacks", False))))
             if ctx.args is not None and getattr(ctx.args, "memory_peak", False):
                 from bench.memory_peak import memory_peak_step
 

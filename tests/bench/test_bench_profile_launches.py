@@ -29,6 +29,22 @@ def test_profile_records_launches_and_host_time_per_step(tmp_path, one_thread):
     )
 
 
+def test_profile_stacks_name_the_line_that_ran_each_op(tmp_path, one_thread, capsys):
+    """--profile-stacks: the ops outside the matmuls, each with its input shapes and a stack frame
+    in our code (on a CPU by CPU time)."""
+    results = tmp_path / "results.jsonl"
+    argv = ["--cpu-smoke", "--impls", "ours", "--profile", "--profile-stacks", "--results", str(results)]
+    assert main(argv) == 0
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert "torch ops outside the matmuls by CPU time, with stacks" in text
+    table = text.split("torch ops outside the matmuls by CPU time, with stacks", 1)[1]
+    rows = [line for line in table.splitlines() if " ms  x" in line]
+    assert rows and not any(" aten::mm " in r or " aten::addmm " in r for r in rows)
+    assert "shapes [[" in rows[0]
+    assert "engine/" in table  # frames point into the engine's own files
+
+
 def test_launch_counts_of_a_cpu_profile_are_zero():
     import torch
     from torch.profiler import ProfilerActivity, profile
