@@ -172,6 +172,10 @@ class FastPathConfig:
     # The residual add after attention fused with the norm after it (engine.kernels.add_rmsnorm):
     # one launch each way instead of two forward and three backward; needs kernels on.
     add_rmsnorm: Union[bool, Literal["auto"]] = "auto"
+    # Per-head q/k norms (Qwen3, Gemma-3, EXAONE-4) fused with the RoPE rotation after them
+    # (engine.kernels.qk_norm_rope): one pass over q and k each way instead of four forward and
+    # two backward; needs kernels on. Families without such norms are not affected.
+    qk_norm_rope: Union[bool, Literal["auto"]] = "auto"
     lora_autograd: Union[bool, Literal["auto"]] = "auto"  # fused LoRA MLP / QKV / O
     fused_ce: Union[bool, Literal["auto"]] = "auto"  # fused linear cross-entropy
     packed_attention: Union[bool, Literal["auto"]] = "auto"  # varlen attention kernel

@@ -43,6 +43,8 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
   computations of each kernel op by the path that ran (the Triton kernel or its torch
   reference; on a CPU the reference is the engine's path); ``add_rmsnorm:<path>``: those of the
   rmsnorm computations fused with the residual add before them (counted under both keys);
+  ``qk_norm_rope:triton``: per-head q/k norms fused with the rotation after them
+  (engine.kernels.qk_norm_rope; each call also counts its two rmsnorm and one rope computations);
   ``fused_ce:streamed``: the loss
   streamed over a tied table in host memory (engine.fastpath.host_head).
 - ``attention:<backend>``: packed attention calls by backend (varlen_triton, torch_flash,
@@ -75,6 +77,7 @@ CALL_KEYS = (
     "rmsnorm:torch",
     "add_rmsnorm:triton",
     "add_rmsnorm:torch",
+    "qk_norm_rope:triton",
     "rope:triton",
     "rope:torch",
     "activations:triton",

@@ -92,6 +92,10 @@ HELP = {
     "fast_paths.add_rmsnorm": (
         "Add attention's output to the residual and normalize the sum in one kernel (needs the Triton kernels)."
     ),
+    "fast_paths.qk_norm_rope": (
+        "Qwen3, Gemma-3 and EXAONE-4 normalize each head of q and k before rotating them: do both in one "
+        "kernel (needs the Triton kernels). Other families are not affected."
+    ),
     "fast_paths.lora_autograd": "Fused LoRA MLP / QKV / O with a hand-written backward.",
     "fast_paths.fused_ce": "Cross-entropy fused with the LM head, never materialising the full logits.",
     "fast_paths.packed_attention": "Variable-length attention over packed documents (no padding).",
@@ -170,6 +174,7 @@ LABELS = {
     "training.gallery_size": "gallery examples (no prompts typed)",
     "fast_paths.kernels": "Triton kernels",
     "fast_paths.add_rmsnorm": "fused residual add + norm",
+    "fast_paths.qk_norm_rope": "fused q/k norm + RoPE",
     "fast_paths.lora_autograd": "fused LoRA layers",
     "fast_paths.fused_ce": "fused loss (cross-entropy)",
     "fast_paths.packed_attention": "packed attention",

@@ -7,7 +7,8 @@ with the norm after it (HF's gradient checkpointing, masks and kwargs plumbing s
 - RMSNorm modules -> `engine.kernels.rmsnorm.rms_norm` (Gemma's ``1 + w`` via offset=1).
 - the gated MLP -> `engine.fastpath.lora.lora_mlp` (fused LoRA gate/up/down with the gated
   activation in between), or stock projections + the activation kernel when LoRA cannot fuse.
-- attention -> fused LoRA QKV, Qwen3's q/k RMSNorm, RoPE kernel in place on [B, T, H, D],
+- attention -> fused LoRA QKV, Qwen3's q/k RMSNorm, RoPE kernel in place on [B, T, H, D] (per-head
+  q/k norms and the rotation as one engine.kernels.qk_norm_rope launch each way: fast_paths.qk_norm_rope),
   then whatever attention function `config._attn_implementation` names in transformers'
   registry (so the packed varlen function of engine.fastpath.attention, sdpa or eager all work, and the
   packing kwargs cu_seq_lens_q/k, max_length_q/k, position_ids pass through untouched), then
@@ -123,6 +124,7 @@ class _Kernels:
     rms_norm: Optional[Callable] = None
     add_rms_norm: Optional[Callable] = None
     apply_rope: Optional[Callable] = None
+    qk_norm_rope: Optional[Callable] = None  # Triton only: the attention forward calls it on CUDA (or when forced)
     activations: bool = False
     missing: dict = field(default_factory=dict)
 
@@ -149,6 +151,12 @@ class _Kernels:
                 k.apply_rope = fn
             else:
                 k.activations = True
+        try:
+            from engine.kernels.qk_norm_rope import qk_norm_rope
+        except Exception as exc:  # a broken kernel file must not stop training
+            k.missing["qk_norm_rope"] = f"off: engine.kernels.qk_norm_rope unavailable ({type(exc).__name__}: {exc})"
+        else:
+            k.qk_norm_rope = qk_norm_rope
         return k
 
 
@@ -233,6 +241,9 @@ class _AttnPlan:
     rope: Optional[Callable]  # kernel apply_rope; None: the torch rotation
     rope_always_inplace: bool  # the forced-Triton path rotates in place even on CPU
     use_rope: bool = True  # False on NoPE layers (SmolLM3's, EXAONE-4's global ones: Arch.uses_rope)
+    # engine.kernels.qk_norm_rope's qk_norm_rope for per-head q/k norms (fast_paths.qk_norm_rope); None: apart
+    qk_norm_rope: Optional[Callable] = None
+    norm_offset: float = 0.0  # the q/k norms' offset (Gemma's 1 + w), for the fused kernel
 
 
 def _attention_interface(impl: Optional[str], eager: Callable) -> Callable:
@@ -285,11 +296,20 @@ def _attention_forward(
     if plan.qk_norm_projection:
         q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
-    if plan.qk_norm and not plan.qk_norm_projection:
+    cos, sin = position_embeddings
+    fused = plan.qk_norm_rope is not None and (plan.rope_always_inplace or q.is_cuda)
+    if fused:
+        why = _qk_norm_rope_reason(self, q, plan.norm_offset)
+        if why is not None:
+            count_fallback("qk_norm_rope", why)
+            fused = False
+    if fused:  # both norms and the rotation in one kernel
+        eps_q, eps_k = _norm_eps(self.q_norm), _norm_eps(self.k_norm)
+        q, k = plan.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, eps_q, eps_k, plan.norm_offset)
+    elif plan.qk_norm and not plan.qk_norm_projection:
         q, k = self.q_norm(q), self.k_norm(k)
 
-    cos, sin = position_embeddings
-    if not plan.use_rope:  # a layer without position rotation (NoPE)
+    if not plan.use_rope or fused:  # a layer without position rotation (NoPE), or rotated above
         pass
     elif plan.rope is None:  # transformers' own rotation, op for op (uncounted: rope is off)
         q, k = rope_reference(q, k, cos, sin)
@@ -322,6 +342,23 @@ def _attention_forward(
             count_fallback("lora_o", _lora_runtime_reason((plan.o,), attn_output))
         attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
+
+
+def _norm_eps(norm: nn.Module) -> float:
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+
+
+def _qk_norm_rope_reason(attn: nn.Module, q: torch.Tensor, offset: float) -> Optional[str]:
+    """Why this call's q/k norms cannot run fused with the rotation (None: they can): the fused
+    kernel stands in for the patched RMSNorm forwards, so it takes what they take."""
+    for norm in (attn.q_norm, attn.k_norm):
+        if patching.installed(norm, _KIND) is None:
+            return f"{type(norm).__name__} keeps its stock forward"
+        if norm.weight.requires_grad:
+            return "q/k norm weights are trained"
+        if norm.weight.dtype != q.dtype and offset == 0.0:
+            return "weight dtype differs from the activations"  # as _rmsnorm_forward
+    return None
 
 
 @dataclass
@@ -548,6 +585,15 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
         or (k.missing.get("add_rmsnorm") if k.add_rms_norm is None else None)
         or (None if arch.fused_add_norm else f"off: {model_type}'s decoder layer is not one it reproduces")
     )
+    # Per-head q/k norms fused with the rotation: where both the norm and the RoPE kernels run.
+    fuse_qk_rope = (
+        arch.qk_norm
+        and arch.qk_norm_width == "head"
+        and kernel_off["rmsnorm"] is None
+        and kernel_off["rope"] is None
+        and k.qk_norm_rope is not None
+        and _switch(getattr(fast, "qk_norm_rope", "auto"), "qk_norm_rope", device) is None
+    )
     act_impl = "triton" if kernel_impl == "triton" else "kernels"
     norm_cls, attn_cls, mlp_cls = arch.classes()
     layer_cls = arch.hf_classes.decoder_layer
@@ -622,6 +668,8 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     rope=k.apply_rope if rope_reason is None else None,
                     rope_always_inplace=kernel_impl == "triton",
                     use_rope=arch.uses_rope(module),
+                    qk_norm_rope=k.qk_norm_rope if fuse_qk_rope and arch.uses_rope(module) else None,
+                    norm_offset=arch.norm_offset,
                 )
                 _install(module, _attention_forward, plan)
 

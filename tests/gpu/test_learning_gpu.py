@@ -306,10 +306,12 @@ FUSED = ("lora_linears", "lora_mlp")
 KERNELS = ("rmsnorm:triton", "rope:triton", "activations:triton")
 CE, ATTN = ("fused_ce:triton",), ("attention:varlen_triton",)
 ALL = FUSED + KERNELS + CE + ATTN
+QK = ("qk_norm_rope:triton",)  # per-head q/k norms fused with RoPE (Qwen3, EXAONE-4, Gemma-3)
 
 # (arch, fast-path overrides, training overrides, fast paths that must have run every step)
 CASES = [
-    ("qwen3", {}, {}, ALL),  # the defaults a GPU run gets
+    ("qwen3", {}, {}, ALL + QK),  # the defaults a GPU run gets
+    ("qwen3", {"qk_norm_rope": False}, {}, ALL),
     ("qwen3", {}, {"optimizer": "adamw_fused"}, ALL),
     ("qwen3", {}, {"optimizer": "adamw"}, ALL),
     ("qwen3", {"kernels": False}, {}, FUSED + CE + ATTN),
@@ -321,7 +323,7 @@ CASES = [
     # the offload variants on top.
     ("qwen3", {}, {"gradient_checkpointing": True, "offload": "off"}, ALL),
     ("qwen3", {}, {"gradient_checkpointing": True, "offload": "single"}, ALL),
-    ("qwen3", {}, {"gradient_checkpointing": True, "offload": "double"}, ALL),
+    ("qwen3", {}, {"gradient_checkpointing": True, "offload": "double"}, ALL + QK),
     ("qwen3", {}, {"grad_accum": 2, "rows_per_micro_batch": 1}, ALL),
     ("llama", {}, {}, ALL),
     ("llama", {}, {"gradient_checkpointing": True, "offload": "double"}, ALL),
@@ -332,8 +334,8 @@ CASES = [
     ("ministral", {}, {}, ALL),
     ("arcee", {}, {}, ("lora_linears", "rmsnorm:triton", "rope:triton") + CE + ATTN),
     ("olmo3", {}, {}, ALL),
-    ("exaone4", {}, {}, ALL),
-    ("gemma3_text", {}, {}, ALL),
+    ("exaone4", {}, {}, ALL + QK),
+    ("gemma3_text", {}, {}, ALL + QK),
     # Gemma's embedding module scales its rows: the host table must too (its tied head streams).
     ("gemma3_text", {"host_embeddings": True}, {}, FUSED + KERNELS + ("fused_ce:streamed",) + ATTN),
 ]

@@ -19,6 +19,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.config import FastPathConfig
+from engine.counters import reset_counters
 from engine.fastpath import patching
 from engine.fastpath.attention import disable_packed_attention, enable_packed_attention
 from engine.models.arch import arch_for
@@ -236,6 +237,53 @@ def test_triton_kernels_through_interpreter(model_type):
     ref = step(model, ids, pos)
     assert_all_on_but_kept(model_type, apply_fast_paths(model, FastPathConfig(), CPU, kernel_impl="triton"))
     assert_same_step(step(model, ids, pos), ref, 1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "exaone4", "gemma3_text"])
+def test_per_head_qk_norms_fuse_with_the_rotation(model_type):
+    """fast_paths.qk_norm_rope: the per-head q/k norms and RoPE as one kernel give the step of the
+    unfused kernels (through the interpreter on a CPU), on every layer that rotates; trained norm
+    weights keep the unfused path, counted with the reason, and OLMo's whole-projection norms never fuse."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+    model = tiny(model_type)
+    ids, pos = packed_batch()
+    apply_fast_paths(model, FastPathConfig(qk_norm_rope=False), CPU, kernel_impl="triton")
+    reset_counters()
+    apart = step(model, ids, pos)
+    assert reset_counters().get("qk_norm_rope:triton", 0) == 0
+    rotating = sum(arch_for(model_type).uses_rope(m) for m in model.modules() if hasattr(m, "q_norm"))
+    assert rotating >= 1
+
+    apply_fast_paths(model, FastPathConfig(), CPU, kernel_impl="triton")
+    reset_counters()
+    fused = step(model, ids, pos)
+    counts = reset_counters()
+    assert counts.get("qk_norm_rope:triton") == rotating
+    assert_same_step(fused, apart, 1e-5)
+
+    q_norm = next(m.q_norm for m in model.modules() if hasattr(m, "q_norm"))
+    q_norm.weight.requires_grad_(True)
+    try:
+        reset_counters()
+        step(model, ids, pos)
+        counts = reset_counters()
+        assert counts.get("fallback:qk_norm_rope: q/k norm weights are trained") == 1
+        assert counts.get("qk_norm_rope:triton", 0) == rotating - 1
+    finally:
+        q_norm.weight.requires_grad_(False)
+
+
+def test_whole_projection_qk_norms_do_not_fuse():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+    model = tiny("olmo2")
+    ids, pos = packed_batch()
+    apply_fast_paths(model, FastPathConfig(), CPU, kernel_impl="triton")
+    reset_counters()
+    step(model, ids, pos)
+    counts = reset_counters()
+    assert counts.get("qk_norm_rope:triton", 0) == 0 and counts.get("rope:triton") > 0
 
 
 # -- what stays stock, and why ------------------------------------------------------------------
