@@ -342,7 +342,10 @@ def tunesmith_varlen_attention_forward(
         info = None
 
     if b == 1:  # views, whatever the layout the projections left
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+        # squeeze, not x[0]: select's backward zero-fills a whole gradient and copies the incoming
+        # one into it (strided, after the transpose), and the view back to [T, H*D] then copies
+        # again; squeeze's backward is a view, so the attention's dQ/dK/dV flow back uncopied.
+        q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
     else:
         q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[-1]) for x in (query, key, value))
     backend = opts.backend

@@ -224,3 +224,35 @@ def test_the_triton_backend_pads_head_dims_it_does_not_tile(d, dv):
     padded = kernel_head_dim(d, dv) != d or d != dv
     assert (counters["attention:padded_head_dim"] > 0) == padded
     assert kernel_head_dim(192, 128) == 256 and kernel_head_dim(8, 8) == 16 and kernel_head_dim(320, 256) is None
+
+
+def test_a_packed_rows_gradients_flow_back_to_the_projections_uncopied():
+    """B == 1: q/k/v reach the kernel as views, and their gradients come back as views too (no
+    select backward, which zero-fills a whole gradient and copies into it), so the projections'
+    [T, H*D] gradients are the attention's own dQ/dK/dV memory."""
+    from engine.fastpath.attention import tunesmith_varlen_attention_forward
+
+    info = PackedSeqInfo.from_lengths([5, 7])
+    t, hq, hk, d = 12, 4, 2, 16
+    proj_q = torch.randn(1, t, hq * d, requires_grad=True)
+    proj_kv = torch.randn(1, t, 2 * hk * d, requires_grad=True)
+    q = proj_q.view(1, t, hq, d).transpose(1, 2)  # what the patched attention hands over
+    k, v = (x.view(1, t, hk, d).transpose(1, 2) for x in proj_kv.split(hk * d, -1))
+    module = torch.nn.Module()
+    out, _ = tunesmith_varlen_attention_forward(
+        module, q, k, v, None, cu_seq_lens_q=info.cu_seqlens, max_length_q=info.max_seqlen, position_ids=None
+    )
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        assert "Select" not in type(node).__name__, type(node).__name__
+        stack.extend(fn for fn, _ in node.next_functions)
+    out.sum().backward()
+    ref = varlen_attention_reference(
+        proj_q.detach().view(t, hq, d), *(x.view(t, hk, d) for x in proj_kv.detach().split(hk * d, -1)), info.cu_seqlens
+    )
+    torch.testing.assert_close(out.detach().view(t, hq, d), ref)
+    assert proj_q.grad is not None and proj_kv.grad is not None
