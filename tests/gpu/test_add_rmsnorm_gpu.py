@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from engine.kernels.add_rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
 from engine.kernels.rmsnorm import rms_norm  # noqa: E402
+from tests.gpu.timing import cuda_ms, rel  # noqa: E402
 
 TOKENS = 16384
 TOL = {
@@ -22,23 +23,6 @@ TOL = {
     torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
 }
 REL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def _ms(fn, iters=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def _inputs(hidden, dtype, offset):
@@ -73,9 +57,9 @@ def test_add_rmsnorm(hidden, offset, weight_grad, dtype):
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
     torch.testing.assert_close(dx, dx_ref, **TOL[dtype])
     torch.testing.assert_close(dr, dr_ref, **TOL[dtype])
-    assert _rel(dx, dx_ref) < REL[dtype]
+    assert rel(dx, dx_ref) < REL[dtype]
     if weight_grad:
-        assert _rel(dw, dw_ref) < REL[dtype]
+        assert rel(dw, dw_ref) < REL[dtype]
     else:
         assert dw is None
 
@@ -88,7 +72,7 @@ def test_add_rmsnorm(hidden, offset, weight_grad, dtype):
         h = rg + xg
         torch.autograd.backward((rms_norm(h, w, 1e-6, offset), h), (dy, dh))
 
-    ms, ms_ref = _ms(fused), _ms(unfused)
+    ms, ms_ref = cuda_ms(fused), cuda_ms(unfused)
     print(f"\n[timing] add_rms_norm fwd+bwd {hidden} {dtype}: fused {ms:.3f} ms, add + rms_norm {ms_ref:.3f} ms")
 
 
@@ -111,7 +95,7 @@ def test_matches_the_stock_add_and_qwen3_norm_in_bf16(hidden):
     y_ref, h_ref, dx_ref, dr_ref, _, _ = _run(stock, x, r, norm.weight, dy, dh, 0.0, False)
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
     torch.testing.assert_close(y, y_ref, **TOL[torch.bfloat16])
-    assert _rel(dx, dx_ref) < 1e-2 and _rel(dr, dr_ref) < 1e-2
+    assert rel(dx, dx_ref) < 1e-2 and rel(dr, dr_ref) < 1e-2
 
 
 @pytest.mark.gpu
@@ -161,6 +145,6 @@ def test_patched_qwen3_step_with_and_without_the_fusion(checkpointing):
         torch.cuda.empty_cache()
     (l1, g1), (l0, g0) = out[True], out[False]
     assert abs(l1 - l0) <= 1e-2 * abs(l0)
-    worst = max(_rel(g1[n], g0[n]) for n in g0)
+    worst = max(rel(g1[n], g0[n]) for n in g0)
     print(f"\n[add_rmsnorm] loss fused {l1:.5f} unfused {l0:.5f}; worst LoRA grad rel diff {worst:.2e}")
     assert worst < 3e-2

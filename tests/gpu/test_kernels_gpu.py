@@ -19,6 +19,7 @@ from engine.kernels.fused_ce import (  # noqa: E402
 )
 from engine.kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
 from engine.kernels.rope import apply_rope, apply_rope_reference  # noqa: E402
+from tests.gpu.timing import cuda_ms, rel  # noqa: E402
 
 TOKENS = 16384
 TOL = {
@@ -38,23 +39,6 @@ def _strict_fp32():
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
     torch.cuda.empty_cache()
-
-
-def _ms(fn, iters=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def _gen(seed):
@@ -100,14 +84,14 @@ def test_rmsnorm(shape, offset, weight_grad, dtype):
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
     torch.testing.assert_close(dx, dx_ref, **TOL[dtype])
     if weight_grad:
-        assert _rel(dw, dw_ref) < REL[dtype]
+        assert rel(dw, dw_ref) < REL[dtype]
     else:
         assert dw is None
 
     xg = x.clone().requires_grad_()
     wg = w.clone().requires_grad_(weight_grad)
-    ms = _ms(lambda: rms_norm(xg, wg, 1e-6, offset).backward(dy))
-    ms_ref = _ms(lambda: rms_norm_reference(xg, wg, 1e-6, offset).backward(dy))
+    ms = cuda_ms(lambda: rms_norm(xg, wg, 1e-6, offset).backward(dy))
+    ms_ref = cuda_ms(lambda: rms_norm_reference(xg, wg, 1e-6, offset).backward(dy))
     nbytes = 5 * x.numel() * x.element_size()  # fwd: read x, write y; bwd: read dy, x, write dx
     _report(f"rms_norm fwd+bwd {tuple(shape)} {dtype} dW={weight_grad}", ms, ms_ref, nbytes)
 
@@ -159,8 +143,8 @@ def test_rope(hq, hk, d, theta, dtype):
         torch.testing.assert_close(a, b, **TOL[dtype])
 
     q0, k0 = pq.detach().view(1, TOKENS, hq, d).clone(), pk.detach().view(1, TOKENS, hk, d).clone()
-    ms = _ms(lambda: apply_rope(q0, k0, cos, sin))
-    ms_ref = _ms(lambda: apply_rope_reference(q0, k0, cos, sin))
+    ms = cuda_ms(lambda: apply_rope(q0, k0, cos, sin))
+    ms_ref = cuda_ms(lambda: apply_rope_reference(q0, k0, cos, sin))
     _report(f"rope fwd Hq={hq} Hkv={hk} D={d} {dtype}", ms, ms_ref, 2 * (q0.numel() + k0.numel()) * q0.element_size())
 
 
@@ -207,8 +191,8 @@ def test_gated_activation(inter, op, dtype):
     torch.testing.assert_close(du, du_ref, **tol)
 
     gq, uq = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
-    ms = _ms(lambda: fn(gq * 1, uq * 1, inplace_backward=True).backward(dh))
-    ms_ref = _ms(lambda: ref_fn(gq * 1, uq * 1).backward(dh))
+    ms = cuda_ms(lambda: fn(gq * 1, uq * 1, inplace_backward=True).backward(dh))
+    ms_ref = cuda_ms(lambda: ref_fn(gq * 1, uq * 1).backward(dh))
     _report(f"{op} fwd+bwd [{TOKENS}, {inter}] {dtype} (incl. 2 copies)", ms, ms_ref)
 
 
@@ -251,18 +235,18 @@ def test_fused_ce_frozen_head(hidden_size, vocab, dtype):
     loss_ref.backward()
     torch.testing.assert_close(loss, loss_ref, rtol=REL[dtype] / 2, atol=0)
     assert h.grad.dtype == dtype
-    assert _rel(h.grad, hr.grad) < REL[dtype]
+    assert rel(h.grad, hr.grad) < REL[dtype]
 
     del loss_ref, hr
     torch.cuda.empty_cache()
     hb = hidden.clone().requires_grad_()
-    ms = _ms(lambda: fused_linear_cross_entropy(hb, weight, targets).backward(), iters=5, warmup=2)
+    ms = cuda_ms(lambda: fused_linear_cross_entropy(hb, weight, targets).backward(), iters=5, warmup=2)
 
     def hf_style():  # what HF does: logits in the model dtype, then fp32 cross-entropy
         logits = hb @ weight.t()
         torch.nn.functional.cross_entropy(logits.float(), targets).backward()
 
-    ms_ref = _ms(hf_style, iters=3, warmup=1)
+    ms_ref = cuda_ms(hf_style, iters=3, warmup=1)
     _report(
         f"fused CE fwd+bwd N={n} H={hidden_size} V={vocab} {dtype} "
         f"(peak extra {peak['bytes'] / 2**20:.0f} MiB) vs HF-style full logits",
@@ -293,4 +277,4 @@ def test_fused_ce_trained_head_bias_softcap(dtype):
     torch.testing.assert_close(out[0], ref[0], rtol=REL[dtype] / 2, atol=0)
     for a, b in zip(out[1:], ref[1:]):
         assert a.dtype == dtype
-        assert _rel(a, b) < REL[dtype]
+        assert rel(a, b) < REL[dtype]

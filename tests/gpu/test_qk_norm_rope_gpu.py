@@ -16,25 +16,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from engine.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: E402
 from engine.kernels.rmsnorm import rms_norm  # noqa: E402
 from engine.kernels.rope import apply_rope  # noqa: E402
+from tests.gpu.timing import cuda_ms, rel  # noqa: E402
 
 TOKENS = 16384
-
-
-def _ms(fn, iters=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def _cos_sin(d, dtype):
@@ -82,7 +66,7 @@ def test_qk_norm_rope(hq, hk, d, offset, dtype):
     ref = _run(qk_norm_rope_reference, *up[:6], *up[6:], offset, hq, hk, d)
     apart = _run(_unfused, q, k, wq, wk, cos, sin, gq, gk, offset, hq, hk, d)
     names = ("q out", "k out", "dq", "dk")
-    errs = {n: (_rel(a, r), _rel(b, r)) for n, a, b, r in zip(names, got, apart, ref)}
+    errs = {n: (rel(a, r), rel(b, r)) for n, a, b, r in zip(names, got, apart, ref)}
     print(
         f"\n[qk_norm_rope] {hq}/{hk} heads x {d}, offset {offset}, {dtype}: relative error fused / unfused "
         + ", ".join(f"{n} {f:.2e} / {u:.2e}" for n, (f, u) in errs.items())
@@ -97,9 +81,9 @@ def test_qk_norm_rope(hq, hk, d, offset, dtype):
         fwd = {}
         for label, fn in (("fused", qk_norm_rope), ("unfused", _unfused)):
             pq, pk = q.view(1, TOKENS, hq, d), k.view(1, TOKENS, hk, d)
-            fwd[label] = _ms(lambda fn=fn, pq=pq, pk=pk: fn(pq, pk, wq, wk, cos, sin, 1e-6, 1e-6, offset))
+            fwd[label] = cuda_ms(lambda fn=fn, pq=pq, pk=pk: fn(pq, pk, wq, wk, cos, sin, 1e-6, 1e-6, offset))
         both = {
-            label: _ms(lambda fn=fn: _run(fn, q, k, wq, wk, cos, sin, gq, gk, offset, hq, hk, d))
+            label: cuda_ms(lambda fn=fn: _run(fn, q, k, wq, wk, cos, sin, gq, gk, offset, hq, hk, d))
             for label, fn in (("fused", qk_norm_rope), ("unfused", _unfused))
         }
         print(

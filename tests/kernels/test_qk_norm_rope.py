@@ -5,28 +5,17 @@ gradient missing."""
 
 import pytest
 import torch
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engine.counters import reset_counters
 from engine.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from engine.kernels.rmsnorm import rms_norm_reference
+from tests.kernels.test_rope import _cos_sin  # transformers' rotary module on packed or random positions
 
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
     torch.float16: dict(rtol=4e-3, atol=4e-3),
 }
-
-
-def _cos_sin(B, T, H, D, dtype, packed, seed):
-    cfg = LlamaConfig(hidden_size=H * D, num_attention_heads=H, head_dim=D, rope_theta=10000.0)
-    rot = LlamaRotaryEmbedding(cfg)
-    g = torch.Generator().manual_seed(seed)
-    if packed:  # one packed row: positions restart at every document start
-        pos = torch.cat([torch.arange(n) for n in (5, T - 8, 3)])[None]
-    else:
-        pos = torch.randint(0, 4096, (B, T), generator=g)
-    return rot(torch.empty(1, dtype=dtype), pos)
 
 
 def _stock(q, k, wq, wk, cos, sin, eps, offset):
