@@ -239,7 +239,7 @@ def test_triton_kernels_through_interpreter(model_type):
     assert_same_step(step(model, ids, pos), ref, 1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "exaone4", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "exaone4", "gemma3_text"])
 def test_per_head_qk_norms_fuse_with_the_rotation(model_type):
     """fast_paths.qk_norm_rope: the per-head q/k norms and RoPE as one kernel give the step of the
     unfused kernels (through the interpreter on a CPU), on every layer that rotates; trained norm
