@@ -182,31 +182,34 @@ def _writable(g: torch.Tensor) -> torch.Tensor:
 class RoPEFunction(torch.autograd.Function):
     """In-place rotation of q and k in one launch; the backward rotates the gradients back in place.
 
-    Autograd refuses a Function that dirties a view and returns two tensors, so this pair form
-    serves q/k that own their storage and `RoPESingleFunction` serves views (the usual case:
-    q = q_proj(x).view(B, T, H, D)).
+    q and k must own their storage (autograd refuses a Function that dirties a view and returns
+    two tensors). They may come in any shape of the same numel, e.g. the projection outputs
+    [B, T, H*D] behind the usual q = q_proj(x).view(B, T, H, D): `heads` gives the [B, T, H, D]
+    shapes to rotate them as, and the gradients go back in the inputs' shapes.
     """
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        _launch(q, k, cos, sin, backward=False)
+    def forward(ctx, q, k, cos, sin, heads=None):
+        q_heads, k_heads = heads or (q.shape, k.shape)
+        _launch(q.view(q_heads), k.view(k_heads), cos, sin, backward=False)
         ctx.mark_dirty(q, k)
         ctx.save_for_backward(cos, sin)
-        ctx.meta = (q.shape, k.shape, q.dtype, q.device)
+        ctx.meta = (q.shape, k.shape, q_heads, k_heads, q.dtype, q.device)
         return q, k
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        q_shape, k_shape, dtype, device = ctx.meta
+        q_shape, k_shape, q_heads, k_heads, dtype, device = ctx.meta
         dq = torch.zeros(q_shape, dtype=dtype, device=device) if dq is None else _writable(dq)
         dk = torch.zeros(k_shape, dtype=dtype, device=device) if dk is None else _writable(dk)
-        _launch(dq, dk, cos, sin, backward=True)
-        return dq, dk, None, None
+        _launch(dq.view(q_heads), dk.view(k_heads), cos, sin, backward=True)
+        return dq, dk, None, None, None
 
 
 class RoPESingleFunction(torch.autograd.Function):
-    """In-place rotation of one tensor [B, T, H, D] (may be a view); backward as above."""
+    """In-place rotation of one tensor [B, T, H, D] that may be a partial view (autograd then
+    rebases it on CopySlices, which copies its gradient); backward as above."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -250,9 +253,29 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
         raise ValueError("apply_rope: q and k need a unit stride along head_dim to be rotated in place")
     cos, sin = _as_btd(cos, "cos"), _as_btd(sin, "sin")
     count("rope:triton")
-    if q._is_view() or k._is_view():
-        return RoPESingleFunction.apply(q, cos, sin), RoPESingleFunction.apply(k, cos, sin)
-    return RoPEFunction.apply(q, k, cos, sin)
+    if not (q._is_view() or k._is_view()):
+        return RoPEFunction.apply(q, k, cos, sin)
+    qb, kb = _whole_base(q), _whole_base(k)
+    if qb is not None and kb is not None and qb is not kb:
+        # The usual case, q = q_proj(x).view(B, T, H, D): rotate the projection outputs
+        # themselves. Dirtying the views instead makes autograd rebase them on CopySlices, whose
+        # backward clones each whole gradient, zero-fills another and copies back (8 copies a
+        # layer of a Llama step, about 1.6% of W2's).
+        qb, kb = RoPEFunction.apply(qb, kb, cos, sin, (q.shape, k.shape))
+        return qb.view(q.shape), kb.view(k.shape)
+    # Partial views (q and k split from one fused qkv projection) take the per-view form.
+    return RoPESingleFunction.apply(q, cos, sin), RoPESingleFunction.apply(k, cos, sin)
+
+
+def _whole_base(x: torch.Tensor):
+    """The tensor `x` views when `x` is all of it, contiguous and in its order (a plain reshape
+    of a tensor that owns its storage); else None."""
+    base = x._base
+    if base is None or base._is_view() or not (x.is_contiguous() and base.is_contiguous()):
+        return None
+    if base.numel() != x.numel() or base.data_ptr() != x.data_ptr():
+        return None
+    return base
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -64,6 +64,50 @@ def test_forward_backward_through_views(B, T, Hq, Hk, D, dtype, packed, seed):
         torch.testing.assert_close(a, b, **TOL[dtype])
 
 
+def _graph_node_names(t: torch.Tensor) -> set:
+    seen, names, stack = set(), set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+def test_whole_views_rotate_their_projection_outputs_without_copy_slices():
+    """q = q_proj(x).view(B, T, H, D): the kernel rotates the projection output itself, so autograd
+    does not rebase the view on CopySlices (whose backward clones, zero-fills and copies every
+    gradient); q and k split from one fused projection still rotate as views, with the same values."""
+    B, T, Hq, Hk, D = 1, 11, 4, 2, 16
+    cos, sin = _cos_sin(B, T, Hq, D, torch.float32, True, 10)
+    g = torch.Generator().manual_seed(11)
+    proj = torch.randn(B, T, (Hq + Hk) * D, generator=g).requires_grad_()
+    gq, gk = torch.randn(B, T, Hq, D, generator=g), torch.randn(B, T, Hk, D, generator=g)
+    results = {}
+    for form in ("whole", "split", "reference"):
+        proj.grad = None
+        y = proj * 1
+        if form == "split":  # slices of one fused output: not whole, so rotated as views
+            q, k = y[..., : Hq * D].view(B, T, Hq, D), y[..., Hq * D :].view(B, T, Hk, D)
+        else:  # separate projection outputs, each viewed whole
+            q, k = y[..., : Hq * D].contiguous().view(B, T, Hq, D), y[..., Hq * D :].contiguous().view(B, T, Hk, D)
+        fn = _hf if form == "reference" else apply_rope_triton
+        qo, ko = fn(q, k, cos, sin)
+        names = _graph_node_names(qo) | _graph_node_names(ko)
+        if form == "whole":
+            assert qo.data_ptr() == q.data_ptr() and ko.data_ptr() == k.data_ptr()  # still in place
+            assert not any("CopySlices" in n for n in names), sorted(names)
+        elif form == "split":
+            assert any("CopySlices" in n for n in names)
+        ((qo * gq).sum() + (ko * gk).sum()).backward()
+        results[form] = (qo.detach(), ko.detach(), proj.grad.clone())
+    for form in ("whole", "split"):
+        for a, b in zip(results[form], results["reference"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_owned_tensors_and_unused_k():
     # q and k that own their storage take the one-launch pair path; k unused gives dk = None.
     B, T, Hq, Hk, D = 2, 9, 6, 2, 32
