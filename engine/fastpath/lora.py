@@ -189,7 +189,8 @@ def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
     """Gradients of the down projection and the activation, one row slice at a time.
 
     Overwrites gate and up with d_gate and d_up (they are the Function's own saved tensors);
-    returns [dA_down, dB_down] (None where not needed). h and dh exist for one slice at a time.
+    returns [dA_down, dB_down] (None where not needed). dh, then h in its memory, exist for one
+    slice at a time.
     """
     a_all, (B,), _ = w_out
     base = down.bases[0]
@@ -204,18 +205,18 @@ def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
         g = torch.mm(dy, B)  # dy (s B): [N, r]
     da = None
     for s, e in slices:
-        h, act_grad = act.backward_raw(gate[s:e], up[s:e])
+        if g is None:
+            dh = base_mm(dy[s:e], W, False)
+        else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
+            dh = base_mm(dy[s:e], W, False, out=torch.mm(g[s:e], a_all), accumulate=True)
+        # dh first, then d_gate, d_up and h from one pass over gate and up (h over dh's memory).
+        dgate, dup, h = act.backward_raw(gate[s:e], up[s:e], dh)
+        del dh
         if g is not None and need_ab[0]:
             part = torch.mm(g[s:e].t(), h)  # [r, inter]
             # Slices are summed in fp32 (a single slice is used as the GEMM returns it).
             da = part if da is None else (da.float() if da.dtype != torch.float32 else da).add_(part)
         del h
-        if g is None:
-            dh = base_mm(dy[s:e], W, False)
-        else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
-            dh = base_mm(dy[s:e], W, False, out=torch.mm(g[s:e], a_all), accumulate=True)
-        dgate, dup = act_grad(dh)
-        del dh
         if dgate.data_ptr() != gate[s:e].data_ptr():  # the torch fallback returns new tensors
             gate[s:e].copy_(dgate)
             up[s:e].copy_(dup)
@@ -367,11 +368,16 @@ class LoRAMLPUnread(torch.autograd.Function):
                     xn = ctx.norm(r)
                 x = xn.detach()
                 (gate, up), xa = _group_forward(x, gate_up, w_in)
-                h, act_grad = ctx.act.backward_raw(gate, up)
                 dyt = dy[s:e]
-                g = None
-                if b_down is not None:
-                    g = torch.mm(dyt, b_down)  # dy (s B): [rows, r]
+                g = None if b_down is None else torch.mm(dyt, b_down)  # dy (s B): [rows, r]
+                if g is None:
+                    dh = base_mm(dyt, w_down, False)
+                else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
+                    dh = base_mm(dyt, w_down, False, out=torch.mm(g, a_down), accumulate=True)
+                # dh first, then d_gate, d_up and h from one pass over gate and up (h over dh's memory).
+                dgate, dup, h = ctx.act.backward_raw(gate, up, dh)
+                del dh
+                if g is not None:
                     if need_ab[4]:
                         acc[4] = _add_f32(acc[4], torch.mm(g.t(), h))  # dA_down: [r, inter]
                     if need_ab[5]:
@@ -379,12 +385,6 @@ class LoRAMLPUnread(torch.autograd.Function):
                         acc[5] = _add_f32(acc[5], _scaled_mm(dyt.t(), ha, down.scales[0], torch.float32))
                         del ha
                 del h
-                if g is None:
-                    dh = base_mm(dyt, w_down, False)
-                else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
-                    dh = base_mm(dyt, w_down, False, out=torch.mm(g, a_down), accumulate=True)
-                dgate, dup = act_grad(dh)
-                del dh
                 need_x = d_res is not None or xn.requires_grad
                 dx, dab = _group_backward((dgate, dup), x, xa, gate_up, w_in, ab[:4], need_x, need_ab[:4])
                 del dgate, dup, gate, up
@@ -460,17 +460,19 @@ class GatedAct:
         with torch.no_grad():
             return self(gate, up)
 
-    def backward_raw(self, gate: torch.Tensor, up: torch.Tensor):
-        """(h, grad) where grad(dh) -> (d_gate, d_up); grad may overwrite gate and up."""
+    def backward_raw(self, gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor):
+        """(d_gate, d_up, h) for the upstream gradient dh, h = act(gate) * up being what forward_raw
+        makes. The kernel path reads gate and up once for all three and writes them over gate, up
+        and dh (dh: a contiguous buffer of the caller's); elsewhere they may be new tensors."""
         if self._raw_triton(gate):
-            h = K.gated_act_forward(gate, up, self.kind)
-            return h, lambda dh: K.gated_act_backward(dh, gate, up, self.kind, inplace=True)
+            return K.gated_act_backward_and_output(dh, gate, up, self.kind)
         # Elsewhere let autograd differentiate the same function the forward used.
         with torch.enable_grad():
             g_ = gate.detach().requires_grad_()
             u_ = up.detach().requires_grad_()
             h = self(g_, u_)
-        return h.detach(), lambda dh: torch.autograd.grad(h, (g_, u_), dh)
+        dgate, dup = torch.autograd.grad(h, (g_, u_), dh)
+        return dgate, dup, h.detach()
 
 
 # -- entry points --------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ are the projection outputs used only here), so it is an explicit choice of the c
 
 Public: `swiglu`, `geglu` (dispatchers), `swiglu_triton`, `geglu_triton`, `swiglu_reference`,
 `geglu_reference`, `gated_act_reference` (the torch math behind both references, also in the
-stock MLP's own input-dtype numerics), and the raw launchers `gated_act_forward` /
-`gated_act_backward` for fused LoRA MLP code that manages its own autograd.
+stock MLP's own input-dtype numerics), and the raw launchers `gated_act_forward`,
+`gated_act_backward` and `gated_act_backward_and_output` (the backward that also writes the
+forward's output, over dh) for fused LoRA MLP code that manages its own autograd.
 """
 
 from __future__ import annotations
@@ -88,13 +89,16 @@ def _gated_bwd_kernel(
     U,
     DG,
     DU,
+    H,
     n_cols,
     stride_dh,
     stride_g,
     stride_u,
     stride_dg,
     stride_du,
+    stride_h,
     ACT: tl.constexpr,
+    STORE_H: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -104,9 +108,11 @@ def _gated_bwd_kernel(
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     a, da = _act_and_grad(g, ACT, True)
-    # Every input value is in registers before the stores, so DG/DU may alias G/U.
+    # Every input value is in registers before the stores, so DG/DU may alias G/U and H may alias DH.
     tl.store(DG + row * stride_dg + cols, (dh * u * da).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + row * stride_du + cols, (dh * a).to(DU.dtype.element_ty), mask=mask)
+    if STORE_H:  # the forward's output too, as _gated_fwd_kernel rounds it
+        tl.store(H + row * stride_h + cols, (a * u).to(H.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +162,23 @@ def gated_act_backward(
 
     inplace=True writes d_gate over gate and d_up over up (their old values are gone after).
     """
+    dg, du, _ = _backward(dh, gate, up, act, inplace, store_h=False)
+    return dg, du
+
+
+def gated_act_backward_and_output(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str = "silu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up, h) in one pass, with h = act(gate) * up exactly as gated_act_forward makes it
+    (no autograd), written over dh, d_gate over gate and d_up over up: for a backward that needs
+    h after dh (a LoRA down projection's dA), one pass over gate and up instead of two, and no
+    memory beyond its inputs'. dh must be a contiguous buffer the caller owns."""
+    if not dh.is_contiguous():
+        raise ValueError("gated_act_backward_and_output: dh must be contiguous (h is written over it)")
+    return _backward(dh, gate, up, act, inplace=True, store_h=True)
+
+
+def _backward(dh, gate, up, act: str, inplace: bool, store_h: bool):
     code = _ACTS[act]
     dh2, g2, u2 = _rows(dh), _rows(gate), _rows(up)
     n_rows, n_cols = g2.shape
@@ -172,17 +195,20 @@ def gated_act_backward(
             u2,
             dg,
             du,
+            dh2,
             n_cols,
             dh2.stride(0),
             g2.stride(0),
             u2.stride(0),
             dg.stride(0),
             du.stride(0),
+            dh2.stride(0),
             ACT=code,
+            STORE_H=store_h,
             BLOCK=block,
             num_warps=warps_for(block),
         )
-    return dg.view(gate.shape), du.view(up.shape)
+    return dg.view(gate.shape), du.view(up.shape), dh2.view(dh.shape)
 
 
 class GatedActFunction(torch.autograd.Function):

@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.activations import (
+    gated_act_backward,
+    gated_act_backward_and_output,
+    gated_act_forward,
     gated_act_reference,
     geglu,
     geglu_reference,
@@ -68,6 +71,27 @@ def test_matches_torch(op, shape, dtype, inplace, seed):
         torch.testing.assert_close(up.detach(), u_leaf.grad, rtol=0, atol=0)
     else:
         torch.testing.assert_close(gate.detach(), gate0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_and_output_is_the_forward_and_backward_in_one_pass(act, dtype):
+    """The backward that also writes h: h bit for bit as the forward kernel makes it (over dh's
+    memory), d_gate/d_up bit for bit as the plain backward (over gate/up); halves of a fused
+    gate_up projection as inputs."""
+    g = torch.Generator().manual_seed(7)
+    gate_up = (2 * torch.randn(9, 2 * 2500, generator=g)).to(dtype)  # rows split over two programs
+    dh = torch.randn(9, 2500, generator=g).to(dtype)
+    gate, up = gate_up.clone().chunk(2, dim=-1)
+    h_ref = gated_act_forward(gate, up, act)
+    dg_ref, du_ref = gated_act_backward(dh, gate, up, act)
+    dh_buf = dh.clone()
+    dg, du, h = gated_act_backward_and_output(dh_buf, gate, up, act)
+    assert h.data_ptr() == dh_buf.data_ptr() and dg.data_ptr() == gate.data_ptr() and du.data_ptr() == up.data_ptr()
+    for a, b in ((h, h_ref), (dg, dg_ref), (du, du_ref)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="contiguous"):
+        gated_act_backward_and_output(dh.t(), gate.t(), up.t(), act)
 
 
 def test_halves_of_fused_gate_up_projection():
