@@ -12,7 +12,15 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from engine.kernels.activations import geglu, geglu_reference, swiglu, swiglu_reference  # noqa: E402
+from engine.kernels.activations import (  # noqa: E402
+    gated_act_backward,
+    gated_act_backward_and_output,
+    gated_act_forward,
+    geglu,
+    geglu_reference,
+    swiglu,
+    swiglu_reference,
+)
 from engine.kernels.fused_ce import (  # noqa: E402
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
@@ -189,6 +197,15 @@ def test_gated_activation(inter, op, dtype):
         tol["atol"] = max(tol["atol"], 5e-5)
     torch.testing.assert_close(dg, dg_ref, **tol)
     torch.testing.assert_close(du, du_ref, **tol)
+
+    # The LoRA MLP's backward pass: d_gate, d_up and h from one kernel, bit for bit as the
+    # forward and backward kernels make them.
+    kind = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}[op]
+    g1, u1, dh1 = gate0.clone(), up0.clone(), dh.clone()
+    dg1, du1, h1 = gated_act_backward_and_output(dh1, g1, u1, kind)
+    assert torch.equal(h1, gated_act_forward(gate0, up0, kind))
+    for a, b in zip((dg1, du1), gated_act_backward(dh, gate0, up0, kind)):
+        assert torch.equal(a, b)
 
     gq, uq = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
     ms = cuda_ms(lambda: fn(gq * 1, uq * 1, inplace_backward=True).backward(dh))
