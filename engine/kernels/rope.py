@@ -5,10 +5,12 @@ cos/sin [B or 1, T, D] come straight from transformers' rotary embedding module,
 whose positions restart at 0 need nothing special. One program per token loads that token's
 cos/sin once and rotates every q and k head, writing back over its input: no extra activation
 memory, and nothing is saved for the backward except cos/sin, since the backward is the
-transposed rotation (by -theta) applied in place to the incoming gradients. That last step
-assumes the gradient buffer handed to this op belongs to it alone, which holds when q and k go
-straight into attention (the patched decoder layers); expanded or non-contiguous gradients are
-copied first.
+transposed rotation (by -theta). The backward writes new gradient tensors: the incoming ones
+may be shared (autograd hands one tensor to several consumers), so they are only read.
+
+The usual q = q_proj(x).view(B, T, H, D) is rotated through the projection output it views
+(`RoPEFunction` on the base): dirtying the view itself would make autograd rebase it on
+CopySlices, whose backward clones, zero-fills and copies each whole gradient.
 
 Public: `apply_rope` (dispatcher), `apply_rope_triton`, `apply_rope_reference`, and the torch math
 `rope_reference` / `rotate_half` (uncounted).
@@ -26,23 +28,29 @@ _TILE_ELEMS = 2048
 
 
 @jit
-def _rotate_heads(X, stride_h, n_heads, base, c1, c2, sa, sb, d_offs, d_mask, half, BLOCK_H: tl.constexpr):
+def _rotate_heads(
+    X, Y, stride_xh, stride_yh, n_heads, base_x, base_y, c1, c2, sa, sb, d_offs, d_mask, half, BLOCK_H: tl.constexpr
+):
+    # Y may be X itself (the in-place forward): each value is loaded before it is stored.
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         mask = (heads < n_heads)[:, None] & d_mask[None, :]
-        ptr1 = X + base + heads[:, None].to(tl.int64) * stride_h + d_offs[None, :]
-        x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(ptr1 + half, mask=mask, other=0.0).to(tl.float32)
+        in1 = X + base_x + heads[:, None].to(tl.int64) * stride_xh + d_offs[None, :]
+        out1 = Y + base_y + heads[:, None].to(tl.int64) * stride_yh + d_offs[None, :]
+        x1 = tl.load(in1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(in1 + half, mask=mask, other=0.0).to(tl.float32)
         o1 = x1 * c1[None, :] - x2 * sa[None, :]
         o2 = x2 * c2[None, :] + x1 * sb[None, :]
-        tl.store(ptr1, o1.to(X.dtype.element_ty), mask=mask)
-        tl.store(ptr1 + half, o2.to(X.dtype.element_ty), mask=mask)
+        tl.store(out1, o1.to(Y.dtype.element_ty), mask=mask)
+        tl.store(out1 + half, o2.to(Y.dtype.element_ty), mask=mask)
 
 
 @jit
 def _rope_kernel(
     Q,
     K,
+    QO,
+    KO,
     COS,
     SIN,
     seq_len,
@@ -55,6 +63,12 @@ def _rope_kernel(
     stride_kb,
     stride_kt,
     stride_kh,
+    stride_qob,
+    stride_qot,
+    stride_qoh,
+    stride_kob,
+    stride_kot,
+    stride_koh,
     stride_cb,
     stride_ct,
     stride_sb,
@@ -84,11 +98,13 @@ def _rope_kernel(
     else:
         sa = s1
         sb = s2
+    q_at, qo_at = b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot
     _rotate_heads(
-        Q, stride_qh, n_q_heads, b * stride_qb + t * stride_qt, c1, c2, sa, sb, d_offs, d_mask, half, BLOCK_H=BLOCK_HQ
+        Q, QO, stride_qh, stride_qoh, n_q_heads, q_at, qo_at, c1, c2, sa, sb, d_offs, d_mask, half, BLOCK_H=BLOCK_HQ
     )
+    k_at, ko_at = b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot
     _rotate_heads(
-        K, stride_kh, n_k_heads, b * stride_kb + t * stride_kt, c1, c2, sa, sb, d_offs, d_mask, half, BLOCK_H=BLOCK_HK
+        K, KO, stride_kh, stride_koh, n_k_heads, k_at, ko_at, c1, c2, sa, sb, d_offs, d_mask, half, BLOCK_H=BLOCK_HK
     )
 
 
@@ -113,12 +129,15 @@ def _as_btd(c: torch.Tensor, name: str) -> torch.Tensor:
     return c
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> None:
-    """Rotate q and k (or q alone when k is None) in place."""
+def _launch(q, k, cos, sin, backward: bool, q_out=None, k_out=None) -> None:
+    """Rotate q and k (or q alone when k is None) into q_out and k_out ([B, T, H, D] each), or in
+    place where those are None; `backward` rotates by -theta (the transpose)."""
     B, T, Hq, D = q.shape
     Hk = 0 if k is None else k.shape[2]
     if k is None:
         k = q  # never touched: the k loop runs over zero heads
+    q_out = q if q_out is None else q_out
+    k_out = k if k_out is None else k_out
     if B * T == 0:
         return
     half = D // 2
@@ -130,6 +149,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
     _rope_kernel[(B * T,)](
         q,
         k,
+        q_out,
+        k_out,
         cos,
         sin,
         T,
@@ -142,6 +163,12 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
         k.stride(0),
         k.stride(1),
         k.stride(2),
+        q_out.stride(0),
+        q_out.stride(1),
+        q_out.stride(2),
+        k_out.stride(0),
+        k_out.stride(1),
+        k_out.stride(2),
         cb,
         cos.stride(1),
         sb,
@@ -171,16 +198,34 @@ def _unit_last_stride(x: torch.Tensor) -> bool:
     return x.shape[-1] <= 1 or x.stride(-1) == 1
 
 
-def _writable(g: torch.Tensor) -> torch.Tensor:
-    # Rotating a gradient in place is safe only on a buffer of its own: expanded (stride-0) or
-    # oddly strided gradients get a private contiguous copy first.
-    if g.is_contiguous() and _unit_last_stride(g):
-        return g
-    return g.contiguous()
+def _grad_heads(g: torch.Tensor, heads) -> torch.Tensor:
+    """An incoming gradient as [B, T, H, D] with a unit stride along D (what the kernel reads)."""
+    g = g.reshape(heads)
+    return g if _unit_last_stride(g) else g.contiguous()
+
+
+def _rotated_back(dq, dk, q_shape, k_shape, q_heads, k_heads, cos, sin):
+    """The gradients of rotated q (and k) rotated back into new tensors of q's (k's) own shape, in
+    one launch. The incoming ones may be shared (autograd hands one tensor to several consumers,
+    or a caller passes its own), so they are only read; a missing one is zeros."""
+    like = dq if dq is not None else dk
+    outs = []
+    for g, shape in ((dq, q_shape), (dk, k_shape)):
+        if shape is None:
+            outs.append(None)
+        elif g is None:
+            outs.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+        else:
+            outs.append(torch.empty(shape, dtype=g.dtype, device=g.device))
+    rotate = [(g, o, h) for g, o, h in ((dq, outs[0], q_heads), (dk, outs[1], k_heads)) if g is not None]
+    (g1, o1, h1), rest = rotate[0], rotate[1:]
+    g2, o2 = (_grad_heads(rest[0][0], rest[0][2]), rest[0][1].view(rest[0][2])) if rest else (None, None)
+    _launch(_grad_heads(g1, h1), g2, cos, sin, backward=True, q_out=o1.view(h1), k_out=o2)
+    return outs
 
 
 class RoPEFunction(torch.autograd.Function):
-    """In-place rotation of q and k in one launch; the backward rotates the gradients back in place.
+    """In-place rotation of q and k in one launch; the backward rotates the gradients back into new tensors.
 
     q and k must own their storage (autograd refuses a Function that dirties a view and returns
     two tensors). They may come in any shape of the same numel, e.g. the projection outputs
@@ -194,16 +239,13 @@ class RoPEFunction(torch.autograd.Function):
         _launch(q.view(q_heads), k.view(k_heads), cos, sin, backward=False)
         ctx.mark_dirty(q, k)
         ctx.save_for_backward(cos, sin)
-        ctx.meta = (q.shape, k.shape, q_heads, k_heads, q.dtype, q.device)
+        ctx.meta = (q.shape, k.shape, q_heads, k_heads)
         return q, k
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        q_shape, k_shape, q_heads, k_heads, dtype, device = ctx.meta
-        dq = torch.zeros(q_shape, dtype=dtype, device=device) if dq is None else _writable(dq)
-        dk = torch.zeros(k_shape, dtype=dtype, device=device) if dk is None else _writable(dk)
-        _launch(dq.view(q_heads), dk.view(k_heads), cos, sin, backward=True)
+        dq, dk = _rotated_back(dq, dk, *ctx.meta, cos, sin)
         return dq, dk, None, None, None
 
 
@@ -221,8 +263,7 @@ class RoPESingleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dx):
         cos, sin = ctx.saved_tensors
-        dx = _writable(dx)
-        _launch(dx, None, cos, sin, backward=True)
+        (dx, _) = _rotated_back(dx, None, dx.shape, None, dx.shape, None, cos, sin)
         return dx, None, None
 
 
