@@ -224,6 +224,23 @@ def test_headline_is_one_run_and_repeats_give_median_and_range(tmp_path):
     assert "30,000" in history and "90,000" in history  # every record stays in the history
 
 
+def test_headline_skips_a_later_run_without_a_learning_check(tmp_path):
+    """A lever's "before" run measured after the checked one (ours alone, no stock curve) goes to the
+    history; the headline stays the newest run whose ours passed its learning check."""
+    matching = [x * 1.001 for x in STOCK]
+    recs = [
+        _rec("ours", "checked", 67_000.0, matching),
+        _rec("hf_sdpa", "checked", 14_000.0, STOCK),
+        _rec("ours", "before", 65_000.0, matching, date="2026-12-02T10:00:00+00:00"),
+    ]
+    results, md = tmp_path / "r.jsonl", tmp_path / "R.md"
+    results.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["--summarize", "--results", str(results), "--md", str(md)]) == 0
+    headline, history = md.read_text().split("<details>")
+    assert "Latest run checked" in headline and "| ours | ok | 67,000 |" in headline
+    assert "| before |" in history and "no stock HF + PEFT / Liger curve in run before" in history
+
+
 def test_ceiling_reproduces_workloads_md():
     # WORKLOADS.md: ~219k tokens/s on W1 and ~106k on W2 (N = matmul parameters incl. LM head).
     assert ceiling_tokens_per_s(WORKLOADS["W1"]) == pytest.approx(219_000, rel=0.02)
