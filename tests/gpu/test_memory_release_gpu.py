@@ -1,0 +1,70 @@
+"""Runs one after another in one process leave no device memory behind (the window trains several
+times in one process; the bench measures `--repeat` runs in one process).
+
+On an H100 the bench's W1 peak grew over three repeats in one process (2.01, 2.14, 2.20 GiB,
+thirteenth session), and on the CPU two sessions leave nothing alive, so what could stay is GPU-only:
+CUDA graphs and their pools, the offloader's buffers, kept attention outputs, autotuner state.
+The first run is a warm-up (cuBLAS workspaces and the like stay once per process by design); the
+second and third must each end where the first ended.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from learning_parity import make_config, random_model_folder, train  # noqa: E402
+
+from engine.data.synthetic import write_text_jsonl  # noqa: E402
+
+SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
+# Left allocated after a run, beyond the first run's: one layer input of this shape is 4 MiB.
+SLACK = 2 * 2**20
+
+
+def _allocated_after_release() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+@pytest.mark.parametrize("offload", ["off", "double"])
+def test_runs_in_one_process_leave_no_device_memory_behind(tmp_path, offload):
+    folder = random_model_folder(tmp_path / "qwen3-small", "qwen3", **SHAPE)
+    data = write_text_jsonl(tmp_path / "docs.jsonl", 600, seed=5)
+    # CUDA graphs (auto: on for SFT below hidden 4,096 on a big card), packed rows, gradient
+    # checkpointing with the offloader as W1 runs it.
+    cfg = make_config(
+        str(folder), data, tmp_path / "runs", steps=4, seq=2048, rows=1, gradient_checkpointing=True, offload=offload
+    )
+    before = _allocated_after_release()
+    left = []
+    for _ in range(3):
+        curve = train(cfg)
+        assert len(curve.losses) == 4
+        del curve
+        left.append(_allocated_after_release() - before)
+    grown = [b - left[0] for b in left[1:]]
+    assert all(g <= SLACK for g in grown), (
+        f"device memory left after each run (MiB): {[round(x / 2**20, 1) for x in left]}; "
+        f"growth after the first: {[round(g / 2**20, 1) for g in grown]}"
+    )
