@@ -330,6 +330,8 @@ def run_impl(
     rec["status"] = status
     rec["wall_s"] = round(time.monotonic() - t_start, 2)
     free_memory(ctx.device)
+    if ctx.device.type == "cuda":  # what this implementation left allocated for the next one to carry
+        rec["left_allocated_gib"] = torch.cuda.memory_allocated() / GIB
     peak = f", peak {rec['peak_gib']:.2f} GiB" if rec.get("peak_gib") is not None else ""
     speed = f", {rec['tokens_per_s']:,.0f} tokens/s" if status == "ok" and rec.get("tokens_per_s") else ""
     progress(f"{label}: {status}{speed}{peak} ({rec['wall_s']} s)")
