@@ -175,6 +175,7 @@ def gated_act_backward_and_output(
     memory beyond its inputs'. dh must be a contiguous buffer the caller owns."""
     if not dh.is_contiguous():
         raise ValueError("gated_act_backward_and_output: dh must be contiguous (h is written over it)")
+    count("activations:triton")  # it makes the activation too, as gated_act_forward (counted) did here
     return _backward(dh, gate, up, act, inplace=True, store_h=True)
 
 
