@@ -37,6 +37,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from engine.fastpath.streams import side_stream
+
 # Bytes of one fp32 [tokens x slice] temporary: the slice's logits. The slice's device buffer
 # is bounded too (generation has few tokens: the weight, not the logits, sets the size).
 LOGITS_BUDGET_BYTES = 32 * 1024 * 1024
@@ -69,7 +71,7 @@ def weight_slices(
             yield a, b, host_weight[a:b].to(device)
         return
     compute = torch.cuda.current_stream(device)
-    copier = torch.cuda.Stream(device)
+    copier = side_stream(device, "host_head")
     bufs = [torch.empty((rows, host_weight.shape[1]), dtype=host_weight.dtype, device=device) for _ in range(2)]
     # The buffers come from the compute stream's pool: their blocks may have been freed by
     # kernels still queued there (the forward runs ahead of the host). The copier must not

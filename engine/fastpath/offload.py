@@ -64,6 +64,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.fastpath import recompute
+from engine.fastpath.streams import side_stream
 from engine.kernels.varlen_attention import KEPT_KWARG, KeptAttention
 
 MODES = ("single", "double")
@@ -135,7 +136,7 @@ class ActivationOffloader:
         self.mode = mode  # what was asked for
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.copy_stream = side_stream(self.device, "offload") if self.cuda else None
         self.slots: list[_Slot] = []
         self.stats = OffloadStats()
         self._step_mode = mode

@@ -240,3 +240,16 @@ def test_the_cli_lists_a_new_kind_and_its_options(tmp_path, monkeypatch, capsys)
     assert cli.cmd_export(args) == 0
     assert json.loads((out / "note.json").read_text())["shout"] == "yes"
     assert "a note was written (shout: yes)" in capsys.readouterr().out
+
+
+def test_cuda_streams_are_made_in_one_place():
+    """A stream made per run leaves its cuBLAS workspace allocated when the run ends (64 MiB a run
+    on an H100): the engine's side streams come from engine.fastpath.streams, which makes each
+    (device, role) once per process."""
+    home = ROOT / "engine" / "fastpath" / "streams.py"
+    makers = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("torch.cuda.Stream", "cuda.Stream", "Stream"):
+                makers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert makers and all(m.startswith(str(home.relative_to(ROOT)) + ":") for m in makers), makers
