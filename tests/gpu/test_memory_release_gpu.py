@@ -48,6 +48,26 @@ def _allocated_after_release() -> int:
     return torch.cuda.memory_allocated()
 
 
+def _live_blocks() -> dict[int, dict]:
+    """Allocated blocks by address, each with the frames that allocated it (memory history on)."""
+    blocks = {}
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                blocks[block["address"]] = block
+    return blocks
+
+
+def _where(block: dict) -> str:
+    """The block's size and the innermost frames of this repository (or torch's, if none)."""
+    frames = block.get("frames") or []
+    ours = [f for f in frames if "/engine/" in f["filename"] or "/tests/" in f["filename"]]
+    shown = (ours or frames)[:3]
+    return f"{block['size'] / 2**20:.1f} MiB at " + " < ".join(
+        f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in shown
+    )
+
+
 @pytest.mark.parametrize("offload", ["off", "double"])
 def test_runs_in_one_process_leave_no_device_memory_behind(tmp_path, offload):
     folder = random_model_folder(tmp_path / "qwen3-small", "qwen3", **SHAPE)
@@ -57,15 +77,24 @@ def test_runs_in_one_process_leave_no_device_memory_behind(tmp_path, offload):
     cfg = make_config(
         str(folder), data, tmp_path / "runs", steps=4, seq=2048, rows=1, gradient_checkpointing=True, offload=offload
     )
-    before = _allocated_after_release()
-    left = []
-    for _ in range(3):
-        curve = train(cfg)
-        assert len(curve.losses) == 4
-        del curve
-        left.append(_allocated_after_release() - before)
+    # Allocation history, so that a failure names what allocated the blocks left behind.
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
+    try:
+        before = _allocated_after_release()
+        left, after_first = [], {}
+        for run in range(3):
+            curve = train(cfg)
+            assert len(curve.losses) == 4
+            del curve
+            left.append(_allocated_after_release() - before)
+            if run == 0:
+                after_first = _live_blocks()
+        new = [b for a, b in _live_blocks().items() if a not in after_first]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
     grown = [b - left[0] for b in left[1:]]
     assert all(g <= SLACK for g in grown), (
         f"device memory left after each run (MiB): {[round(x / 2**20, 1) for x in left]}; "
-        f"growth after the first: {[round(g / 2**20, 1) for g in grown]}"
+        f"growth after the first: {[round(g / 2**20, 1) for g in grown]}; blocks allocated since the first run "
+        f"and still held: {[_where(b) for b in sorted(new, key=lambda b: -b['size'])[:8]]}"
     )
