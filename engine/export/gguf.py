@@ -27,7 +27,9 @@ it, llama.cpp's tokenization of the prompts against the tokenizer's)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -148,11 +150,38 @@ def _run_converter(merged: Path, outfile: Path, outtype: str, progress) -> None:
         raise ExportError(f"llama.cpp's converter failed on the merged model: {tail[0]}")
 
 
+def _llama_cpp():
+    """llama-cpp-python, imported on first use. Its `_utils` opens two /dev/null files at import
+    (for `verbose=False` loads) and never closes them; at interpreter exit the export process
+    printed "sys:1: ResourceWarning: unclosed file <... name='/dev/null' ...>" twice after every GGUF
+    export. They are closed at exit, after the last load that could use them."""
+    import atexit
+
+    import llama_cpp
+
+    global _llama_cpp_closer
+    if _llama_cpp_closer is None:
+
+        def close_devnull_files() -> None:
+            utils = sys.modules.get("llama_cpp._utils")
+            for name in ("outnull_file", "errnull_file"):
+                f = getattr(utils, name, None)
+                if f is not None and not f.closed:
+                    f.close()
+
+        _llama_cpp_closer = close_devnull_files
+        atexit.register(close_devnull_files)
+    return llama_cpp
+
+
+_llama_cpp_closer = None
+
+
 def quantize(src: Path, dst: Path, quant: str) -> None:
     """llama.cpp's quantizer, through llama-cpp-python."""
     import ctypes
 
-    import llama_cpp
+    llama_cpp = _llama_cpp()
 
     ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[quant]
     params = llama_cpp.llama_model_quantize_default_params()
@@ -303,7 +332,7 @@ def _adds_bos(path: Path) -> bool:
     """Whether llama.cpp (and Ollama, which tokenizes through it) adds a BOS token itself for this
     GGUF, asked of llama.cpp's own vocabulary: a GGUF without tokenizer.ggml.add_bos_token gets
     the tokenizer type's default (true for SentencePiece), so the metadata alone is not the answer."""
-    import llama_cpp
+    llama_cpp = _llama_cpp()
 
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True
@@ -348,7 +377,7 @@ def estimate(source, quant: str = DEFAULT_QUANT, built_on: Optional[Path] = None
 
 # -- the self-check ----------------------------------------------------------------------------
 @contextlib.contextmanager
-def _plain_cpu_buffers(llama_cpp):
+def plain_cpu_buffers(llama_cpp):
     """Load with llama.cpp's plain CPU weight buffers (`use_extra_bufts` off: no runtime weight
     repacking). llama.cpp 0.3.36's repacked q8_0 path crashes (SIGSEGV in decode) on tensors as
     narrow as the demo model's (128 columns) on AVX-512/AMX CPUs; the plain buffers hold the
@@ -369,9 +398,35 @@ def _plain_cpu_buffers(llama_cpp):
         module.llama_model_default_params = original
 
 
+def _crashes_in_child(path: Path, n_ctx: int, n_threads: int, probes) -> Optional[str]:
+    """None when llama.cpp loads the GGUF and runs a scored evaluation and a few greedy tokens in a
+    child process (engine/export/_gguf_probe.py); else the self-check's reason. A failed llama.cpp
+    assert aborts its process: in the exporting process it would take the studio's window down."""
+    first = probes[0] if probes else None
+    cmd = [sys.executable, str(Path(__file__).with_name("_gguf_probe.py")), str(path), str(n_ctx), str(n_threads)]
+    cmd += [json.dumps(list(first.ids) if first else []), json.dumps(list(first.prompt_ids) if first else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if out.returncode == 0:
+        return None
+    lines = [line.strip() for line in (out.stderr + "\n" + out.stdout).splitlines() if line.strip()]
+    asserted = [m.group(0) for line in lines for m in [re.search(r"GGML_ASSERT\(.*\) failed", line)] if m]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line)]
+    if asserted:
+        why = asserted[-1]
+    elif raised:
+        why = raised[-1]
+    elif out.returncode < 0:
+        why = f"stopped by signal {-out.returncode}"
+    else:
+        why = lines[-1] if lines else f"exit code {out.returncode}"
+    return (
+        f"llama.cpp crashes running the GGUF ({why[:300]}); Ollama and LM Studio run the same llama.cpp code"
+    )
+
+
 def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT, **_options):
     """Load the GGUF with llama.cpp and compare it with the trained model; lint its metadata."""
-    import llama_cpp
+    llama_cpp = _llama_cpp()
     import numpy as np
     import torch
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -384,17 +439,21 @@ def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT,
     path = next(p for p in folder.glob("*.gguf") if not p.name.startswith("."))
     tok = ref.tokenizer
     n_ctx = max(512, max(len(p.ids) for p in ref.probes) + STOP_WITHIN + 8)
+    n_threads = max(1, min(4, os.cpu_count() or 1))
     if progress:
         progress("self-check: loading the GGUF with llama.cpp")
+    crash = _crashes_in_child(path, n_ctx, n_threads, ref.probes)
+    if crash is not None:
+        return selfcheck.failed("gguf", path, crash)
     try:
-        with _plain_cpu_buffers(llama_cpp):
+        with plain_cpu_buffers(llama_cpp):
             llm = llama_cpp.Llama(
                 model_path=str(path),
                 n_ctx=n_ctx,
                 n_batch=n_ctx,
                 logits_all=True,
                 n_gpu_layers=0,
-                n_threads=max(1, min(4, os.cpu_count() or 1)),
+                n_threads=n_threads,
                 seed=0,
                 verbose=False,
             )

@@ -156,6 +156,8 @@ def test_gguf_q4_k_m_from_the_command_line_is_verified_with_its_drop_stated(trai
     )
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     assert "self-check gguf: verified" in out.stdout and "for Ollama: ollama create demo-q4_k_m" in out.stdout
+    # Nothing after the verdict: llama-cpp-python's /dev/null files used to be reported unclosed at exit.
+    assert "ResourceWarning" not in out.stderr, out.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "m.gguf"]
     v = read_export_report(trained)["gguf"]
     assert v["metrics"]["quant"] == "q4_k_m" and v["thresholds"]["max_ppl_drop"] == 0.30
