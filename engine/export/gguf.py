@@ -419,9 +419,9 @@ def _crashes_in_child(path: Path, n_ctx: int, n_threads: int, probes) -> Optiona
         why = f"stopped by signal {-out.returncode}"
     else:
         why = lines[-1] if lines else f"exit code {out.returncode}"
-    return (
-        f"llama.cpp crashes running the GGUF ({why[:300]}); Ollama and LM Studio run the same llama.cpp code"
-    )
+    if asserted or out.returncode < 0:
+        return f"llama.cpp crashes running the GGUF ({why[:300]}); Ollama and LM Studio run the same llama.cpp code"
+    return f"llama.cpp cannot run the GGUF ({why[:300]})"
 
 
 def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT, **_options):
