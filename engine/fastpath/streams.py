@@ -1,10 +1,10 @@
 """The process's side CUDA streams: one per device and role, made once and reused by every run.
 
-cuBLAS keeps a workspace per stream it has run on (torch caches it per handle and stream, 64 MiB
-on an H100, counted as allocated and never freed). A run that made its own stream for the CUDA
-graphs left one such workspace behind: on an H100, three trainings in one process ended 128, 192
-and 256 MiB above where they started (tests/gpu/test_memory_release_gpu.py, fourteenth session),
-and the bench's W1 peak grew with each `--repeat`. The window trains many times in one process,
+torch keeps a cuBLAS workspace per (handle, stream) that has run a GEMM, counted as allocated and
+never freed. On an H100 three trainings in one process ended 128, 192 and 256 MiB above where they
+started (tests/gpu/test_memory_release_gpu.py, fourteenth session), 64 MiB more each run at small
+shapes and at W1's alike, and the bench's W1 peak grew with each `--repeat`: the workspace of the
+stream each run made for its CUDA graphs. The window trains many times in one process,
 so the streams are the process's, not the run's.
 
 Roles in use: "graphs" (engine.train.step_graph captures and replays the step on it), "offload"
