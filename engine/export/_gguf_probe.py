@@ -22,19 +22,9 @@ def main() -> int:
     ids, prompt_ids = json.loads(sys.argv[4]), json.loads(sys.argv[5])
     import llama_cpp
 
-    from engine.export.gguf import plain_cpu_buffers
+    from engine.export.gguf import load_for_check
 
-    with plain_cpu_buffers(llama_cpp):
-        llm = llama_cpp.Llama(
-            model_path=path,
-            n_ctx=n_ctx,
-            n_batch=n_ctx,
-            logits_all=True,
-            n_gpu_layers=0,
-            n_threads=n_threads,
-            seed=0,
-            verbose=False,
-        )
+    llm = load_for_check(llama_cpp, path, n_ctx, n_threads)
     try:
         if ids:
             llm.eval(ids)

@@ -398,6 +398,22 @@ def plain_cpu_buffers(llama_cpp):
         module.llama_model_default_params = original
 
 
+def load_for_check(llama_cpp, path, n_ctx: int, n_threads: int):
+    """The self-check's llama.cpp model (here and in the child, engine/export/_gguf_probe.py): every
+    position's logits kept, CPU only, plain weight buffers, quiet."""
+    with plain_cpu_buffers(llama_cpp):
+        return llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            logits_all=True,
+            n_gpu_layers=0,
+            n_threads=n_threads,
+            seed=0,
+            verbose=False,
+        )
+
+
 def _crashes_in_child(path: Path, n_ctx: int, n_threads: int, probes) -> Optional[str]:
     """None when llama.cpp loads the GGUF and runs a scored evaluation and a few greedy tokens in a
     child process (engine/export/_gguf_probe.py); else the self-check's reason. A failed llama.cpp
@@ -446,17 +462,7 @@ def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT,
     if crash is not None:
         return selfcheck.failed("gguf", path, crash)
     try:
-        with plain_cpu_buffers(llama_cpp):
-            llm = llama_cpp.Llama(
-                model_path=str(path),
-                n_ctx=n_ctx,
-                n_batch=n_ctx,
-                logits_all=True,
-                n_gpu_layers=0,
-                n_threads=n_threads,
-                seed=0,
-                verbose=False,
-            )
+        llm = load_for_check(llama_cpp, path, n_ctx, n_threads)
     except Exception as exc:  # llama.cpp says only "failed to load model"
         return selfcheck.failed("gguf", path, f"llama.cpp cannot load the GGUF: {exc}")
     try:
