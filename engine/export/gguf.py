@@ -26,7 +26,9 @@ it, llama.cpp's tokenization of the prompts against the tokenizer's)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
 import re
@@ -150,31 +152,24 @@ def _run_converter(merged: Path, outfile: Path, outtype: str, progress) -> None:
         raise ExportError(f"llama.cpp's converter failed on the merged model: {tail[0]}")
 
 
+@functools.cache
 def _llama_cpp():
     """llama-cpp-python, imported on first use. Its `_utils` opens two /dev/null files at import
     (for `verbose=False` loads) and never closes them; at interpreter exit the export process
     printed "sys:1: ResourceWarning: unclosed file <... name='/dev/null' ...>" twice after every GGUF
     export. They are closed at exit, after the last load that could use them."""
-    import atexit
-
     import llama_cpp
 
-    global _llama_cpp_closer
-    if _llama_cpp_closer is None:
-
-        def close_devnull_files() -> None:
-            utils = sys.modules.get("llama_cpp._utils")
-            for name in ("outnull_file", "errnull_file"):
-                f = getattr(utils, name, None)
-                if f is not None and not f.closed:
-                    f.close()
-
-        _llama_cpp_closer = close_devnull_files
-        atexit.register(close_devnull_files)
+    atexit.register(_close_devnull_files)
     return llama_cpp
 
 
-_llama_cpp_closer = None
+def _close_devnull_files() -> None:
+    utils = sys.modules.get("llama_cpp._utils")
+    for name in ("outnull_file", "errnull_file"):
+        f = getattr(utils, name, None)
+        if f is not None and not f.closed:
+            f.close()
 
 
 def quantize(src: Path, dst: Path, quant: str) -> None:
@@ -442,13 +437,14 @@ def _crashes_in_child(path: Path, n_ctx: int, n_threads: int, probes) -> Optiona
 
 def verify(folder: Path, source, ref, progress=None, quant: str = DEFAULT_QUANT, **_options):
     """Load the GGUF with llama.cpp and compare it with the trained model; lint its metadata."""
-    llama_cpp = _llama_cpp()
     import numpy as np
     import torch
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     from engine.export import selfcheck
     from engine.export.selfcheck import MAX_GENERATE, STOP_WITHIN, TWO_TURNS, Lint
+
+    llama_cpp = _llama_cpp()
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     ref.build()
     ref.release()
