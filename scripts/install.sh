@@ -3,7 +3,7 @@
 # (editable, so resources/ and the checkout's code are what runs). The system Python's site-packages are never
 # touched (PEP 668): the system Python only creates the environment and decides which torch to install.
 #
-#   PYTHON=/usr/bin/python3   the Python 3.10-3.13 to build the environment from (default: the first found)
+#   PYTHON=/usr/bin/python3   the Python 3.10-3.14 to build the environment from (default: the first found)
 #   TUNESMITH_GGUF=0          skip the GGUF export's extra (llama.cpp builds from source, ~15 min once)
 #
 # Reuse: .venv/tunesmith-install.txt is written only after a complete install; with it, and with the
@@ -16,22 +16,22 @@ VENV=.venv
 MARKER=$VENV/tunesmith-install.txt
 say() { echo "tunesmith: $*" >&2; }
 
-# -- a Python 3.10 to 3.13 to build from --------------------------------------------------------------
-version_ok() { "$1" -c 'import sys; sys.exit(not ((3, 10) <= sys.version_info[:2] <= (3, 13)))' 2>/dev/null; }
+# -- a Python 3.10 to 3.14 to build from --------------------------------------------------------------
+version_ok() { "$1" -c 'import sys; sys.exit(not ((3, 10) <= sys.version_info[:2] <= (3, 14)))' 2>/dev/null; }
 PY=""
 if [ -n "${PYTHON:-}" ]; then
   if ! command -v "$PYTHON" >/dev/null 2>&1; then say "PYTHON=$PYTHON is not an interpreter on this machine."; exit 1; fi
   if ! version_ok "$PYTHON"; then
-    say "PYTHON=$PYTHON is Python $("$PYTHON" -c 'import platform; print(platform.python_version())'); Tunesmith needs 3.10 to 3.13."
+    say "PYTHON=$PYTHON is Python $("$PYTHON" -c 'import platform; print(platform.python_version())'); Tunesmith needs 3.10 to 3.14."
     exit 1
   fi
   PY=$PYTHON
 else
-  for candidate in python3 python3.13 python3.12 python3.11 python3.10 python; do
+  for candidate in python3 python3.14 python3.13 python3.12 python3.11 python3.10 python; do
     if command -v "$candidate" >/dev/null 2>&1 && version_ok "$candidate"; then PY=$candidate; break; fi
   done
   if [ -z "$PY" ]; then
-    say "no Python 3.10 to 3.13 found; install one (Debian/Ubuntu: sudo apt install python3 python3-venv) and run this again."
+    say "no Python 3.10 to 3.14 found; install one (Debian/Ubuntu: sudo apt install python3 python3-venv) and run this again."
     exit 1
   fi
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Open the Tunesmith studio on the built-in demo model and data set. The first time it makes the project's
 # own environment (.venv in this checkout, see scripts/install.sh); later it reuses it.
-#   PYTHON=/usr/bin/python3 bash scripts/run-app.sh    build the environment from that Python (3.10-3.13)
+#   PYTHON=/usr/bin/python3 bash scripts/run-app.sh    build the environment from that Python (3.10-3.14)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The GGUF export's extra builds llama.cpp from source (about 15 minutes on 2 cores): not on the

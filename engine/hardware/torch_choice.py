@@ -48,6 +48,9 @@ OLDEST_FOR_BLACKWELL = "cu128"
 # CUDA wheels for 64-bit ARM (DGX Spark's GB10, Grace) start at cu128.
 OLDEST_FOR_ARM = "cu128"
 MIN_CAPABILITY = (5, 0)
+# The newest Python each torch release has wheels for (checked on PyPI: 2.9 was the first with cp314).
+# A driver that needs one of the older releases cannot get a CUDA build for a newer Python.
+NEWEST_PYTHON = {TORCH_VERSION: (3, 14), "2.7.1": (3, 13), "2.6.0": (3, 13), "2.5.1": (3, 13)}
 
 
 @dataclass
@@ -67,6 +70,7 @@ class Machine:
     driver_cuda: tuple[int, int] | None = None  # the highest CUDA version the driver runs
     gpus: list[Gpu] = field(default_factory=list)
     installed: dict | None = None  # probe_installed()'s answer, None when no torch imports
+    python: tuple[int, int] = sys.version_info[:2]  # the environment's Python, which the wheel must match
 
 
 @dataclass
@@ -145,6 +149,7 @@ def read_machine(venv_python: str | None = None) -> Machine:
         machine.gpus = [Gpu("NVIDIA GPU (nvidia-smi named none)")]
     if venv_python:
         machine.installed = probe_installed(venv_python)
+        machine.python = parse_version(_run([venv_python, "-c", PYTHON_PROBE])) or machine.python
     return machine
 
 
@@ -163,6 +168,9 @@ if torch.cuda.is_available():
         works = False
 print(json.dumps({"version": torch.__version__, "cuda": torch.version.cuda, "cuda_works": works}))
 """
+
+
+PYTHON_PROBE = "import sys; print('%d.%d' % sys.version_info[:2])"
 
 
 def probe_installed(python: str) -> dict | None:
@@ -233,7 +241,19 @@ def decide(machine: Machine) -> Choice:
             f"the {where} runs CUDA up to {cuda} but this card needs a {floor} build (CUDA "
             f"{floor_cuda[0]}.{floor_cuda[1]}); update the NVIDIA driver to train on the GPU; the CPU build for now",
         )
-    tag, _, version = usable[0]
+    py = f"{machine.python[0]}.{machine.python[1]}"
+    for_python = [b for b in usable if machine.python <= NEWEST_PYTHON.get(b[2], (3, 99))]
+    if not for_python:
+        tag, _, version = usable[0]
+        newest = NEWEST_PYTHON[version]
+        return _cpu(
+            machine,
+            f"the {where} runs CUDA up to {cuda}, and torch {version}, the last release built for it ({tag}), "
+            f"has no build for Python {py}; to train on the GPU, update the NVIDIA driver, or make the "
+            f"environment from Python {newest[0]}.{newest[1]} or older (rm -rf .venv; "
+            f"PYTHON=python{newest[0]}.{newest[1]} bash scripts/install.sh); the CPU build for now",
+        )
+    tag, _, version = for_python[0]
     why = f"the {where} runs CUDA up to {cuda}"
     if installed and installed.get("version", "").endswith("+cpu"):
         why += f"; the installed {installed['version']} cannot use it"

@@ -59,6 +59,32 @@ def test_old_driver_gets_the_cpu_build_and_is_told_to_update():
     assert "CUDA up to 11.4" in choice.reason and "update the NVIDIA driver" in choice.reason
 
 
+def test_python_314_takes_a_torch_built_for_it():
+    """torch 2.9 was the first release with Python 3.14 wheels: a driver new enough for the pinned release gets
+    it; one that needs 2.5.1 (the last for CUDA 12.1) gets the CPU build, told what to change for the GPU."""
+    new = machine("rtx4070-laptop-r570")
+    new.python = (3, 14)
+    assert tc.decide(new).spec == "torch==2.13.0+cu128"
+    old = machine("rtx3090-r535")
+    old.python = (3, 14)
+    choice = tc.decide(old)
+    assert (choice.spec, choice.build) == ("torch==2.13.0+cpu", "cpu")
+    for words in ("torch 2.5.1", "no build for Python 3.14", "update the NVIDIA driver", "PYTHON=python3.13"):
+        assert words in choice.reason
+    old.python = (3, 13)
+    assert tc.decide(old).spec == "torch==2.5.1+cu121"
+
+
+def test_the_environments_python_is_asked(tmp_path):
+    """install.sh passes the environment's interpreter; its version, not the running one's, picks the wheel."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\ncase "$2" in *torch*) echo null;; *) echo 3.14;; esac\n')
+    fake.chmod(0o755)
+    m = tc.read_machine(str(fake))
+    assert m.python == (3, 14) and m.installed is None
+    assert tc.read_machine(sys.executable).python == sys.version_info[:2]
+
+
 def test_dgx_spark_reports_unified_memory():
     m = machine("gb10-dgx-spark-r580", "aarch64")
     assert m.gpus[0].memory_mib is None and m.gpus[0].capability == (12, 1)
