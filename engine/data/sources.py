@@ -121,6 +121,19 @@ _CHUNK = 1 << 20  # characters of whole lines a JSON list's check reads at a tim
 _BLANK = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
 
 
+def _trailing_comma_words() -> tuple[str, bool]:
+    """How this Python's json words a list's trailing comma, and whether it points at the comma: from 3.13
+    on "Illegal trailing comma before end of array" at the comma, before that "Expecting value" at the "]"."""
+    try:
+        json.loads("[0,]")
+    except json.JSONDecodeError as exc:
+        return exc.msg, exc.pos == 2
+    return "Expecting value", False
+
+
+_TRAILING_COMMA = _trailing_comma_words()
+
+
 def _check_json_list(path: Path, lineno: int, first: str, lines: Iterator[tuple[int, str]]) -> None:
     """Check a JSON list item by item, holding whole lines of the file from the item being read on:
     an item the buffer cuts short is read again with more lines (at least as many characters as it
@@ -130,6 +143,7 @@ def _check_json_list(path: Path, lineno: int, first: str, lines: Iterator[tuple[
     buf, base = first, lineno  # the text held, and the line number of its first character
     pos = buf.index("[") + 1
     state, items = "first", 0  # what comes next: "first" (an item or "]"), "item", "delimiter", "end"
+    comma_line = lineno  # the line of the last comma between items (a refill drops the text before pos)
 
     def refill() -> bool:
         nonlocal buf, base, pos
@@ -160,9 +174,16 @@ def _check_json_list(path: Path, lineno: int, first: str, lines: Iterator[tuple[
         if state == "delimiter":
             if buf[pos] not in ",]":
                 raise malformed(pos, "Expecting ',' delimiter")
+            if buf[pos] == ",":
+                comma_line = base + buf.count("\n", 0, pos)
             state = "item" if buf[pos] == "," else "end"
             pos += 1
             continue
+        if state == "item" and buf[pos] == "]":
+            words, at_comma = _TRAILING_COMMA
+            if at_comma:
+                raise DataError(f"{path} line {comma_line}: malformed JSON ({words})")
+            raise malformed(pos, words)
         if state == "first" and buf[pos] == "]":
             state, pos = "end", pos + 1
             continue
