@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from engine.hardware import torch_choice  # the standard library only, like this module
+
 GiB = 1024**3
 # Below this a run cannot save its checkpoints (the demo's are a few MB; a 8B adapter's with AdamW state ~1 GiB).
 MIN_FREE_DISK = 2 * GiB
@@ -115,9 +117,11 @@ def _child(code: str, timeout: int = CHILD_TIMEOUT, env: dict | None = None) -> 
 def check_python() -> Check:
     v = sys.version_info
     found = f"{platform.python_version()} ({sys.executable})"
-    if (3, 10) <= (v.major, v.minor) <= (3, 13):
+    (lo_major, lo), (hi_major, hi) = supported = torch_choice.SUPPORTED_PYTHON
+    if supported[0] <= (v.major, v.minor) <= supported[1]:
         return Check("Python", "ok", found)
-    return Check("Python", "fail", f"{found}: Tunesmith needs 3.10 to 3.13", "PYTHON=python3.12 " + install_fix())
+    need = f"{lo_major}.{lo} to {hi_major}.{hi}"
+    return Check("Python", "fail", f"{found}: Tunesmith needs {need}", "PYTHON=python3.12 " + install_fix())
 
 
 def requirement_problems(extras: Iterable[str] = ()) -> list[str]:
@@ -167,16 +171,8 @@ def check_environment() -> Check:
     return Check("environment", "ok", f"{where}{done}")
 
 
-def _torch_choice():
-    """engine.hardware.torch_choice, which reads the driver (standard library only)."""
-    from engine.hardware import torch_choice
-
-    return torch_choice
-
-
 def check_torch_and_driver() -> list[Check]:
-    choice_mod = _torch_choice()
-    machine = choice_mod.read_machine()
+    machine = torch_choice.read_machine()
     gpu = machine.gpus[0] if machine.gpus else None
     if gpu is None or machine.driver_cuda is None:
         driver = Check("driver", "n/a", "no NVIDIA GPU or driver found: training runs on the CPU", needed=False)
@@ -187,7 +183,7 @@ def check_torch_and_driver() -> list[Check]:
         torch = importlib.import_module("torch")
     except Exception as exc:  # noqa: BLE001 - not installed, or a broken install
         machine.installed = None
-        fix = install_fix() if checkout_root() or frozen() else _pip_torch(choice_mod.decide(machine))
+        fix = install_fix() if checkout_root() or frozen() else _pip_torch(torch_choice.decide(machine))
         return [Check("torch", "fail", f"does not import ({type(exc).__name__}: {exc})", fix), driver]
     version = torch.__version__
     if gpu is None or machine.driver_cuda is None:
@@ -204,7 +200,7 @@ def check_torch_and_driver() -> list[Check]:
         name = torch.cuda.get_device_name(0)
         return [Check("torch", "ok", f"{version}, CUDA {torch.version.cuda}, runs on {name}"), driver]
     machine.installed = {"version": version, "cuda": torch.version.cuda, "cuda_works": False}
-    choice = choice_mod.decide(machine)
+    choice = torch_choice.decide(machine)
     what = "a CPU build" if not torch.version.cuda else f"built for CUDA {torch.version.cuda}"
     detail = f"{version} is {what} and does not run on the {gpu.name}; {choice.line()}"
     fix = install_fix() if checkout_root() else _pip_torch(choice)

@@ -24,6 +24,9 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+# The Pythons Tunesmith runs on, oldest and newest; scripts/install.sh's version_ok says the same (a test in
+# tests/install holds the two together) and `tunesmith doctor` checks against this.
+SUPPORTED_PYTHON = ((3, 10), (3, 14))
 # The torch release this project pins and tests (scripts/install.sh installs this one).
 TORCH_VERSION = "2.13.0"
 # The oldest torch the engine accepts (pyproject.toml: torch>=2.4).

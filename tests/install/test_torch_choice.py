@@ -22,10 +22,12 @@ SCRIPT = ROOT / "engine" / "hardware" / "torch_choice.py"
 
 
 def machine(case: str, arch: str = "x86_64", installed=None) -> tc.Machine:
+    """The recorded machine with Python 3.12, which every build in CUDA_BUILDS has wheels for (the Python
+    running the tests may be newer: see test_python_314_takes_a_torch_built_for_it)."""
     header = (DATA / f"{case}.nvidia-smi.txt").read_text()
     query = (DATA / f"{case}.query.csv").read_text()
     driver, cuda, gpus = tc.parse_nvidia_smi(header, query)
-    return tc.Machine("linux", arch, driver, cuda, gpus, installed)
+    return tc.Machine("linux", arch, driver, cuda, gpus, installed, python=(3, 12))
 
 
 @pytest.mark.parametrize(
@@ -73,6 +75,16 @@ def test_python_314_takes_a_torch_built_for_it():
         assert words in choice.reason
     old.python = (3, 13)
     assert tc.decide(old).spec == "torch==2.5.1+cu121"
+
+
+def test_install_sh_and_the_doctor_accept_the_same_pythons():
+    """scripts/install.sh checks the version with the system Python before anything of the project runs, so it
+    says the range itself; it must be SUPPORTED_PYTHON, which `tunesmith doctor` checks against."""
+    text = (ROOT / "scripts" / "install.sh").read_text(encoding="utf-8")
+    (lo, hi) = tc.SUPPORTED_PYTHON
+    assert f"{lo} <= sys.version_info[:2] <= {hi}" in text
+    words = f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
+    assert text.count(words) >= 2 and f"python{hi[0]}.{hi[1]} " in text  # the messages and the candidates
 
 
 def test_the_environments_python_is_asked(tmp_path):

@@ -322,7 +322,7 @@ out["first"] = [r.kind, getattr(r, "message", ""), getattr(r, "detail", "")[-200
 # A write cut short again: a stray step-N.tmp fills the disk; the resume must clear it and go on.
 stray = disk / "run" / "checkpoints" / "step-4.tmp"
 stray.mkdir()
-with open(stray / "optimizer.pt", "wb") as f:
+with open(stray / "optimizer.pt", "wb", buffering=0) as f:  # unbuffered: no write is left for close to flush
     try:
         while True:
             f.write(b"\\2" * 65536)
