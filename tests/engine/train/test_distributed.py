@@ -103,8 +103,10 @@ def test_grad_accum_must_be_shared_out(tmp_path):
 
 
 def _rank_pids(parent: int) -> dict[int, int]:
-    """{rank: pid} of the training processes under `parent` (from their environment)."""
-    found = {}
+    """{rank: pid} of the training processes under `parent` (from their environment). A rank's own children
+    inherit its RANK (Python 3.14's multiprocessing starts a resource tracker in each rank): the rank is the
+    process whose parent has no RANK."""
+    ranked = {}  # pid: (rank, parent pid)
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -116,8 +118,8 @@ def _rank_pids(parent: int) -> dict[int, int]:
         vars_ = dict(v.split(b"=", 1) for v in env if b"=" in v)
         if vars_.get(b"TUNESMITH_TEST_RUN") == str(parent).encode() and b"RANK" in vars_:
             if ") Z " not in stat:
-                found[int(vars_[b"RANK"])] = int(proc.name)
-    return found
+                ranked[int(proc.name)] = (int(vars_[b"RANK"]), int(stat.rsplit(")", 1)[1].split()[1]))
+    return {rank: pid for pid, (rank, ppid) in ranked.items() if ppid not in ranked}
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
