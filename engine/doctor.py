@@ -117,10 +117,10 @@ def _child(code: str, timeout: int = CHILD_TIMEOUT, env: dict | None = None) -> 
 def check_python() -> Check:
     v = sys.version_info
     found = f"{platform.python_version()} ({sys.executable})"
-    (lo_major, lo), (hi_major, hi) = supported = torch_choice.SUPPORTED_PYTHON
-    if supported[0] <= (v.major, v.minor) <= supported[1]:
+    lo, hi = torch_choice.SUPPORTED_PYTHON
+    if lo <= (v.major, v.minor) <= hi:
         return Check("Python", "ok", found)
-    need = f"{lo_major}.{lo} to {hi_major}.{hi}"
+    need = "%d.%d to %d.%d" % (*lo, *hi)
     return Check("Python", "fail", f"{found}: Tunesmith needs {need}", "PYTHON=python3.12 " + install_fix())
 
 

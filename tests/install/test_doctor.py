@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
-from engine.doctor import GiB, check_disk
+from engine.doctor import GiB, check_disk, check_python
 from tests.install.test_torch_choice import _fake_smi
 
 pytestmark = pytest.mark.slow  # each run compiles a Triton kernel (interpreted here) and runs an NF4 matmul
@@ -118,3 +119,13 @@ def test_disk_check_names_the_runs_folder(tmp_path):
     assert ok.ok and str(folder) in ok.detail
     full = check_disk(folder, need=1 << 60)
     assert not full.ok and full.needed and str(folder) in full.detail and f"{(1 << 60) / GiB:.0f} GiB" in full.detail
+
+
+@pytest.mark.parametrize("minor, status", [(9, "fail"), (10, "ok"), (14, "ok"), (15, "fail")])
+def test_the_python_check_takes_install_shs_range(monkeypatch, minor, status):
+    """3.10 to 3.14, as scripts/install.sh accepts (test_torch_choice holds the script to the same range)."""
+    monkeypatch.setattr(sys, "version_info", types.SimpleNamespace(major=3, minor=minor))
+    check = check_python()
+    assert check.status == status
+    if status == "fail":
+        assert check.detail.endswith("Tunesmith needs 3.10 to 3.14") and "scripts/install.sh" in check.fix
