@@ -54,6 +54,16 @@ def _pretty_list(rows) -> str:
     return json.dumps(rows, indent=2)
 
 
+def _both_errors(path, text: str) -> tuple[json.JSONDecodeError, str]:
+    """Write `text` to `path`: json's own error for it, and the check's message for the file."""
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(json.JSONDecodeError) as expected:
+        json.loads(text)
+    with pytest.raises(DataError) as err:
+        _check_json(path)
+    return expected.value, str(err.value)
+
+
 @pytest.mark.parametrize("chunk", [16, 1 << 20])
 def test_a_pretty_printed_list_passes_and_its_errors_name_the_line(tmp_path, monkeypatch, chunk):
     """With a chunk of 16 characters every item is cut by the buffer and read again with more lines."""
@@ -67,23 +77,15 @@ def test_a_pretty_printed_list_passes_and_its_errors_name_the_line(tmp_path, mon
     broken = text.copy()
     i = next(k for k, line in enumerate(text) if '"row 17"' in line)
     broken[i] = broken[i].rstrip(",")  # a missing comma after the text of row 17
-    path.write_text("\n".join(broken), encoding="utf-8")
-    with pytest.raises(json.JSONDecodeError) as expected:
-        json.loads("\n".join(broken))
-    with pytest.raises(DataError) as err:
-        _check_json(path)
-    assert str(err.value) == f"{path} line {expected.value.lineno}: malformed JSON ({expected.value.msg})"
-    assert expected.value.lineno == i + 2
+    expected, message = _both_errors(path, "\n".join(broken))
+    assert message == f"{path} line {expected.lineno}: malformed JSON ({expected.msg})"
+    assert expected.lineno == i + 2
 
     # A trailing comma after the last item, the "]" many chunks further on: named where json names it.
     text = _pretty_list(rows)
     text = text[: text.rindex("}") + 1] + ",\n" + "\n" * 200 + "]\n"
-    path.write_text(text, encoding="utf-8")
-    with pytest.raises(json.JSONDecodeError) as expected:
-        json.loads(text)
-    with pytest.raises(DataError) as err:
-        _check_json(path)
-    assert str(err.value) == f"{path} line {expected.value.lineno}: malformed JSON ({expected.value.msg})"
+    expected, message = _both_errors(path, text)
+    assert message == f"{path} line {expected.lineno}: malformed JSON ({expected.msg})"
 
 
 @pytest.mark.parametrize(
@@ -105,13 +107,9 @@ def test_a_pretty_printed_list_passes_and_its_errors_name_the_line(tmp_path, mon
 )
 def test_a_malformed_list_names_the_line_as_json_does(tmp_path, text, line, what):
     path = tmp_path / "bad.json"
-    path.write_text(text, encoding="utf-8")
-    with pytest.raises(json.JSONDecodeError) as expected:
-        json.loads(text)
-    with pytest.raises(DataError) as err:
-        _check_json(path)
-    assert str(err.value) == f"{path} line {line}: malformed JSON ({expected.value.msg})"
-    assert what in str(err.value)
+    expected, message = _both_errors(path, text)
+    assert message == f"{path} line {line}: malformed JSON ({expected.msg})"
+    assert what in message
 
 
 def test_an_item_that_is_not_an_object_is_named_with_its_line(tmp_path):
