@@ -196,11 +196,12 @@ def warm_up() -> float:
     return time.perf_counter() - t0
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """The headless command line (`tunesmith train | export | hw | demo`)."""
+def cli_main(argv: list[str] | None = None, more_commands=(), description: str = "") -> int:
+    """The headless command line (`tunesmith train | export | hw | demo`); `more_commands` and
+    `description`: the console command's own commands and words for the help (engine.cli.build_parser)."""
     from engine.cli import main
 
-    return main(argv)
+    return main(argv, more_commands, description)
 
 
 def __getattr__(name: str) -> Any:

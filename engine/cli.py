@@ -13,7 +13,9 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Sequence
 
+from engine import __version__
 from engine.api import (
     DEMO_PRESET,
     EXPORTERS,
@@ -242,8 +244,15 @@ def cmd_hw(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tunesmith", description="Fast LoRA / QLoRA fine-tuning (headless commands).")
+def build_parser(more_commands: Sequence[tuple[str, str]] = (), description: str = "") -> argparse.ArgumentParser:
+    """The headless commands' parser. `more_commands`: (name, help) of commands another layer runs
+    (the console command in studio.cli: the window, doctor, the desktop entry), listed in the help
+    and in "invalid choice" errors so a user sees every command in one place; parsing one of
+    them here leaves `func` unset."""
+    p = argparse.ArgumentParser(
+        prog="tunesmith", description=description or "Fast LoRA / QLoRA fine-tuning (headless commands)."
+    )
+    p.add_argument("--version", action="version", version=f"tunesmith {__version__}")
     sub = p.add_subparsers(dest="command")
     t = sub.add_parser("train", help="train from a YAML run config")
     t.add_argument("config", help="run config (YAML), e.g. resources/presets/demo.yaml")
@@ -284,15 +293,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_export)
     h = sub.add_parser("hw", help="show the detected hardware and the defaults chosen for it")
     h.set_defaults(func=cmd_hw)
+    for name, text in more_commands:
+        sub.add_parser(name, help=text, add_help=False)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, more_commands: Sequence[tuple[str, str]] = (), description: str = "") -> int:
+    """Run a headless command. `more_commands` and `description`: see build_parser."""
     from engine.api import prefer_expandable_segments
 
     prefer_expandable_segments()  # this process is ours; before anything initialises CUDA
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(more_commands, description)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
