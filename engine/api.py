@@ -46,6 +46,8 @@ from engine.data.preview import (
     render_example,
 )
 from engine.data.scan import PACKING_SAMPLE, Cancelled, packing_scan, xray_scan
+from engine.data.sources import SUFFIX_WORDS as DATA_FILE_WORDS
+from engine.data.sources import SUFFIXES as DATA_FILE_SUFFIXES
 from engine.data.sources import DataError
 from engine.data.xray import KINDS as DATA_FINDINGS
 from engine.data.xray import XRay, xray
@@ -300,6 +302,8 @@ __all__ = [
     "check_model_folder",
     "load_tokenizer",
     "DataError",
+    "DATA_FILE_SUFFIXES",
+    "DATA_FILE_WORDS",
     "DataPreview",
     "RenderedExample",
     "PackingLayout",

@@ -70,9 +70,14 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    # "demo" (bundled), a local .json/.jsonl/.csv/.parquet file, or a Hub data set id.
+    # "demo" (bundled), a local .json/.jsonl/.csv/.tsv/.parquet file, a data set folder (a Hub data set's
+    # files as `huggingface-cli download --repo-type dataset` leaves them, or datasets' save_to_disk), or a
+    # Hub data set id.
     source: str = "demo"
     split: str = "train"
+    # A Hub data set's (or folder's) subset, the configuration datasets calls `name`: "main" of openai/gsm8k.
+    # "" = the data set's only one.
+    subset: str = ""
     format: Literal["auto", "instruction", "conversations", "text"] = "auto"
     # Column mapping, e.g. {"instruction": "question", "output": "answer"} or
     # {"messages": "dialog"}; empty means detect.

@@ -28,7 +28,11 @@ HELP = {
         "stays the base without adapters; to measure from the SFT model (as TRL does), train on the SFT run's "
         "merged export instead."
     ),
-    "data.split": "Which split of a Hub data set to train on.",
+    "data.split": "Which split of a Hub data set (or a data set folder) to train on.",
+    "data.subset": (
+        "The subset of a Hub data set or data set folder that has several (its configuration: 'main' of "
+        "openai/gsm8k). Empty: its only one."
+    ),
     "data.train_on_responses_only": "Mask prompt tokens so only the assistant's replies are learned.",
     "data.max_seq_len": "Tokens per packed row. Longer examples are truncated or dropped.",
     "data.overlong": "What to do with examples longer than max seq len: truncate them or drop them.",
@@ -147,6 +151,7 @@ LABELS = {
     "lora.target_modules": "layers with adapters",
     "lora.init_adapter": "start from adapter",
     "data.split": "data set split",
+    "data.subset": "data set subset",
     "data.train_on_responses_only": "train on answers only",
     "data.fold_system_message": "fold system message into first question",
     "data.earlier_reasoning": "earlier turns' reasoning",

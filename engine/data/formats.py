@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.data.sources import DataError
+from engine.data.sources import SUFFIXES, DataError, csv_delimiter
 
 # Canonical field -> column names we recognise, in order of preference.
 ALIASES = {
@@ -118,12 +118,13 @@ def header_looks_like_data(columns: list[str], rows: list[list[str]] | None = No
 
 def _csv_hint(source: str | None, columns: list[str]) -> str:
     """NO_HEADER_HINT when `source` is a CSV file whose first row looks like data, else ""."""
-    if not source or not str(source).lower().endswith(".csv"):
+    if not source or SUFFIXES.get(Path(source).suffix.lower()) != "csv":
         return ""
+    path = Path(source).expanduser()
     rows: list[list[str]] = []
     try:
-        with open(Path(source).expanduser(), encoding="utf-8", newline="") as f:
-            rows = list(itertools.islice(csv.reader(f), 1, 51))
+        with open(path, encoding="utf-8", newline="") as f:
+            rows = list(itertools.islice(csv.reader(f, delimiter=csv_delimiter(path)), 1, 51))
     except (OSError, UnicodeDecodeError, csv.Error):
         rows = []
     return NO_HEADER_HINT if header_looks_like_data(columns, rows) else ""

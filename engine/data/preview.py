@@ -27,7 +27,7 @@ _RAW_CACHE: dict[tuple, Any] = {}
 def _raw(cfg: DataConfig):
     path, builder = resolve_source(cfg.source)
     stamp = os.stat(path).st_mtime_ns if builder is not None else None
-    key = (path, cfg.split, cfg.max_examples, stamp)
+    key = (path, cfg.subset, cfg.split, cfg.max_examples, stamp)
     if key not in _RAW_CACHE:
         _RAW_CACHE.clear()  # one data set at a time is what the window shows
         _RAW_CACHE[key] = load_raw(cfg)

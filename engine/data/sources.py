@@ -15,7 +15,13 @@ from typing import Iterator
 from engine.config import DataConfig
 from engine.resources import DEMO_DATA_FILE
 
-SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# File suffix -> the datasets builder that reads it (a .tsv is a CSV separated by tabs).
+SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
+# A data set folder: a Hub data set's files (data files, a README declaring its subsets) or datasets'
+# save_to_disk output.
+FOLDER = "folder"
+# "a .json, .jsonl, .csv, .tsv or .parquet file": the words every message and the window use.
+SUFFIX_WORDS = ", ".join(list(SUFFIXES)[:-1]) + " or " + list(SUFFIXES)[-1]
 
 
 class DataError(ValueError):
@@ -23,7 +29,7 @@ class DataError(ValueError):
 
 
 def resolve_source(source: str) -> tuple[str, str | None]:
-    """(path or Hub id, builder name or None for a Hub data set)."""
+    """(path or Hub id, builder name: None for a Hub data set, FOLDER for a data set folder)."""
     if source == "demo":
         return str(DEMO_DATA_FILE), "json"
     p = Path(source).expanduser()
@@ -32,14 +38,15 @@ def resolve_source(source: str) -> tuple[str, str | None]:
         if not p.exists():
             raise DataError(f"data file {p} does not exist")
         if p.is_dir():
-            raise DataError(f"{p} is a folder; pick a .json, .jsonl, .csv or .parquet file")
+            return str(p), FOLDER
         if suffix not in SUFFIXES:
-            raise DataError(f"{p}: unsupported file type '{suffix}'; use .json, .jsonl, .csv or .parquet")
+            raise DataError(f"{p}: unsupported file type '{suffix}'; use {SUFFIX_WORDS}")
         return str(p), SUFFIXES[suffix]
     return source, None
 
 
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+_UTF8_BOM = "\ufeff"
 
 
 def _nul_error(path: Path, lineno: int) -> DataError:
@@ -47,9 +54,10 @@ def _nul_error(path: Path, lineno: int) -> DataError:
 
 
 def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of each line of a text file, read one line at a time; a DataError names
-    the line and column of the first bytes that are not UTF-8, or the first line holding NUL bytes.
-    A UTF-8 character never spans a newline byte, so each line decodes on its own."""
+    """(line number, text) of each line of a text file, read one line at a time, without a leading
+    UTF-8 byte order mark; a DataError names the line and column of the first bytes that are not
+    UTF-8, or the first line holding NUL bytes. A UTF-8 character never spans a newline byte, so
+    each line decodes on its own."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -65,6 +73,10 @@ def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
                 ) from exc
             if "\x00" in line:
                 raise _nul_error(path, lineno)
+            if lineno == 1 and line.startswith(_UTF8_BOM):
+                # Windows tools (Notepad before 2019, PowerShell 5's Out-File) start UTF-8 files with a byte
+                # order mark; datasets reads past it, json.loads does not.
+                line = line[1:]
             yield lineno, line
 
 
@@ -75,6 +87,30 @@ def _check_text(path: Path) -> None:
             pass
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+# Separators a CSV may use: the comma; the semicolon, which Excel writes where the comma is the decimal
+# mark (much of Europe); the tab.
+_DELIMITERS = (",", ";", "\t")
+
+
+def csv_delimiter(path: Path) -> str:
+    """The separator of a CSV file: a tab for .tsv; else the one of _DELIMITERS its header line holds
+    most often outside quotes (a comma when it holds none)."""
+    if Path(path).suffix.lower() == ".tsv":
+        return "\t"
+    header = ""
+    try:
+        for _, line in _text_lines(Path(path)):
+            if line.strip():
+                header = line
+                break
+    except (OSError, DataError):
+        return ","  # the file's own check names what is wrong with it
+    unquoted = header.split('"')[0::2]  # the text outside double quotes
+    counts = {d: sum(part.count(d) for part in unquoted) for d in _DELIMITERS}
+    best = max(_DELIMITERS, key=lambda d: counts[d])  # ties keep the earlier: the comma first
+    return best if counts[best] else ","
 
 
 def _check_parquet(path: Path) -> None:
@@ -203,6 +239,54 @@ def _check_json_list(path: Path, lineno: int, first: str, lines: Iterator[tuple[
         state, pos = "delimiter", end
 
 
+def _which(cfg: DataConfig) -> str:
+    """ " (subset 'main', split 'train')": what was asked of a data set with subsets and splits."""
+    return f" (subset '{cfg.subset}', split '{cfg.split}')" if cfg.subset else f" (split '{cfg.split}')"
+
+
+def _load_words(exc: Exception, cfg: DataConfig) -> str:
+    """datasets' reason a data set did not load, in one clause. Where it lists the subsets or splits to
+    choose from (a data set with several subsets and none named says only "Config name is missing." on its
+    first line, the subsets on the next), they are named here with the setting that picks one."""
+    text = str(exc)
+    first = text.splitlines()[0] if text else type(exc).__name__
+    listed = re.search(r"\[([^\]]*)\]", text)
+    if not (listed and isinstance(exc, ValueError)):
+        return first.rstrip(".")
+    names = ", ".join(n.strip().strip("'\"") for n in listed.group(1).split(","))
+    lower = text.lower()
+    if "config name is missing" in lower:
+        return f"it has several subsets ({names}): pick one with data.subset (the Data page's Subset box)"
+    if "config" in lower and cfg.subset:
+        return f"it has no subset '{cfg.subset}'; its subsets: {names} (data.subset)"
+    if "split" in lower:
+        return f"it has no split '{cfg.split}'; its splits: {names} (data.split)"
+    return first.rstrip(".")
+
+
+def _load_folder(path: Path, cfg: DataConfig):
+    """A data set folder: datasets' save_to_disk output (one data set, or one per split), else a Hub data
+    set's files (load_dataset reads its README's subsets and names its splits from the file names)."""
+    import datasets
+
+    try:
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            saved = datasets.load_from_disk(str(path))
+            if not isinstance(saved, datasets.DatasetDict):
+                return saved
+            if cfg.split not in saved:
+                raise DataError(
+                    f"cannot read the data set folder {path}{_which(cfg)}: it has no split '{cfg.split}'; "
+                    f"its splits: {', '.join(saved)} (data.split)"
+                )
+            return saved[cfg.split]
+        return datasets.load_dataset(str(path), cfg.subset or None, split=cfg.split)
+    except DataError:
+        raise
+    except Exception as exc:
+        raise DataError(f"cannot read the data set folder {path}{_which(cfg)}: {_load_words(exc, cfg)}") from exc
+
+
 def load_raw(cfg: DataConfig):
     """The raw rows as a datasets.Dataset (Arrow-backed: rows are read lazily)."""
     import datasets
@@ -212,13 +296,14 @@ def load_raw(cfg: DataConfig):
     try:
         if builder is None:
             try:
-                ds = datasets.load_dataset(source, split=cfg.split)
+                ds = datasets.load_dataset(source, cfg.subset or None, split=cfg.split)
             except Exception as exc:  # the Hub raises many types; all mean "cannot get it"
-                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise DataError(
-                    f"cannot load the data set '{source}' (split '{cfg.split}') from the Hugging Face Hub: "
-                    f"{text}. Check the id and the connection, or pick a local file"
+                    f"cannot load the data set '{source}'{_which(cfg)} from the Hugging Face Hub: "
+                    f"{_load_words(exc, cfg)}. Check the id and the connection, or pick a local file"
                 ) from exc
+        elif builder == FOLDER:
+            ds = _load_folder(Path(source), cfg)
         else:
             path = Path(source)
             if builder == "json":
@@ -229,8 +314,9 @@ def load_raw(cfg: DataConfig):
                 _check_text(path)
             elif builder == "parquet":
                 _check_parquet(path)
+            options = {"delimiter": csv_delimiter(path)} if builder == "csv" else {}
             try:
-                ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+                ds = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
             except Exception as exc:
                 text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise DataError(f"cannot read {path} as {builder.upper()}: {text}") from exc

@@ -33,7 +33,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.api import DATA_FINDINGS, METHOD_DATA, PACKING_SAMPLE, shown_row
+from engine.api import DATA_FILE_SUFFIXES, DATA_FILE_WORDS, DATA_FINDINGS, METHOD_DATA, PACKING_SAMPLE, shown_row
 from studio import data_bridge
 from studio.field_help import HELP
 from studio.panels.common import Banner, caption, card, title
@@ -45,7 +45,7 @@ from studio.widgets.pair_view import PairView
 from studio.widgets.rows_model import RowsModel, RowSpinBox, RowsTable
 from studio.widgets.token_mask_view import TokenMaskView
 
-FILE_FILTER = "Data sets (*.jsonl *.json *.csv *.parquet);;All files (*)"
+FILE_FILTER = f"Data sets ({' '.join('*' + suffix for suffix in DATA_FILE_SUFFIXES)});;All files (*)"
 MAX_PROBLEMS_SHOWN = 2000
 EXAMPLE_TAB, XRAY_TAB = 1, 4  # indices in the page's tabs: Rows, Example, Packing, Problems, X-ray
 # data.thinking's choices: the combo's words and the config's values.
@@ -109,16 +109,22 @@ class DataPanel(QWidget):
         for b in (self.demo, self.file, self.hub):
             group.addButton(b)
         self.path = QLineEdit()
-        self.path.setPlaceholderText(".jsonl, .json, .csv or .parquet")
+        self.path.setPlaceholderText(f"{DATA_FILE_WORDS} file, or a data set folder")
         self.path.textEdited.connect(lambda: self.file.setChecked(True))
         browse = QPushButton("Browse…")
         browse.clicked.connect(self._browse)
         self.hub_id = QLineEdit()
         self.hub_id.setPlaceholderText("owner/name")
         self.hub_id.textEdited.connect(lambda: self.hub.setChecked(True))
+        # A Hub data set's (or a data set folder's) subset and split; a single file has neither.
+        self.subset = QLineEdit()
+        self.subset.setObjectName("dataSubset")
+        self.subset.setFixedWidth(90)
+        self.subset.setPlaceholderText("subset")
+        self.subset.setToolTip(HELP["data.subset"])
         self.split = QLineEdit("train")
         self.split.setFixedWidth(80)
-        self.split.setToolTip("Split of the Hub data set")
+        self.split.setToolTip(HELP["data.split"])
         self.recent = QComboBox()
         self.recent.setPlaceholderText("Recent data sets")
         self.recent.textActivated.connect(self.load_source)
@@ -136,6 +142,7 @@ class DataPanel(QWidget):
         row.addSpacing(12)
         row.addWidget(self.hub)
         row.addWidget(self.hub_id, 1)
+        row.addWidget(self.subset)
         row.addWidget(self.split)
         src_lay.addLayout(row)
         row = QHBoxLayout()
@@ -305,27 +312,31 @@ class DataPanel(QWidget):
             if not self.path.text().strip():
                 self.banner.show_message("Type or browse to a data file first.", "warning")
                 return
+            self._take_subset_and_split()  # a data set folder has them too
             self.load_source(self.path.text().strip())
         else:
             if not self.hub_id.text().strip():
                 self.banner.show_message("Type a Hub data set id first.", "warning")
                 return
-            self.state.set("data.split", self.split.text().strip() or "train")
+            self._take_subset_and_split()
             self.load_source(self.hub_id.text().strip())
+
+    def _take_subset_and_split(self) -> None:
+        self.state.set("data.subset", self.subset.text().strip())
+        self.state.set("data.split", self.split.text().strip() or "train")
 
     def _sync_from_state(self) -> None:
         source = self.state.get("data.source")
         if source == "demo":
             self.demo.setChecked(True)
-        elif (
-            Path(source).suffix.lower() in (".json", ".jsonl", ".csv", ".parquet") or Path(source).expanduser().exists()
-        ):
+        elif Path(source).suffix.lower() in DATA_FILE_SUFFIXES or Path(source).expanduser().exists():
             self.file.setChecked(True)
             self.path.setText(source)
         else:
             self.hub.setChecked(True)
             self.hub_id.setText(source)
-            self.split.setText(self.state.get("data.split"))
+        self.subset.setText(self.state.get("data.subset"))
+        self.split.setText(self.state.get("data.split"))
 
     def _fill_recent(self) -> None:
         self.recent.clear()

@@ -62,3 +62,37 @@ def test_local_model_folder_reports_like_the_demo(window, qtbot):
         mp.use.click()
     assert mp.fields["layers"].text() == "4"
     assert window.state.get("model.name_or_path") == str(DEMO_MODEL_DIR)
+
+
+def test_a_downloaded_hub_data_set_folder_with_subsets(window, qtbot, tmp_path):
+    """A folder as `huggingface-cli download --repo-type dataset` leaves it, with two subsets declared in
+    its README: without a subset the banner names them and the box that picks one; with one it loads."""
+    import json
+
+    root = tmp_path / "sums"
+    for subset, n in (("main", 12), ("socratic", 5)):
+        (root / subset).mkdir(parents=True)
+        rows = [{"question": f"{subset}: what is {i} + 1?", "answer": f"Answer: {i + 1}"} for i in range(n)]
+        (root / subset / "train-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(
+            f"- config_name: {s}\n  data_files:\n  - split: train\n    path: {s}/train-*\n"
+            for s in ("main", "socratic")
+        )
+        + "---\n"
+    )
+    dp = window.data_panel
+    qtbot.waitUntil(lambda: dp.preview is not None, timeout=60_000)
+    dp.file.setChecked(True)
+    dp.path.setText(str(root))
+    with qtbot.waitSignal(dp.failed, timeout=60_000):
+        dp.load_button.click()
+    assert "several subsets (main, socratic)" in dp.banner.text() and "Subset box" in dp.banner.text()
+
+    dp.subset.setText("socratic")
+    with qtbot.waitSignal(dp.packing_ready, timeout=60_000):
+        dp.load_button.click()
+    assert window.state.get("data.subset") == "socratic" and window.state.get("data.source") == str(root)
+    assert dp.rows_model.total_rows == 5 and dp.preview.format.kind == "instruction"
+    assert "socratic: what is 0 + 1?" in dp.rows_model.data(dp.rows_model.index(0, 0))
