@@ -39,25 +39,24 @@ def resolve_model_source(name_or_path: str) -> tuple[str, bool]:
 
 
 def check_local_folder(path: str, allow_pickle: bool) -> None:
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ModelLoadError(f"{folder} is not a folder: pick a Hugging Face model folder")
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"{folder} has no config.json: it is not a Hugging Face model folder")
-    broken = config_json_problem(folder)
-    if broken:
-        raise ModelLoadError(broken)
-    safe = list(folder.glob("*.safetensors"))
-    pickles = [f for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES and "training_args" not in f.name]
-    if not safe and not pickles:
-        raise ModelLoadError(f"{folder} holds no weights (no *.safetensors file)")
-    if not safe and not allow_pickle:
-        raise ModelLoadError(
-            f"{folder} holds only pickle weights ({pickles[0].name}), which can run code when "
-            "loaded; convert them to safetensors or set model.allow_pickle: true if you trust them"
+    """Raise a ModelLoadError with the first thing that stops `path` from being trained on (see
+    check_model_folder)."""
+    problems = check_model_folder(path, allow_pickle)
+    if problems:
+        raise ModelLoadError(problems[0])
+
+
+def _not_a_folder(path: Path) -> str:
+    """Why a file is not a model: in the words of what it is."""
+    if path.suffix.lower() == ".gguf":
+        return (
+            f"{path} is a GGUF file, llama.cpp's format for running a model: training needs the model's "
+            "Hugging Face folder (config.json, *.safetensors and the tokenizer), such as the repository "
+            "the GGUF was converted from"
         )
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(f"{folder} has no tokenizer files (tokenizer.json or tokenizer.model)")
+    if path.suffix.lower() in (".safetensors", *PICKLE_SUFFIXES):
+        return f"{path} is one weights file: pick the folder that holds it with its config.json and tokenizer"
+    return f"{path} is not a folder: pick a Hugging Face model folder"
 
 
 def config_json_problem(folder: Path) -> str | None:
@@ -87,7 +86,7 @@ def check_model_folder(path: str, allow_pickle: bool = False) -> list[str]:
     only: cheap enough for the window to call on every change."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        return [f"{folder} is not a folder: pick a Hugging Face model folder"]
+        return [_not_a_folder(folder)]
     problems = []
     if not (folder / "config.json").is_file():
         problems.append(f"{folder} has no config.json: it is not a Hugging Face model folder")
@@ -99,11 +98,11 @@ def check_model_folder(path: str, allow_pickle: bool = False) -> list[str]:
         problems.append(f"{folder} holds no weights (no *.safetensors file)")
     elif not safe and not allow_pickle:
         problems.append(
-            f"{folder} holds only pickle weights ({pickles[0].name}); convert them to safetensors "
-            "or set model.allow_pickle: true if you trust them"
+            f"{folder} holds only pickle weights ({pickles[0].name}), which can run code when loaded; "
+            "convert them to safetensors or set model.allow_pickle: true if you trust them"
         )
     if not any((folder / name).is_file() for name in (*TOKENIZER_FILES, "vocab.txt")):
-        problems.append(f"{folder} has no tokenizer files (tokenizer.json or tokenizer_config.json)")
+        problems.append(f"{folder} has no tokenizer files (tokenizer.json, tokenizer.model or tokenizer_config.json)")
     return problems
 
 
