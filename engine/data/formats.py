@@ -241,6 +241,8 @@ def row_to_messages(row: dict, spec: FormatSpec) -> list[dict] | str:
             raise ValueError(f"column '{m['text']}' is empty")
         return text
     if spec.kind == "instruction":
+        if isinstance(row.get(m["instruction"]), list):
+            return _prompt_completion_messages(row, m)
         instruction = _text(row.get(m["instruction"]), f"column '{m['instruction']}'").strip()
         extra = _text(row.get(m["input"]), f"column '{m['input']}'").strip() if "input" in m else ""
         output = _text(row.get(m["output"]), f"column '{m['output']}'").strip()
@@ -254,11 +256,19 @@ def row_to_messages(row: dict, spec: FormatSpec) -> list[dict] | str:
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
         messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
         return messages
-    raw = row.get(m["messages"])
+    messages = _messages(row.get(m["messages"]), m["messages"])
+    if not any(msg["role"] == "assistant" for msg in messages):
+        raise ValueError("the conversation has no assistant message to train on")
+    return messages
+
+
+def _messages(raw, column: str, first: int = 0) -> list[dict]:
+    """A column's list of messages (OpenAI's role/content or ShareGPT's from/value), normalized;
+    `first`: the number of the first message in reasons (after a prompt's, for a completion)."""
     if not isinstance(raw, list) or not raw:
-        raise ValueError(f"column '{m['messages']}' is not a non-empty list of messages")
+        raise ValueError(f"column '{column}' is not a non-empty list of messages")
     messages = []
-    for i, msg in enumerate(raw):
+    for i, msg in enumerate(raw, start=first):
         if not isinstance(msg, dict):
             raise ValueError(f"message {i} is not an object")
         role = msg.get("role", msg.get("from"))
@@ -268,6 +278,23 @@ def row_to_messages(row: dict, spec: FormatSpec) -> list[dict] | str:
         message = {"role": ROLE_NAMES[role], "content": _text(content, f"message {i} content")}
         message.update(message_reasoning(msg, i, message))
         messages.append(message)
-    if not any(msg["role"] == "assistant" for msg in messages):
-        raise ValueError("the conversation has no assistant message to train on")
     return messages
+
+
+def _prompt_completion_messages(row: dict, m: dict) -> list[dict]:
+    """TRL's conversational prompt-completion rows: the prompt a list of messages, the completion a list
+    (or one answer's text), one conversation. Every assistant answer in it is trained, as in any
+    conversation: a prompt holding earlier answers trains those too (data.earlier_reasoning
+    final_turn_only trains the last answer only, as TRL's completion-only loss does)."""
+    prompt = _messages(row.get(m["instruction"]), m["instruction"])
+    completion = row.get(m["output"])
+    if isinstance(completion, list):
+        answer = _messages(completion, m["output"], first=len(prompt))
+    else:
+        text = _text(completion, f"column '{m['output']}'").strip()
+        if not text:
+            raise ValueError(f"column '{m['output']}' is empty")
+        answer = [{"role": "assistant", "content": text}]
+    if answer[-1]["role"] != "assistant":
+        raise ValueError(f"column '{m['output']}' does not end with an assistant message to train on")
+    return prompt + answer

@@ -67,6 +67,26 @@ def test_response_only_mask(tokenizer):
     assert all(tokenize_example(tokenizer, msgs, responses_only=False).trained)
 
 
+def test_trl_conversational_prompt_completion_rows(tmp_path, tokenizer):
+    """TRL's conversational prompt-completion format: the prompt a list of messages, the completion a list
+    of messages (or an answer's text). It was refused row by row ("column 'prompt' is list, not text")."""
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i} + 1?"}],
+            "completion": [{"role": "assistant", "content": f"Answer: {i + 1}"}] if i % 2 else f"Answer: {i + 1}",
+        }
+        for i in range(6)
+    ]
+    data = prepare_dataset(DataConfig(source=str(write_jsonl(tmp_path / "pc.jsonl", rows))), tokenizer)
+    assert data.spec.kind == "instruction" and data.summary()["examples"] == 6 and not data.skipped
+    for i, (ids, trained) in enumerate(zip(data.docs, data.trained)):
+        assert tokenizer.decode([t for t, on in zip(ids, trained) if on]).startswith(f"Answer: {i + 1}")
+    spec = detect_format(["prompt", "completion"])
+    bad = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "user", "content": "again"}]}
+    with pytest.raises(ValueError, match="column 'completion' does not end with an assistant message"):
+        row_to_messages(bad, spec)
+
+
 def test_malformed_jsonl_names_the_line(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "ok"}\n{"text": "broken"\n{"text": "fine"}\n')
