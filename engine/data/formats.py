@@ -155,7 +155,10 @@ def detect_format(
     kinds = [wanted] if wanted != "auto" else ["conversations", "instruction", "text"]
     for kind in kinds:
         if kind == "conversations" and found["messages"]:
-            return FormatSpec(kind, {"messages": found["messages"]})
+            spec = {"messages": found["messages"]}
+            if found["system"]:  # a system prompt in a column of its own (ShareGPT exports with "system")
+                spec["system"] = found["system"]
+            return FormatSpec(kind, spec)
         if kind == "instruction" and found["instruction"] and found["output"]:
             spec = {"instruction": found["instruction"], "output": found["output"]}
             for opt in ("input", "system"):
@@ -259,6 +262,9 @@ def row_to_messages(row: dict, spec: FormatSpec) -> list[dict] | str:
     messages = _messages(row.get(m["messages"]), m["messages"])
     if not any(msg["role"] == "assistant" for msg in messages):
         raise ValueError("the conversation has no assistant message to train on")
+    system = _text(row.get(m["system"]), f"column '{m['system']}'").strip() if "system" in m else ""
+    if system and messages[0]["role"] != "system":  # the conversation's own system message wins
+        messages.insert(0, {"role": "system", "content": system})
     return messages
 
 
@@ -275,6 +281,12 @@ def _messages(raw, column: str, first: int = 0) -> list[dict]:
         content = msg.get("content", msg.get("value"))
         if role not in ROLE_NAMES:
             raise ValueError(f"message {i} has unknown role {role!r}")
+        if msg.get("tool_calls") or msg.get("function_call"):
+            # Dropping the call would train the conversation around an empty answer; refused instead.
+            raise ValueError(
+                f"message {i} is a tool call ({'tool_calls' if msg.get('tool_calls') else 'function_call'}), "
+                "which training does not read yet"
+            )
         message = {"role": ROLE_NAMES[role], "content": _text(content, f"message {i} content")}
         message.update(message_reasoning(msg, i, message))
         messages.append(message)

@@ -87,6 +87,33 @@ def test_trl_conversational_prompt_completion_rows(tmp_path, tokenizer):
         row_to_messages(bad, spec)
 
 
+def test_a_system_column_beside_a_conversation_is_its_system_prompt():
+    """ShareGPT exports with a "system" column: it was dropped without a word."""
+    spec = detect_format(["conversations", "system"])
+    assert spec.mapping == {"messages": "conversations", "system": "system"}
+    row = {"system": "Be brief.", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    assert row_to_messages(row, spec)[0] == {"role": "system", "content": "Be brief."}
+    own = {"system": "Be brief.", "conversations": [{"from": "system", "value": "Be kind."}, *row["conversations"]]}
+    assert [m["content"] for m in row_to_messages(own, spec)] == ["Be kind.", "hi", "yo"]  # its own one wins
+
+
+def test_a_tool_call_is_refused_not_dropped():
+    """An assistant message that calls a tool (OpenAI's tool_calls) has no content: dropping the call
+    trained the conversation around an empty answer. The row is refused with its message's number."""
+    spec = detect_format(["messages"])
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    row = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "sunny"},
+            {"role": "assistant", "content": "It is sunny."},
+        ]
+    }
+    with pytest.raises(ValueError, match=r"message 1 is a tool call \(tool_calls\), which training does not read yet"):
+        row_to_messages(row, spec)
+
+
 def test_malformed_jsonl_names_the_line(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "ok"}\n{"text": "broken"\n{"text": "fine"}\n')
