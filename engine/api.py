@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 # -- the process: the CUDA allocator's setting, made by entry points (engine.allocator) -------
+from engine import __version__ as VERSION
 from engine.allocator import prefer_expandable_segments
 
 # -- chat --------------------------------------------------------------------------------------
@@ -216,6 +217,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "VERSION",
     # config
     "AUTO",
     "ConfigError",

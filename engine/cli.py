@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from engine import __version__
 from engine.api import (
     DEMO_PRESET,
     EXPORTERS,
+    VERSION,
     CheckpointSaved,
     ConfigError,
     ExportError,
@@ -252,7 +252,7 @@ def build_parser(more_commands: Sequence[tuple[str, str]] = (), description: str
     p = argparse.ArgumentParser(
         prog="tunesmith", description=description or "Fast LoRA / QLoRA fine-tuning (headless commands)."
     )
-    p.add_argument("--version", action="version", version=f"tunesmith {__version__}")
+    p.add_argument("--version", action="version", version=f"tunesmith {VERSION}")
     sub = p.add_subparsers(dest="command")
     t = sub.add_parser("train", help="train from a YAML run config")
     t.add_argument("config", help="run config (YAML), e.g. resources/presets/demo.yaml")
