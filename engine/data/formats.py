@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ ALIASES = {
     "output": ["output", "response", "answer", "completion"],
     "system": ["system", "system_prompt"],
     "text": ["text", "content"],
+    "tools": ["tools"],
 }
 ROLE_NAMES = {
     "human": "user",
@@ -37,7 +39,12 @@ ROLE_NAMES = {
 # Fields a message may carry its reasoning in, apart from its content: OpenAI-style
 # `reasoning_content`, Hugging Face's `reasoning` / `thinking` (the first one set is read).
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
-KNOWN_KEYS = {"instruction", "input", "output", "system", "messages", "text"}
+KNOWN_KEYS = {"instruction", "input", "output", "system", "messages", "text", "tools"}
+# A row's tool definitions (its "tools" column: JSON schemas, as OpenAI's fine-tuning format and
+# transformers' apply_chat_template(tools=...) take them) ride on each of its messages under this key,
+# so they survive the slicing and folding a render does; engine.data.render gives them to the
+# template as its `tools`, never as a message field.
+TOOLS_FIELD = "_tools"
 
 
 @dataclass
@@ -156,8 +163,9 @@ def detect_format(
     for kind in kinds:
         if kind == "conversations" and found["messages"]:
             spec = {"messages": found["messages"]}
-            if found["system"]:  # a system prompt in a column of its own (ShareGPT exports with "system")
-                spec["system"] = found["system"]
+            for opt in ("system", "tools"):  # a system prompt, or the tools, in a column of their own
+                if found[opt]:
+                    spec[opt] = found[opt]
             return FormatSpec(kind, spec)
         if kind == "instruction" and found["instruction"] and found["output"]:
             spec = {"instruction": found["instruction"], "output": found["output"]}
@@ -265,7 +273,52 @@ def row_to_messages(row: dict, spec: FormatSpec) -> list[dict] | str:
     system = _text(row.get(m["system"]), f"column '{m['system']}'").strip() if "system" in m else ""
     if system and messages[0]["role"] != "system":  # the conversation's own system message wins
         messages.insert(0, {"role": "system", "content": system})
+    tools = _tools(row.get(m["tools"]), m["tools"]) if "tools" in m else None
+    if tools:
+        for msg in messages:
+            msg[TOOLS_FIELD] = tools
     return messages
+
+
+def _tools(value, column: str) -> list | None:
+    """A row's tool definitions: a list of JSON schemas, or its JSON text (OpenAI's format and most
+    function-calling sets store them as a string)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"column '{column}' is not JSON ({exc.msg} at character {exc.pos})") from exc
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ValueError(f"column '{column}' is not a list of tool definitions (JSON objects)")
+    return value or None
+
+
+def _tool_calls(msg: dict, i: int) -> list[dict]:
+    """An assistant message's tool calls as chat templates read them (OpenAI's form: each
+    {"type": "function", "function": {"name", "arguments"}}, its "id" kept), from OpenAI's tool_calls,
+    the flat {"name", "arguments"} form, or the legacy function_call. Arguments given as JSON text are
+    parsed: templates write them with `tojson`, which would quote the text once more."""
+    calls = msg.get("tool_calls") or ([msg["function_call"]] if msg.get("function_call") else [])
+    if not isinstance(calls, list):
+        raise ValueError(f"message {i}'s tool_calls is not a list")
+    out = []
+    for call in calls:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"message {i} has a tool call without a function name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass  # not JSON: the template writes the text as it is
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
 
 
 def _messages(raw, column: str, first: int = 0) -> list[dict]:
@@ -281,14 +334,12 @@ def _messages(raw, column: str, first: int = 0) -> list[dict]:
         content = msg.get("content", msg.get("value"))
         if role not in ROLE_NAMES:
             raise ValueError(f"message {i} has unknown role {role!r}")
-        if msg.get("tool_calls") or msg.get("function_call"):
-            # Dropping the call would train the conversation around an empty answer; refused instead.
-            raise ValueError(
-                f"message {i} is a tool call ({'tool_calls' if msg.get('tool_calls') else 'function_call'}), "
-                "which training does not read yet"
-            )
         message = {"role": ROLE_NAMES[role], "content": _text(content, f"message {i} content")}
         message.update(message_reasoning(msg, i, message))
+        if message["role"] == "assistant" and (msg.get("tool_calls") or msg.get("function_call")):
+            message["tool_calls"] = _tool_calls(msg, i)
+        elif message["role"] == "tool":  # which call a result answers, where the data says
+            message.update({k: msg[k] for k in ("name", "tool_call_id") if isinstance(msg.get(k), str)})
         messages.append(message)
     return messages
 

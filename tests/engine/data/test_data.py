@@ -97,21 +97,44 @@ def test_a_system_column_beside_a_conversation_is_its_system_prompt():
     assert [m["content"] for m in row_to_messages(own, spec)] == ["Be kind.", "hi", "yo"]  # its own one wins
 
 
-def test_a_tool_call_is_refused_not_dropped():
-    """An assistant message that calls a tool (OpenAI's tool_calls) has no content: dropping the call
-    trained the conversation around an empty answer. The row is refused with its message's number."""
-    spec = detect_format(["messages"])
-    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+def test_tool_calls_and_tools_are_kept_for_the_template(tokenizer):
+    """OpenAI's fine-tuning rows: an assistant message that calls a tool (tool_calls, no content), the
+    tool's result, and the tool definitions in a "tools" column (JSON text). The call was dropped,
+    training the conversation around an empty answer. Now the call reaches the template, its arguments
+    parsed from JSON text (templates write them with tojson); a template with no place for calls (the
+    demo's ChatML) refuses the row in one sentence rather than train it without the call."""
+    from engine.data.formats import TOOLS_FIELD
+    from engine.data.render import RowError
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "call1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     row = {
         "messages": [
             {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "call1", "name": "get_weather", "content": "sunny"},
             {"role": "assistant", "content": "It is sunny."},
-        ]
+        ],
+        "tools": json.dumps(tools),
     }
-    with pytest.raises(ValueError, match=r"message 1 is a tool call \(tool_calls\), which training does not read yet"):
-        row_to_messages(row, spec)
+    spec = detect_format(["messages", "tools"])
+    assert spec.mapping == {"messages": "messages", "tools": "tools"}
+    messages = row_to_messages(row, spec)
+    assert messages[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "call1"}
+    ]
+    assert (
+        messages[1]["content"] == "" and messages[2]["tool_call_id"] == "call1" and messages[2]["name"] == "get_weather"
+    )
+    assert all(m[TOOLS_FIELD] == tools for m in messages)
+    with pytest.raises(RowError, match=r"this chat template does not write tool calls \(the call to get_weather"):
+        tokenize_example(tokenizer, messages)
+    legacy = {"role": "assistant", "content": "", "function_call": {"name": "get_weather", "arguments": "{}"}}
+    assert row_to_messages({"messages": [row["messages"][0], legacy]}, detect_format(["messages"]))[1][
+        "tool_calls"
+    ] == [{"type": "function", "function": {"name": "get_weather", "arguments": {}}}]
+    with pytest.raises(ValueError, match="column 'tools' is not JSON"):
+        row_to_messages({**row, "tools": "[{"}, spec)
 
 
 def test_malformed_jsonl_names_the_line(tmp_path):
