@@ -6,7 +6,9 @@ thirteenth session). This test found why (fourteenth session): each run left 64 
 allocated (128, 192, 256 MiB after three runs), the cuBLAS workspace of the new CUDA stream each
 run made for its graphs. Side streams are now the process's (engine.fastpath.streams).
 The first run is a warm-up (the workspaces of the process's streams stay, once, by design); the
-second and third must each end where the first ended.
+second and third must each end where the first ended. The allocation history that names what is left
+is taken only after a failure: recorded from the start, its Python stacks broke the run with offload
+off (sixteenth session, H100).
 """
 
 from __future__ import annotations
@@ -68,6 +70,23 @@ def _where(block: dict) -> str:
     )
 
 
+def _blocks_one_more_run_leaves(cfg) -> list[str]:
+    """The blocks one more run leaves allocated, each with the frames that allocated it: taken only once
+    the test has failed, because recording Python stacks can itself break a run (on the H100, torch
+    2.11: a SystemError inside torch.utils.checkpoint's recompute of an autograd Function)."""
+    held = set(_live_blocks())
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
+    try:
+        train(cfg)
+        _allocated_after_release()
+        new = [b for a, b in _live_blocks().items() if a not in held]
+    except Exception as exc:  # the history's own failure: the sizes are still worth naming
+        return [f"(no allocation history: {type(exc).__name__}: {str(exc).splitlines()[0][:120]})"]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return [_where(b) for b in sorted(new, key=lambda b: -b["size"])[:8]]
+
+
 @pytest.mark.parametrize("offload", ["off", "double"])
 def test_runs_in_one_process_leave_no_device_memory_behind(tmp_path, offload):
     folder = random_model_folder(tmp_path / "qwen3-small", "qwen3", **SHAPE)
@@ -77,24 +96,18 @@ def test_runs_in_one_process_leave_no_device_memory_behind(tmp_path, offload):
     cfg = make_config(
         str(folder), data, tmp_path / "runs", steps=4, seq=2048, rows=1, gradient_checkpointing=True, offload=offload
     )
-    # Allocation history, so that a failure names what allocated the blocks left behind.
-    torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
-    try:
-        before = _allocated_after_release()
-        left, after_first = [], {}
-        for run in range(3):
-            curve = train(cfg)
-            assert len(curve.losses) == 4
-            del curve
-            left.append(_allocated_after_release() - before)
-            if run == 0:
-                after_first = _live_blocks()
-        new = [b for a, b in _live_blocks().items() if a not in after_first]
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+    before = _allocated_after_release()
+    left = []
+    for _ in range(3):
+        curve = train(cfg)
+        assert len(curve.losses) == 4
+        del curve
+        left.append(_allocated_after_release() - before)
     grown = [b - left[0] for b in left[1:]]
-    assert all(g <= SLACK for g in grown), (
+    if all(g <= SLACK for g in grown):
+        return
+    raise AssertionError(
         f"device memory left after each run (MiB): {[round(x / 2**20, 1) for x in left]}; "
-        f"growth after the first: {[round(g / 2**20, 1) for g in grown]}; blocks allocated since the first run "
-        f"and still held: {[_where(b) for b in sorted(new, key=lambda b: -b['size'])[:8]]}"
+        f"growth after the first: {[round(g / 2**20, 1) for g in grown]}; blocks one more run left allocated: "
+        f"{_blocks_one_more_run_leaves(cfg)}"
     )
