@@ -96,6 +96,8 @@ def _messages(value, what: str, role: str) -> list[dict]:
             raise ValueError(f"{what}: message {i} is not an object")
         r = msg.get("role", msg.get("from"))
         content = msg.get("content", msg.get("value"))
+        if msg.get("tool_calls") or msg.get("function_call"):  # dropped, the pair would compare other answers
+            raise ValueError(f"{what}: message {i} calls a tool, which preference pairs do not take (SFT rows do)")
         if r not in ROLE_NAMES or not isinstance(content, str):
             raise ValueError(f"{what}: message {i} has role {r!r} and content of type {type(content).__name__}")
         message = {"role": ROLE_NAMES[r], "content": content}

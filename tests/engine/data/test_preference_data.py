@@ -81,12 +81,20 @@ def test_bad_pairs_are_skipped_with_their_row_and_reason(tmp_path, tok):
         {"prompt": "Q3", "chosen": "yes", "rejected": 5},
         {"prompt": "Q4", "chosen": "Answer: A " * 80, "rejected": "Answer: B " * 80},
         {"prompt": "Q5", "chosen": "good", "rejected": "bad"},
+        {
+            "prompt": "Q6",
+            "chosen": [
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+            ],
+            "rejected": "no",
+        },
     ]
     data = prepare_preference_data(_file(tmp_path, rows), tok, "paired")
     reasons = dict(data.skipped)
     assert "the same answer" in reasons[0]
     assert "empty" in reasons[1]
     assert "neither text nor" in reasons[2]
+    assert "message 0 calls a tool, which preference pairs do not take" in reasons[5]  # not dropped from the pair
     assert len(data.examples) == 2 and data.truncated == 1  # row 3 cut to fit a row with its twin
     assert data.row_ids == [3, 4] and len(data.docs[0]) <= 128  # both sides of row 3 share one row
 
