@@ -298,9 +298,15 @@ def load_raw(cfg: DataConfig):
             try:
                 ds = datasets.load_dataset(source, cfg.subset or None, split=cfg.split)
             except Exception as exc:  # the Hub raises many types; all mean "cannot get it"
+                words = _load_words(exc, cfg)
+                # Unless the reason names a subset or split to pick, the id or the connection is wrong.
+                advice = (
+                    ""
+                    if words.endswith(("(data.subset)", "(data.split)", "Subset box)"))
+                    else (". Check the id and the connection, or pick a local file")
+                )
                 raise DataError(
-                    f"cannot load the data set '{source}'{_which(cfg)} from the Hugging Face Hub: "
-                    f"{_load_words(exc, cfg)}. Check the id and the connection, or pick a local file"
+                    f"cannot load the data set '{source}'{_which(cfg)} from the Hugging Face Hub: {words}{advice}"
                 ) from exc
         elif builder == FOLDER:
             ds = _load_folder(Path(source), cfg)
