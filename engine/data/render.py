@@ -56,6 +56,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _GAP = re.compile(r"[ \t\r\n]{0,2}")
 # A user turn put after a conversation whose last answer the template leaves open (_close_last_answers).
 _PROBE = {"role": "user", "content": "?"}
+_TOOL_PROBE = {"role": "tool", "content": "?"}
 # The tag right before a reasoning text a template renders in its own way (GLM's "<think>...</think>").
 _THINK_OPEN = re.compile(r"<(?!/)[^<>\s]*think[^<>\s]*>\s*$")
 _THINK_OPEN_AT = re.compile(r"<(?!/)[^<>\s]*think[^<>\s]*>")
@@ -603,7 +604,10 @@ def _close_last_answers(tokenizer, rendered: list[list], specials: list[str], th
     if not open_:
         return
     eos = getattr(tokenizer, "eos_token", None)
-    probes = _render_all(tokenizer, [r[4] + [_PROBE] for r in open_], False, thinking)
+    # After a tool call the next turn is the tool's result (GLM opens it with <|observation|>, not <|user|>).
+    probes = _render_all(
+        tokenizer, [r[4] + [_TOOL_PROBE if r[4][-1].get("tool_calls") else _PROBE] for r in open_], False, thinking
+    )
     for r, got in zip(open_, probes):
         if isinstance(got, RowError):
             continue

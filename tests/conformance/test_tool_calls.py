@@ -83,3 +83,24 @@ def test_the_count_the_readme_gives():
 def test_a_template_without_tool_calls_refuses_the_row(family_tokenizer, name):
     with pytest.raises(RowError, match=r"this chat template does not write tool calls \(the call to get_weather"):
         tokenize_example(family_tokenizer(name), _messages())
+
+
+@pytest.mark.parametrize(
+    "name,end",
+    [
+        ("qwen3", "<|im_end|>"),
+        ("llama-3.1", "<|eot_id|>"),
+        ("gpt-oss", "<|call|>"),
+        ("mistral-tekken", "</s>"),
+        ("glm-4.6", "<|observation|>"),  # GLM's answers end with the next turn's opening: a call's is the tool's
+        ("glm-4.7", "<|observation|>"),
+    ],
+)
+def test_a_row_that_ends_with_its_call_trains_the_call_and_its_stop(family_tokenizer, name, end):
+    """Function-calling sets often end a row at the call (no result, no answer after it)."""
+    tok = family_tokenizer(name)
+    row = {"messages": ROW["messages"][:2], "tools": ROW["tools"]}
+    result = tokenize_example(tok, row_to_messages(row, detect_format(["messages", "tools"])))
+    trained = _trained_text(tok, result)
+    assert "get_weather" in trained and trained.rstrip().endswith(end), trained
+    assert "Weather in Paris?" not in trained
