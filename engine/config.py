@@ -182,6 +182,10 @@ class FastPathConfig:
     # two backward; needs kernels on. Families without such norms are not affected.
     qk_norm_rope: Union[bool, Literal["auto"]] = "auto"
     lora_autograd: Union[bool, Literal["auto"]] = "auto"  # fused LoRA MLP / QKV / O
+    # With the fused LoRA MLP: the frozen gate and up weights moved into one buffer, so the
+    # forward is one GEMM for both and the input gradient one GEMM (engine.fastpath.lora_group.
+    # stack_bases); same values, same memory. Dense (16-bit) bases only.
+    stacked_bases: Union[bool, Literal["auto"]] = "auto"
     fused_ce: Union[bool, Literal["auto"]] = "auto"  # fused linear cross-entropy
     packed_attention: Union[bool, Literal["auto"]] = "auto"  # varlen attention kernel
     cached_metadata: bool = True  # packing metadata built once per batch (False: per layer)

@@ -73,6 +73,7 @@ CALL_KEYS = (
     "lora_linears",
     "lora_mlp",
     "lora_cache_builds",
+    "stacked_gemm",
     "rmsnorm:triton",
     "rmsnorm:torch",
     "add_rmsnorm:triton",

@@ -101,6 +101,10 @@ HELP = {
         "kernel (needs the Triton kernels). Other families are not affected."
     ),
     "fast_paths.lora_autograd": "Fused LoRA MLP / QKV / O with a hand-written backward.",
+    "fast_paths.stacked_bases": (
+        "Keep the MLP's frozen gate and up weights side by side in memory, so each is multiplied in one "
+        "GEMM with the other (same values, same memory; 16-bit bases)."
+    ),
     "fast_paths.fused_ce": "Cross-entropy fused with the LM head, never materialising the full logits.",
     "fast_paths.packed_attention": "Variable-length attention over packed documents (no padding).",
     "fast_paths.cached_metadata": "Build packing metadata once per batch instead of once per layer.",
@@ -181,6 +185,7 @@ LABELS = {
     "fast_paths.add_rmsnorm": "fused residual add + norm",
     "fast_paths.qk_norm_rope": "fused q/k norm + RoPE",
     "fast_paths.lora_autograd": "fused LoRA layers",
+    "fast_paths.stacked_bases": "gate/up in one GEMM",
     "fast_paths.fused_ce": "fused loss (cross-entropy)",
     "fast_paths.packed_attention": "packed attention",
     "fast_paths.cached_metadata": "reuse packing metadata",

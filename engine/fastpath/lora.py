@@ -62,9 +62,15 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype) -
 
 
 def _group_forward(x, group: LoRAGroup, w):
-    """Outputs of projections sharing input x [N, in], and xa = x @ [A_1; A_2; ...]^T [N, R]."""
+    """Outputs of projections sharing input x [N, in], and xa = x @ [A_1; A_2; ...]^T [N, R].
+
+    With the bases stacked (lora_group.stack_bases) the outputs are column blocks of one [N, sum
+    of outs] tensor, made by one base GEMM."""
     a_all, bs, _ = w
     xa = None if a_all is None else torch.mm(x, a_all.t())
+    stacked = group.stacked_weight()
+    if stacked is not None and (all(B is not None for B in bs) or all(B is None for B in bs)):
+        return _stacked_forward(x, xa, group, bs, stacked), xa
     ys, col = [], 0
     for base, B, r in zip(group.bases, bs, group.ranks):
         if B is None:
@@ -73,6 +79,55 @@ def _group_forward(x, group: LoRAGroup, w):
         ys.append(lora_linear_out(x, xa[:, col : col + r], B, base, group.nf4))
         col += r
     return ys, xa
+
+
+def _stacked_forward(x, xa, group: LoRAGroup, bs, stacked: torch.Tensor) -> list[torch.Tensor]:
+    """_group_forward's outputs with one base GEMM over the stacked weight: each projection's
+    rank-r term (and bias) is written into its column block first, then the GEMM adds onto all."""
+    count("stacked_gemm")
+    y = torch.empty((x.shape[0], stacked.shape[0]), dtype=x.dtype, device=x.device)
+    ys = list(y.split([b.out_features for b in group.bases], 1))
+    biases = [None if b.bias is None else b.bias.to(x.dtype) for b in group.bases]
+    if bs[0] is None and all(b is None for b in biases):  # the base alone
+        torch.mm(x, stacked.t(), out=y)
+        return ys
+    col = 0
+    for yi, B, r, bias in zip(ys, bs, group.ranks, biases):
+        if B is not None:  # with a LoRA term every projection of the group has one
+            xa_i = xa[:, col : col + r]
+            if bias is None:
+                torch.mm(xa_i, B.t(), out=yi)
+            else:
+                torch.addmm(bias, xa_i, B.t(), out=yi)
+            col += r
+        elif bias is not None:
+            yi.copy_(bias.expand_as(yi))
+        else:
+            yi.zero_()
+    y.addmm_(x, stacked.t())
+    return ys
+
+
+def _side_by_side(dys, stacked: torch.Tensor) -> Optional[torch.Tensor]:
+    """The [N, sum of outs] tensor whose column blocks the gradients `dys` are, in order, when they
+    are (the gated activation's backward writes d_gate and d_up over gate and up); else None."""
+    total = stacked.shape[0]
+    d0 = dys[0]
+    if d0 is None or d0.dim() != 2 or d0.stride() != (total, 1):
+        return None
+    storage, ptr, col = d0.untyped_storage().data_ptr(), d0.data_ptr(), 0
+    for dy in dys:
+        if (
+            dy is None
+            or dy.dtype != d0.dtype
+            or dy.stride() != (total, 1)
+            or dy.shape[0] != d0.shape[0]
+            or dy.data_ptr() != ptr + col * dy.element_size()
+            or dy.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        col += dy.shape[1]
+    return d0.as_strided((d0.shape[0], total), (total, 1)) if col == total else None
 
 
 def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab: Sequence[bool], dx_out=None):
@@ -94,7 +149,13 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
     g = None
     if g_parts:
         g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts, 1)
-    if need_dx:
+    stacked = group.stacked_weight() if need_dx else None
+    dy_all = None if stacked is None else _side_by_side(dys, stacked)
+    if dy_all is not None:  # one base GEMM over the stacked weight
+        count("stacked_gemm")
+        dx = None if g is None else torch.mm(g, a_all, out=dx_out)
+        dx = torch.mm(dy_all, stacked, out=dx_out) if dx is None else dx.addmm_(dy_all, stacked)
+    elif need_dx:
         # The rank-R term first; every base GEMM then adds onto dx (see lora_linear_out).
         dx = None if g is None else torch.mm(g, a_all, out=dx_out)
         for dy, base in zip(dys, group.bases):

@@ -330,7 +330,7 @@ class LoRAGroup:
     with its forward.
     """
 
-    __slots__ = ("parts", "bases", "scales", "ranks", "nf4", "_lora", "_owner", "_key", "_value")
+    __slots__ = ("parts", "bases", "scales", "ranks", "nf4", "_lora", "_owner", "_key", "_value", "_stack")
 
     def __init__(self, parts: Sequence[LoRAParts], nf4: str = "auto"):
         self.parts = tuple(parts)
@@ -347,6 +347,7 @@ class LoRAGroup:
         self._owner = next((p.layer for p in self.parts if p.adapter is not None), None)
         self._key = None
         self._value = None
+        self._stack = (None, None)  # (the bases' data pointers, their stacked weight or None)
 
     def ab(self) -> list[Optional[torch.Tensor]]:
         """[A_1, B_1, A_2, B_2, ...] (the trainable inputs of the Functions), None without LoRA."""
@@ -360,6 +361,20 @@ class LoRAGroup:
 
     def runtime_ok(self, x: torch.Tensor) -> bool:
         return runtime_ok(self.parts, x)
+
+    def stacked_weight(self) -> Optional[torch.Tensor]:
+        """[W_1; W_2; ...] as one [sum of outs, in] tensor when `stack_bases` left the bases'
+        weights back to back in one buffer (and nothing has moved them since), else None.
+
+        Checked per call on the weights' data pointers: a model moved or cast after patching gets
+        new, separate weights, and the group then multiplies them one by one as before.
+        """
+        if len(self.bases) < 2:
+            return None
+        ptrs = tuple(b.weight.data_ptr() for b in self.bases)
+        if ptrs != self._stack[0]:
+            self._stack = (ptrs, _stacked_view(self.bases))
+        return self._stack[1]
 
     def weights(self, ab: Sequence[Optional[torch.Tensor]], dtype: torch.dtype):
         """(A_all [R, in], (s_1 B_1, s_2 B_2, ...)) in `dtype`, built once per weight update.
@@ -430,6 +445,67 @@ def _build_weights(ab, scales, dtype):
             else:
                 bs.append(torch.mul(B, s).to(dtype))
     return a_all, tuple(bs), tuple(t for t in ab if t is not None)
+
+
+# -- frozen bases that share an input, stored back to back -------------------------------------
+
+# Projections that read the same input (gate and up; q, k and v) are separate GEMMs in the stock
+# model, each with its own weight. With the weights in one buffer, [W_gate; W_up] is one operand:
+# the forward is one GEMM with twice the columns, and the input gradient dy_gate W_gate + dy_up
+# W_up is one GEMM with twice the depth when the two gradients lie side by side (the gated
+# activation's backward writes them over gate and up, which lie side by side in the forward's
+# one output). Fewer, larger GEMMs run closer to the card's rate, and dx is written once.
+
+
+def _stackable(layers: Sequence[nn.Module]) -> bool:
+    if len(layers) < 2 or any(type(m) is not nn.Linear for m in layers):
+        return False  # dense bases only: a 4-bit base is its own packed format
+    w0 = layers[0].weight
+    return all(
+        m.weight.dtype == w0.dtype
+        and m.weight.device == w0.device
+        and m.in_features == layers[0].in_features
+        and not m.weight.requires_grad
+        for m in layers
+    )
+
+
+def stack_bases(layers: Sequence[nn.Module]) -> bool:
+    """Move the frozen weights of `layers` (dense nn.Linear bases sharing an input) into one
+    buffer, each layer's weight becoming a view of its rows; True when done (or already so).
+
+    The parameters stay the same objects holding the same values, so the model, its state dict
+    and PEFT see no change; the memory is the same once the old weights are freed (one layer's
+    at a time is held twice while it is copied). `LoRAGroup.stacked_weight` finds the buffer.
+    """
+    if not _stackable(layers):
+        return False
+    if _stacked_view(layers) is not None:
+        return True
+    with torch.no_grad():
+        stacked = torch.cat([m.weight.detach() for m in layers], 0)
+        row = 0
+        for m in layers:
+            rows = m.weight.shape[0]
+            m.weight.data = stacked[row : row + rows]
+            row += rows
+    return True
+
+
+def _stacked_view(layers: Sequence[nn.Module]) -> Optional[torch.Tensor]:
+    """The [sum of outs, in] tensor that the layers' weights are consecutive rows of, else None."""
+    if not _stackable(layers):
+        return None
+    ws = [m.weight for m in layers]
+    w0 = ws[0]
+    storage = w0.untyped_storage().data_ptr()
+    end = w0.data_ptr()
+    for w in ws:
+        if not w.is_contiguous() or w.data_ptr() != end or w.untyped_storage().data_ptr() != storage:
+            return None
+        end += w.numel() * w.element_size()
+    rows = sum(w.shape[0] for w in ws)
+    return w0.detach().as_strided((rows, w0.shape[1]), (w0.shape[1], 1))
 
 
 def as_group(parts) -> LoRAGroup:

@@ -56,7 +56,7 @@ from torch import nn
 from engine.counters import count_fallback
 from engine.fastpath import patching, recompute
 from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp, lora_mlp_unread, mlp_can_skip_output
-from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason
+from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason, stack_bases
 from engine.fastpath.tiled_mlp import KIND as TILED_KIND
 from engine.kernels.rope import rope_reference
 from engine.models.arch import arch_for
@@ -573,6 +573,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
     # NF4 bases: decoded inside the matmul (engine.kernels.nf4_matmul) only when asked for; auto
     # keeps dequantize + cuBLAS, 3.5-18x faster per product on the H200 (docs/gpu-test-log.md).
     nf4 = "auto" if getattr(fast, "nf4_matmul", "auto") is True else "off"
+    stack_off = _switch(getattr(fast, "stacked_bases", "auto"), "stacked_bases", device)
     k = _Kernels.load(kernel_impl) if kernels_off is None else _Kernels(kernel_impl)
     kernel_off = {
         "rmsnorm": kernels_off or (k.missing.get("rmsnorm") if k.rms_norm is None else None),
@@ -637,6 +638,8 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     if fused
                     else None
                 )
+                if groups is not None and stack_off is None:
+                    stack_bases(groups[0].bases)
                 _install(module, _mlp_forward, _MLPPlan(module.forward, act, groups, act_reason is None))
 
         elif cls == attn_cls:
