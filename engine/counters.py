@@ -39,6 +39,9 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
   q/k/v and o, LoRAMLP for the gated MLP); ``lora_cache_builds``: their groups' adapter weights
   cast, stacked and scaled anew (engine.fastpath.lora_group.LoRAGroup.weights: once per group and
   weight update is ideal; a bookkeeping count like metadata_builds, not a fast path).
+- ``stacked_gemm``: base GEMMs over stacked frozen weights (gate and up as one operand,
+  engine.fastpath.lora_group.stack_bases): the fused MLP's forward where its input is narrow
+  enough for one GEMM to pay, and the input gradient over the side-by-side d_gate/d_up.
 - ``<op>:triton`` / ``<op>:torch`` for op in rmsnorm, rope, activations, fused_ce, token_logp: forward
   computations of each kernel op by the path that ran (the Triton kernel or its torch
   reference; on a CPU the reference is the engine's path); ``add_rmsnorm:<path>``: those of the

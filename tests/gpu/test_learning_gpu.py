@@ -307,11 +307,13 @@ KERNELS = ("rmsnorm:triton", "rope:triton", "activations:triton")
 CE, ATTN = ("fused_ce:triton",), ("attention:varlen_triton",)
 ALL = FUSED + KERNELS + CE + ATTN
 QK = ("qk_norm_rope:triton",)  # per-head q/k norms fused with RoPE (Qwen3, EXAONE-4, Gemma-3)
+STACK = ("stacked_gemm",)  # gate and up as one base GEMM (fast_paths.stacked_bases)
 
 # (arch, fast-path overrides, training overrides, fast paths that must have run every step)
 CASES = [
-    ("qwen3", {}, {}, ALL + QK),  # the defaults a GPU run gets
+    ("qwen3", {}, {}, ALL + QK + STACK),  # the defaults a GPU run gets
     ("qwen3", {"qk_norm_rope": False}, {}, ALL),
+    ("qwen3", {"stacked_bases": False}, {}, ALL + QK),
     ("qwen3", {}, {"optimizer": "adamw_fused"}, ALL),
     ("qwen3", {}, {"optimizer": "adamw"}, ALL),
     ("qwen3", {"kernels": False}, {}, FUSED + CE + ATTN),
@@ -323,9 +325,9 @@ CASES = [
     # the offload variants on top.
     ("qwen3", {}, {"gradient_checkpointing": True, "offload": "off"}, ALL),
     ("qwen3", {}, {"gradient_checkpointing": True, "offload": "single"}, ALL),
-    ("qwen3", {}, {"gradient_checkpointing": True, "offload": "double"}, ALL + QK),
+    ("qwen3", {}, {"gradient_checkpointing": True, "offload": "double"}, ALL + QK + STACK),
     ("qwen3", {}, {"grad_accum": 2, "rows_per_micro_batch": 1}, ALL),
-    ("llama", {}, {}, ALL),
+    ("llama", {}, {}, ALL + STACK),
     ("llama", {}, {"gradient_checkpointing": True, "offload": "double"}, ALL),
     ("llama_untied", {"host_embeddings": True}, {}, ALL),
     # Llama-3.2's tied table on the host: the loss streams it (engine.fastpath.host_head).
