@@ -19,7 +19,7 @@ from engine import __version__ as VERSION
 from engine.allocator import prefer_expandable_segments
 
 # -- chat --------------------------------------------------------------------------------------
-from engine.chat import generate_reply, load_chat_model
+from engine.chat import ChatError, RunChat, generate_reply, load_chat_model, load_tools, template_uses_tools
 
 # -- config ------------------------------------------------------------------------------------
 from engine.config import (
@@ -344,6 +344,10 @@ __all__ = [
     # chat
     "load_chat_model",
     "generate_reply",
+    "RunChat",
+    "ChatError",
+    "load_tools",
+    "template_uses_tools",
     # resources
     "RESOURCES",
     "DEMO_MODEL_DIR",

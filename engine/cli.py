@@ -1,4 +1,4 @@
-"""The headless command line: `tunesmith train | export | hw | demo` (also `python -m engine`).
+"""The headless command line: `tunesmith train | export | chat | hw | demo` (also `python -m engine`).
 
 The window (`tunesmith` with no subcommand) lives in studio.cli, which hands every
 subcommand to `main` here, so the CLI and the GUI drive the same engine API: this module uses
@@ -19,6 +19,7 @@ from engine.api import (
     DEMO_PRESET,
     EXPORTERS,
     VERSION,
+    ChatError,
     CheckpointSaved,
     ConfigError,
     ExportError,
@@ -238,6 +239,64 @@ def cmd_export(args) -> int:
     return 0
 
 
+CHAT_HELP = "/reset starts the conversation over; /quit (or Ctrl-D) ends it"
+
+
+def cmd_chat(args) -> int:
+    """Talk to a run's result in the terminal: its base model with the run's adapter (or, with
+    --base, the base alone), through the model's chat template as training rendered it. One reply
+    with --prompt; otherwise a conversation read line by line from the terminal (or a pipe)."""
+    from engine.api import RunChat, load_tools, template_uses_tools
+
+    try:
+        tools = load_tools(args.tools) if args.tools else None
+        if args.max_new_tokens < 1:
+            raise ChatError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
+        chat = RunChat(args.run, device=args.device)
+    except ChatError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if tools and not template_uses_tools(chat.tokenizer):
+        print(f"warning: {chat.base_name}'s chat template has no tools; --tools is not in the prompt", file=sys.stderr)
+    which = "the base model alone (adapter off)" if args.base else f"adapter {chat.adapter_dir}"
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+
+    def reply(messages):
+        return chat.reply(
+            messages, args.max_new_tokens, use_adapter=not args.base, tools=tools, temperature=args.temperature
+        )
+
+    if args.prompt is not None:
+        print(reply(opening + [{"role": "user", "content": args.prompt}]))
+        return 0
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"{chat.base_name} + {which} on {chat.device}. {CHAT_HELP}.")
+    messages = list(opening)
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print()
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            break
+        if text == "/reset":
+            messages = list(opening)
+            print("(a new conversation)")
+            continue
+        messages.append({"role": "user", "content": text})
+        answer = reply(messages)
+        messages.append({"role": "assistant", "content": answer})
+        print(f"model> {answer}" if interactive else answer, flush=True)
+    return 0
+
+
 def cmd_hw(args) -> int:
     profile = detect()
     print(format_profile(profile, RunConfig.load(DEMO_PRESET)))
@@ -291,6 +350,20 @@ def build_parser(more_commands: Sequence[tuple[str, str]] = (), description: str
         help=f"push the {pushable[0]}{''.join(f' (else the {t})' for t in pushable[1:])} to the Hugging Face Hub",
     )
     e.set_defaults(func=cmd_export)
+    c = sub.add_parser("chat", help="talk to a run's result in the terminal (base model + the run's adapter)")
+    c.add_argument("run", help="run folder or checkpoint folder")
+    c.add_argument("--prompt", help="print the reply to this one message and exit (default: a conversation)")
+    c.add_argument("--system", help="a system prompt that opens the conversation")
+    c.add_argument(
+        "--tools",
+        metavar="TOOLS.json",
+        help="tool definitions the template writes into the prompt (a JSON list, as a training row's tools column)",
+    )
+    c.add_argument("--base", action="store_true", help="the base model alone, with the adapter switched off")
+    c.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (default %(default)s)")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 picks the likeliest token (default %(default)s)")
+    c.add_argument("--device", default="auto", help="auto (the GPU when there is one), cuda or cpu")
+    c.set_defaults(func=cmd_chat)
     h = sub.add_parser("hw", help="show the detected hardware and the defaults chosen for it")
     h.set_defaults(func=cmd_hw)
     for name, text in more_commands:

@@ -9,7 +9,11 @@ thread; it changes nothing the run trains with, so resuming stays exact.
 
 Loading a model and generating cannot be interrupted inside transformers: Cancel lets the call go
 (studio.tasks, interruptible=False), so the page is free at once, its answer is dropped, and the
-next Load or Generate does not wait for it."""
+next Load or Generate does not wait for it.
+
+Tools… offers the model tool definitions from a JSON file (the form a training row's `tools`
+column has): the chat template writes them into the prompt as training did, so a model fine-tuned
+on tool calls can be asked to make one. The paused run's probe answers without them."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
+    QFileDialog,
     QHBoxLayout,
     QLabel,
     QPlainTextEdit,
@@ -26,7 +31,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.api import list_runs
+from engine.api import ChatError, list_runs, load_tools, template_uses_tools
 from studio import chat_backend, tasks
 from studio.panels.common import Banner, caption, card, title
 from studio.tasks import run_task
@@ -67,6 +72,18 @@ class ChatPanel(QWidget):
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 4096)
         self.max_tokens.setValue(48)
+        self.tools = None  # tool definitions offered to the model (load_tools), None: none
+        self.tools_button = QPushButton("Tools…")
+        self.tools_button.setToolTip(
+            "Offer the model tool definitions from a JSON file (a list of OpenAI-style tools, as a data set's "
+            "tools column): its chat template writes them into the prompt, as in training"
+        )
+        self.tools_button.clicked.connect(self._pick_tools)
+        self.clear_tools_button = QPushButton("No tools")
+        self.clear_tools_button.clicked.connect(self.clear_tools)
+        self.clear_tools_button.hide()
+        self.tools_label = caption("")
+        self.tools_label.hide()
         self.with_base = QCheckBox("Compare with the base model")
         self.with_base.setChecked(True)
         self.send = QPushButton("Generate")
@@ -88,6 +105,8 @@ class ChatPanel(QWidget):
         ask.addWidget(QLabel("Max new tokens"))
         ask.addWidget(self.max_tokens)
         ask.addWidget(self.with_base)
+        ask.addWidget(self.tools_button)
+        ask.addWidget(self.clear_tools_button)
         ask.addStretch(1)
         ask.addWidget(self.cancel_button)
         ask.addWidget(self.send)
@@ -105,6 +124,7 @@ class ChatPanel(QWidget):
         lay.addWidget(self.loaded)
         lay.addWidget(self.prompt)
         lay.addLayout(ask)
+        lay.addWidget(self.tools_label)
         lay.addLayout(replies, 1)
         self._busy = False
         self.source.currentIndexChanged.connect(lambda _i: self._set_busy(self._busy))
@@ -146,6 +166,40 @@ class ChatPanel(QWidget):
         if self.model is None:
             self.loaded.setText("Nothing loaded.")
 
+    # -- tools offered to the model ----------------------------------------------------------
+    def _pick_tools(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Tool definitions", "", "JSON (*.json);;All files (*)")
+        if path:
+            self.set_tools_file(path)
+
+    def set_tools_file(self, path: str) -> bool:
+        """Offer the tools of `path` with every later prompt; a bad file is named in the banner and
+        the tools offered before stay."""
+        try:
+            tools = load_tools(path)
+        except ChatError as exc:
+            self.banner.show_message(f"Tools not loaded: {exc}", "error")
+            return False
+        self.banner.clear()
+        self.tools = tools
+        names = ", ".join(t["function"]["name"] for t in tools)
+        self.tools_label.setText(f"Tools offered to the model: {names} (from {path})")
+        self.tools_label.show()
+        self.clear_tools_button.show()
+        self._warn_unused_tools()
+        return True
+
+    def clear_tools(self) -> None:
+        self.tools = None
+        self.tools_label.hide()
+        self.clear_tools_button.hide()
+
+    def _warn_unused_tools(self) -> None:
+        if self.tools and self.model is not None and not template_uses_tools(self.model.tokenizer):
+            self.banner.show_message(
+                f"{self.model.base_name}'s chat template has no tools: they are not in the prompt.", "warning"
+            )
+
     def _set_busy(self, busy: bool, what: str = "") -> None:
         self._busy = busy
         self.cancel_button.setVisible(busy)
@@ -165,6 +219,7 @@ class ChatPanel(QWidget):
         def done(model):
             self.model, self._loaded_source = model, source
             self._set_busy(False, f"Loaded {model.base_name} + adapter {model.adapter_dir} on {model.device}.")
+            self._warn_unused_tools()
             if then_generate:
                 self.generate()
 
@@ -190,6 +245,7 @@ class ChatPanel(QWidget):
             prompt,
             self.max_tokens.value(),
             self.with_base.isChecked(),
+            self.tools,
             on_done=self._replied,
         )
 

@@ -104,3 +104,23 @@ def test_a_row_that_ends_with_its_call_trains_the_call_and_its_stop(family_token
     trained = _trained_text(tok, result)
     assert "get_weather" in trained and trained.rstrip().endswith(end), trained
     assert "Weather in Paris?" not in trained
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama-3.1", "mistral-tekken", "gpt-oss"])
+def test_a_chat_offers_the_tools_as_training_wrote_them(family_tokenizer, name, tmp_path):
+    """`tunesmith chat --tools` (engine.chat.chat_prompt): the definitions a tools file holds reach the
+    prompt the way a training row's tools column reached the trained text."""
+    from engine.chat import chat_prompt, load_tools, template_uses_tools
+
+    tok = family_tokenizer(name)
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(TOOLS))
+    tools = load_tools(path)
+    assert template_uses_tools(tok)
+    question = ROW["messages"][0]["content"]
+    prompt = chat_prompt(tok, question, tools=tools)
+    assert "get_weather" in prompt and "The weather of a city" in prompt
+    assert "get_weather" not in chat_prompt(tok, question)
+    row = {"messages": ROW["messages"][:2], "tools": ROW["tools"]}
+    trained_on = tokenize_example(tok, row_to_messages(row, detect_format(["messages", "tools"])))
+    assert trained_on.text.startswith(prompt[: prompt.index("get_weather")])
