@@ -12,30 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from bench.attention_micro import _time
 from bench.workloads import get_workload
 
 HERE = Path(__file__).resolve().parent
-
-
-def _time(fn, reps: int) -> float:
-    """Median milliseconds of fn() over reps, timed with CUDA events after three warm-ups."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _products(cfg: dict, tokens: int, dev) -> list[tuple[str, float, object]]:

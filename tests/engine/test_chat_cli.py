@@ -11,10 +11,7 @@ import sys
 import pytest
 
 from engine.chat import ChatError, RunChat, load_tools
-from engine.config import RunConfig
-from engine.events import Finished
-from engine.resources import DEMO_PRESET
-from engine.train.session import TrainingSession
+from tests.demo_runs import short_demo_run
 
 WEATHER = {
     "name": "get_weather",
@@ -32,17 +29,7 @@ def cli(*args, stdin=None, timeout=300):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A short demo run (2 steps): its folder holds config.yaml and the adapter."""
-    cfg = RunConfig.load(DEMO_PRESET)
-    cfg.data.max_examples = 40
-    cfg.data.max_seq_len = 128
-    cfg.training.max_steps = 2
-    cfg.training.save_every = 0
-    cfg.output.dir = str(tmp_path_factory.mktemp("runs"))
-    cfg.output.run_name = "chat"
-    session = TrainingSession(cfg, lambda e: None)
-    result = session.run()
-    assert isinstance(result, Finished), getattr(result, "message", result)
-    return session.run_dir
+    return short_demo_run(tmp_path_factory.mktemp("runs"), "chat")
 
 
 @pytest.mark.slow

@@ -8,32 +8,17 @@ import json
 
 import pytest
 
-from engine.config import RunConfig
-from engine.events import Finished
-from engine.resources import DEMO_PRESET
-from engine.train.session import TrainingSession
+from tests.demo_runs import short_demo_run
 
 pytestmark = pytest.mark.slow
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
-def _short_run(runs_dir):
-    cfg = RunConfig.load(DEMO_PRESET)
-    cfg.data.max_examples = 40
-    cfg.data.max_seq_len = 128
-    cfg.training.max_steps = 2
-    cfg.training.save_every = 0
-    cfg.output.dir = str(runs_dir)
-    cfg.output.run_name = "tools"
-    result = TrainingSession(cfg, lambda e: None).run()
-    assert isinstance(result, Finished), getattr(result, "message", result)
-
-
 def test_tools_are_offered_and_a_bad_file_is_named(window, qtbot, runs_dir, tmp_path):
     from studio.main_window import CHAT
 
-    _short_run(runs_dir)
+    short_demo_run(runs_dir, "tools")
     window.go_to(CHAT)
     chat = window.chat_panel
     chat.refresh()
