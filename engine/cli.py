@@ -267,7 +267,10 @@ def cmd_chat(args) -> int:
         )
 
     if args.prompt is not None:
-        print(reply(opening + [{"role": "user", "content": args.prompt}]))
+        try:
+            print(reply(opening + [{"role": "user", "content": args.prompt}]))
+        except KeyboardInterrupt:
+            return 130
         return 0
     interactive = sys.stdin.isatty()
     if interactive:
@@ -291,7 +294,12 @@ def cmd_chat(args) -> int:
             print("(a new conversation)")
             continue
         messages.append({"role": "user", "content": text})
-        answer = reply(messages)
+        try:
+            answer = reply(messages)
+        except KeyboardInterrupt:  # Ctrl-C stops this reply, not the conversation
+            messages.pop()
+            print("(stopped; the message is dropped)")
+            continue
         messages.append({"role": "assistant", "content": answer})
         print(f"model> {answer}" if interactive else answer, flush=True)
     return 0
