@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from engine.config import ModelConfig
 
@@ -22,7 +22,7 @@ class ChatError(ValueError):
 def load_chat_model(model_cfg: ModelConfig, adapter: str | Path | None = None, device: str = "cpu"):
     """(model, tokenizer) ready for generation; `adapter` is a run, checkpoint or adapter folder.
     `device` "auto" is the CUDA GPU when there is one, else the CPU."""
-    from engine.models.loading import load_model, load_tokenizer
+    from engine.models.loading import load_model, load_tokenizer, quiet_third_party
 
     if device == "auto":
         import torch
@@ -38,7 +38,8 @@ def load_chat_model(model_cfg: ModelConfig, adapter: str | Path | None = None, d
 
         from engine.export import find_adapter
 
-        model = PeftModel.from_pretrained(model, str(find_adapter(adapter)))
+        with quiet_third_party():  # PEFT's deprecation notices are not the user's to act on
+            model = PeftModel.from_pretrained(model, str(find_adapter(adapter)))
     model.eval()
     return model, tokenizer
 
@@ -73,8 +74,11 @@ def generate_reply(
     temperature: float = 0.0,
     thinking: bool | str | None = None,
     tools: Optional[list[dict]] = None,
+    on_text: Optional[Callable[[str], None]] = None,
 ) -> str:
-    """The assistant's reply to `prompt` (see `chat_prompt` for it, `thinking` and `tools`)."""
+    """The assistant's reply to `prompt` (see `chat_prompt` for it, `thinking` and `tools`).
+    `on_text`: called with each piece of the reply as it is decoded (a terminal shows it as it
+    comes); the pieces make the returned reply, less its surrounding whitespace."""
     import torch
 
     text = chat_prompt(tokenizer, prompt, thinking, tools)
@@ -90,8 +94,21 @@ def generate_reply(
             top_k=None,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
+            streamer=None if on_text is None else _streamer(tokenizer, on_text),
         )
     return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+def _streamer(tokenizer, on_text: Callable[[str], None]):
+    """A transformers TextStreamer that hands each decoded piece of the reply to `on_text`."""
+    from transformers import TextStreamer
+
+    class _ToCallback(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if text:
+                on_text(text)
+
+    return _ToCallback(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
 def template_uses_tools(tokenizer) -> bool:
@@ -166,9 +183,10 @@ class RunChat:
         use_adapter: bool = True,
         tools: Optional[list[dict]] = None,
         temperature: float = 0.0,
+        on_text: Optional[Callable[[str], None]] = None,
     ) -> str:
         with self._lock:
-            args = (self.model, self.tokenizer, prompt, max_new_tokens, temperature, self.thinking, tools)
+            args = (self.model, self.tokenizer, prompt, max_new_tokens, temperature, self.thinking, tools, on_text)
             if use_adapter:
                 return generate_reply(*args)
             with self.model.disable_adapter():  # PEFT: the same weights without the adapter

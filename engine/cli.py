@@ -261,9 +261,14 @@ def cmd_chat(args) -> int:
     which = "the base model alone (adapter off)" if args.base else f"adapter {chat.adapter_dir}"
     opening = [{"role": "system", "content": args.system}] if args.system else []
 
-    def reply(messages):
+    def reply(messages, on_text=None):
         return chat.reply(
-            messages, args.max_new_tokens, use_adapter=not args.base, tools=tools, temperature=args.temperature
+            messages,
+            args.max_new_tokens,
+            use_adapter=not args.base,
+            tools=tools,
+            temperature=args.temperature,
+            on_text=on_text,
         )
 
     if args.prompt is not None:
@@ -273,16 +278,16 @@ def cmd_chat(args) -> int:
             return 130
         return 0
     interactive = sys.stdin.isatty()
+    stream = interactive and sys.stdout.isatty()  # a terminal sees the reply as it is made
     if interactive:
         print(f"{chat.base_name} + {which} on {chat.device}. {CHAT_HELP}.")
     messages = list(opening)
     while True:
         try:
             line = input("you> " if interactive else "")
-        except EOFError:
-            break
-        except KeyboardInterrupt:
-            print()
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: the end
+            if interactive:
+                print()
             break
         text = line.strip()
         if not text:
@@ -295,13 +300,24 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": text})
         try:
-            answer = reply(messages)
+            if stream:
+                print("model> ", end="", flush=True)
+                shown = []
+
+                def show(piece, shown=shown):
+                    print(piece.lstrip() if not shown else piece, end="", flush=True)
+                    shown.append(piece)
+
+                answer = reply(messages, show)
+                print()
+            else:
+                answer = reply(messages)
+                print(f"model> {answer}" if interactive else answer, flush=True)
         except KeyboardInterrupt:  # Ctrl-C stops this reply, not the conversation
             messages.pop()
-            print("(stopped; the message is dropped)")
+            print("\n(stopped; the message is dropped)")
             continue
         messages.append({"role": "assistant", "content": answer})
-        print(f"model> {answer}" if interactive else answer, flush=True)
     return 0
 
 

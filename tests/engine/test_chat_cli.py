@@ -46,6 +46,15 @@ def test_one_prompt_prints_the_runs_reply_and_base_is_the_adapter_off(run_dir):
 
 
 @pytest.mark.slow
+def test_a_streamed_reply_is_the_reply(run_dir):
+    """What a terminal is shown as the reply is made adds up to the reply itself."""
+    chat = RunChat(run_dir, device="cpu")
+    pieces = []
+    reply = chat.reply("What is 3 + 4?", 16, on_text=pieces.append)
+    assert len(pieces) >= 1 and "".join(pieces).strip() == reply == chat.reply("What is 3 + 4?", 16)
+
+
+@pytest.mark.slow
 def test_a_conversation_from_a_pipe_keeps_its_history_until_reset(run_dir):
     """Each line is a user turn answered after the turns before it; /reset starts over, /quit ends."""
     chat = RunChat(run_dir, device="cpu")
