@@ -23,6 +23,7 @@ def load_chat_model(model_cfg: ModelConfig, adapter: str | Path | None = None, d
     """(model, tokenizer) ready for generation; `adapter` is a run, checkpoint or adapter folder.
     `device` "auto" is the CUDA GPU when there is one, else the CPU."""
     from engine.models.loading import load_model, load_tokenizer, quiet_third_party
+    from engine.models.lora import keep_lora_targets
 
     if device == "auto":
         import torch
@@ -38,7 +39,7 @@ def load_chat_model(model_cfg: ModelConfig, adapter: str | Path | None = None, d
 
         from engine.export import find_adapter
 
-        with quiet_third_party():  # PEFT's deprecation notices are not the user's to act on
+        with quiet_third_party(), keep_lora_targets():  # PEFT's notices are not the user's to act on
             model = PeftModel.from_pretrained(model, str(find_adapter(adapter)))
     model.eval()
     return model, tokenizer

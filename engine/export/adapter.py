@@ -43,11 +43,12 @@ def verify(folder: Path, source, ref, progress=None, **_options):
     base weights are shared) and compare it with the run's own adapter."""
     from engine.export import selfcheck
     from engine.models.loading import quiet_third_party
+    from engine.models.lora import keep_lora_targets
 
     ref.build()
     model = ref.model()
     try:
-        with quiet_third_party(), selfcheck.strict_adapter_load(folder):
+        with quiet_third_party(), keep_lora_targets(), selfcheck.strict_adapter_load(folder):
             model.load_adapter(str(folder), adapter_name="exported")
     except Exception as exc:  # PEFT raises many types for a bad adapter; all mean "does not load"
         if "exported" in getattr(model, "peft_config", {}):

@@ -27,6 +27,7 @@ def write(source, out: Path, progress=None, dtype: str = "auto", **_options) -> 
 
     from engine.export.selfcheck import trained_tokenizer
     from engine.models.loading import load_model, quiet_third_party
+    from engine.models.lora import keep_lora_targets
 
     cfg = source.config()
     if dtype == "auto":
@@ -38,7 +39,7 @@ def write(source, out: Path, progress=None, dtype: str = "auto", **_options) -> 
     if progress:
         progress(f"loading base model {model_cfg.name_or_path}")
     base = load_model(model_cfg, "cpu", "float32")  # merge in fp32 for accuracy, store in 16 bits
-    with quiet_third_party():
+    with quiet_third_party(), keep_lora_targets():
         model = PeftModel.from_pretrained(base, str(source.adapter))
     if progress:
         progress("merging the adapter")

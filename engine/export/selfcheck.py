@@ -363,9 +363,10 @@ class Reference:
             from peft import PeftModel
 
             from engine.models.loading import quiet_third_party
+            from engine.models.lora import keep_lora_targets
 
             self.say("self-check: loading the trained model (base + the run's adapter)")
-            with quiet_third_party(), strict_adapter_load(self.source.adapter):
+            with quiet_third_party(), keep_lora_targets(), strict_adapter_load(self.source.adapter):
                 self._model = PeftModel.from_pretrained(self.base(), str(self.source.adapter)).eval()
         return self._model
 

@@ -145,10 +145,23 @@ def quiet_third_party():
         with warnings.catch_warnings():
             for category in (FutureWarning, DeprecationWarning):
                 warnings.filterwarnings("ignore", category=category, module=_NOISY_MODULES)
+            ignore_peft_conversion_notice()
             yield
     finally:
         for undo in reversed(restore):
             undo()
+
+
+def ignore_peft_conversion_notice() -> None:
+    """Inside a warnings.catch_warnings() block: drop PEFT's "The following rank_pattern keys did not
+    match any targeted module and were ignored: ['.*\\.gate_up_proj']". PEFT adds those patterns
+    itself, for transformers 5's fused MoE experts (Ernie-4.5-MoE, AFMoE, Hunyuan-MoE, ...), which
+    LoRA leaves frozen here; the engine never sets a pattern, so the notice has nothing to tell a user."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"The following (rank|alpha)_pattern keys did not match any targeted module",
+        category=RuntimeWarning,
+    )
 
 
 def _import_peft_quietly() -> None:

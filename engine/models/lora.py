@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 from engine.config import LoraConfig
 
@@ -97,6 +99,8 @@ def attach_lora(model, cfg: LoraConfig):
     """Wrap `model` in a PeftModel with fresh LoRA adapters; only they require grad."""
     from peft import get_peft_model
 
+    from engine.models.loading import ignore_peft_conversion_notice
+
     try:
         with warnings.catch_warnings():
             # PEFT reads transformers' renamed `is_gradient_checkpointing` (transformers 5 warns from
@@ -104,10 +108,59 @@ def attach_lora(model, cfg: LoraConfig):
             warnings.filterwarnings(
                 "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
             )
-            return get_peft_model(model, peft_lora_config(cfg, model))
+            ignore_peft_conversion_notice()
+            with keep_lora_targets():
+                return get_peft_model(model, peft_lora_config(cfg, model))
     except ValueError as exc:
         # PEFT says "Target modules {...} not found in the base model" for bad names.
         raise ValueError(f"lora.target_modules: {exc}") from exc
+
+
+@contextmanager
+def keep_lora_targets() -> Iterator[None]:
+    """Within the block, PEFT puts LoRA on the modules an adapter's config names when the model has
+    modules of those names.
+
+    PEFT (0.19 and later, with transformers 5) rewrites the targets of a MoE family whose experts
+    transformers 5 fused (GLM-4.5, DeepSeek-V3, Qwen3-Next, ERNIE-4.5-MoE, Hunyuan-MoE, AFMoE, ...:
+    `peft.utils.transformers_weight_conversion`), so that adapters trained on transformers 4's
+    per-expert modules still load: every `gate_proj`, `up_proj` and `down_proj` target becomes the
+    fused experts' parameters. On these families those names are also the shared experts' and the
+    dense layers' MLPs, which is what "all-linear" trains here, so the rewrite trained the experts
+    instead and left the dense MLPs frozen, and a reload put the saved weights nowhere. A config
+    whose every target names a module the model has needs no rewrite; others (a transformers 4
+    adapter given as lora.init_adapter) still get it.
+    """
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except Exception:  # a PEFT or transformers without the rewrite
+        yield
+        return
+    original = getattr(conversion, "convert_peft_config_for_transformers", None)
+    if original is None:
+        yield
+        return
+
+    def convert_unless_named(peft_config, model, *args, **kwargs):
+        targets = getattr(peft_config, "target_modules", None)
+        if isinstance(targets, (list, set, tuple)) and targets and _all_named(model, targets):
+            return None
+        return original(peft_config, model, *args, **kwargs)
+
+    conversion.convert_peft_config_for_transformers = convert_unless_named
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
+
+
+def _all_named(model, targets) -> bool:
+    """Whether each target names (is, or ends a dotted path of) a module of `model`."""
+    suffixes = set()
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        suffixes.update(".".join(parts[-k:]) for k in range(1, len(parts) + 1))
+    return all(t in suffixes for t in targets)
 
 
 def lora_parameters(model):
