@@ -147,6 +147,8 @@ def keep_lora_targets() -> Iterator[None]:
             return None
         return original(peft_config, model, *args, **kwargs)
 
+    # Two threads (a run attaching, the Chat page loading) may overlap here: at worst one of them
+    # restores the other's wrapper, which is harmless, as every wrapper behaves alike.
     conversion.convert_peft_config_for_transformers = convert_unless_named
     try:
         yield
