@@ -13,14 +13,12 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.config import FastPathConfig
 from engine.counters import Counters
 from engine.fastpath import lora as lora_mod
 from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp
 from engine.fastpath.lora_group import LoRAGroup, lora_parts, stack_bases
-from engine.models.lora import attach_lora
 from engine.train.step import prepare_model
 from tests.engine.fastpath.test_lora_autograd import (
     HIDDEN,
@@ -31,6 +29,7 @@ from tests.engine.fastpath.test_lora_autograd import (
     qkv_stock,
     run,
 )
+from tests.tiny_models import tiny_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -173,35 +172,14 @@ def test_stacked_with_adapters_disabled_is_the_base():
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
-def _tiny_llama():
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
-
-
 def _prepared(stacked):
-    from engine.config import LoraConfig as EngineLora
-
-    model = attach_lora(_tiny_llama(), EngineLora(r=4, alpha=8, target_modules="all-linear"))
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.1)
-    fast = FastPathConfig(kernels=False, stacked_bases=stacked)
-    prepare_model(model, fast, "cpu", gradient_checkpointing=False)
+    model = tiny_model("llama", lora={}, lora_b_std=0.1)
+    prepare_model(model, FastPathConfig(kernels=False, stacked_bases=stacked), "cpu", gradient_checkpointing=False)
     return model
 
 
 def _loss_and_grads(model):
-    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
