@@ -9,7 +9,7 @@ import pytest
 from engine import __version__
 from studio.cli import OWN_COMMANDS, main
 
-HEADLESS = ("train", "demo", "export", "hw")
+HEADLESS = ("train", "demo", "export", "chat", "hw")
 
 
 def _exit(argv, capsys) -> tuple[int, str, str]:
