@@ -19,7 +19,15 @@ from engine import __version__ as VERSION
 from engine.allocator import prefer_expandable_segments
 
 # -- chat --------------------------------------------------------------------------------------
-from engine.chat import ChatError, RunChat, generate_reply, load_chat_model, load_tools, template_uses_tools
+from engine.chat import (
+    ChatError,
+    RunChat,
+    generate_reply,
+    load_chat_model,
+    load_tools,
+    template_uses_tools,
+    tool_name,
+)
 
 # -- config ------------------------------------------------------------------------------------
 from engine.config import (
@@ -348,6 +356,7 @@ __all__ = [
     "ChatError",
     "load_tools",
     "template_uses_tools",
+    "tool_name",
     # resources
     "RESOURCES",
     "DEMO_MODEL_DIR",

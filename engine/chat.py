@@ -123,8 +123,9 @@ def template_uses_tools(tokenizer) -> bool:
 def load_tools(path: str | Path) -> list[dict]:
     """Tool definitions from a JSON file: a list of OpenAI-style tools ({"type": "function",
     "function": {"name": ..., "parameters": {...}}}) or of bare functions ({"name": ..., ...}), or an
-    object with such a list under "tools" (a training row's `tools` column as it is). Bare functions
-    are wrapped as the chat templates expect. Raises ChatError naming the file and the entry."""
+    object with such a list under "tools" (a training row's `tools` column as it is). The entries are
+    kept as written, as training hands a row's tools to the template, so the prompt shows them as
+    the trained text did. Raises ChatError naming the file and the entry."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8-sig"))
@@ -138,12 +139,10 @@ def load_tools(path: str | Path) -> list[dict]:
         data = data["tools"]
     if not isinstance(data, list) or not data:
         raise ChatError(f'{path}: expected a JSON list of tool definitions (or {{"tools": [...]}})')
-    tools = []
     for i, tool in enumerate(data):
-        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
-        fn = fn if isinstance(fn, dict) else (tool if isinstance(tool, dict) and "function" not in tool else None)
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not name.strip():
+        fn = _function(tool)
+        name = tool_name(tool)
+        if name is None:
             raise ChatError(
                 f'{path}: tool {i + 1} has no function name (expected {{"type": "function", "function": '
                 f'{{"name": ..., "parameters": {{...}}}}}})'
@@ -151,8 +150,25 @@ def load_tools(path: str | Path) -> list[dict]:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise ChatError(f"{path}: tool {i + 1} ({name}): parameters must be a JSON object (a JSON schema)")
-        tools.append({"type": "function", "function": fn})
-    return tools
+    return data
+
+
+def _function(tool) -> Optional[dict]:
+    """The function a tool definition describes: {"type": "function", "function": {...}}'s inner
+    object, or the definition itself when it is a bare function ({"name": ..., ...})."""
+    if not isinstance(tool, dict):
+        return None
+    if "function" in tool:
+        fn = tool["function"] if tool.get("type", "function") == "function" else None
+        return fn if isinstance(fn, dict) else None
+    return tool
+
+
+def tool_name(tool) -> Optional[str]:
+    """The name of the function a tool definition describes, or None when it has none."""
+    fn = _function(tool)
+    name = fn.get("name") if fn is not None else None
+    return name if isinstance(name, str) and name.strip() else None
 
 
 class RunChat:

@@ -31,7 +31,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.api import ChatError, list_runs, load_tools, template_uses_tools
+from engine.api import ChatError, list_runs, load_tools, template_uses_tools, tool_name
 from studio import chat_backend, tasks
 from studio.panels.common import Banner, caption, card, title
 from studio.tasks import run_task
@@ -182,7 +182,7 @@ class ChatPanel(QWidget):
             return False
         self.banner.clear()
         self.tools = tools
-        names = ", ".join(t["function"]["name"] for t in tools)
+        names = ", ".join(tool_name(t) for t in tools)
         self.tools_label.setText(f"Tools offered to the model: {names} (from {path})")
         self.tools_label.show()
         self.clear_tools_button.show()

@@ -27,14 +27,14 @@ def test_tools_are_offered_and_a_bad_file_is_named(window, qtbot, runs_dir, tmp_
     good = tmp_path / "tools.json"
     good.write_text(json.dumps({"tools": [WEATHER]}))
     assert chat.set_tools_file(str(good))
-    assert chat.tools == [{"type": "function", "function": WEATHER}]
+    assert chat.tools == [WEATHER]
     assert "get_weather" in chat.tools_label.text() and chat.clear_tools_button.isVisible()
 
     bad = tmp_path / "broken.json"
     bad.write_text('[{"type": "function", "function": {"description": "no name"}}]')
     assert not chat.set_tools_file(str(bad))
     assert chat.banner.level == "error" and str(bad) in chat.banner.text() and "tool 1" in chat.banner.text()
-    assert chat.tools == [{"type": "function", "function": WEATHER}]  # the good ones stay
+    assert chat.tools == [WEATHER]  # the good ones stay
 
     chat.prompt.setPlainText("Weather in Paris?")
     chat.max_tokens.setValue(6)
