@@ -186,6 +186,11 @@ class FastPathConfig:
     # forward is one GEMM for both and the input gradient one GEMM (engine.fastpath.lora_group.
     # stack_bases); same values, same memory. Dense (16-bit) bases only.
     stacked_bases: Union[bool, Literal["auto"]] = "auto"
+    # With the fused LoRA layers: q/k/v's and gate/up's rank products folded into their base GEMMs,
+    # y = [x | xA^T][W | sB]^T, one GEMM per projection instead of two, from 1,024 rows of input
+    # (engine.fastpath.lora_fold; the frozen weights move into buffers 16-48 columns wider, same
+    # values). Dense (16-bit) bases, one process.
+    fold_lora: Union[bool, Literal["auto"]] = "auto"
     fused_ce: Union[bool, Literal["auto"]] = "auto"  # fused linear cross-entropy
     packed_attention: Union[bool, Literal["auto"]] = "auto"  # varlen attention kernel
     cached_metadata: bool = True  # packing metadata built once per batch (False: per layer)

@@ -42,6 +42,8 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
 - ``stacked_gemm``: base GEMMs over stacked frozen weights (gate and up as one operand,
   engine.fastpath.lora_group.stack_bases): the fused MLP's forward where its input is narrow
   enough for one GEMM to pay, and the input gradient over the side-by-side d_gate/d_up.
+- ``folded_gemm``: forwards of a q/k/v or gate/up group with LoRA's rank product inside the base
+  GEMMs (engine.fastpath.lora_fold: [x | xA^T] against [W | sB]).
 - ``<op>:triton`` / ``<op>:torch`` for op in rmsnorm, rope, activations, fused_ce, token_logp: forward
   computations of each kernel op by the path that ran (the Triton kernel or its torch
   reference; on a CPU the reference is the engine's path); ``add_rmsnorm:<path>``: those of the
@@ -77,6 +79,7 @@ CALL_KEYS = (
     "lora_mlp",
     "lora_cache_builds",
     "stacked_gemm",
+    "folded_gemm",
     "rmsnorm:triton",
     "rmsnorm:torch",
     "add_rmsnorm:triton",

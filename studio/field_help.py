@@ -105,6 +105,10 @@ HELP = {
         "Keep the MLP's frozen gate and up weights side by side in memory, so each is multiplied in one "
         "GEMM with the other (same values, same memory; 16-bit bases)."
     ),
+    "fast_paths.fold_lora": (
+        "Multiply each LoRA projection of attention's q/k/v and the MLP's gate/up as one GEMM, its "
+        "adapter's columns beside the frozen weight (same values; 16-bit bases, one GPU)."
+    ),
     "fast_paths.fused_ce": "Cross-entropy fused with the LM head, never materialising the full logits.",
     "fast_paths.packed_attention": "Variable-length attention over packed documents (no padding).",
     "fast_paths.cached_metadata": "Build packing metadata once per batch instead of once per layer.",
@@ -186,6 +190,7 @@ LABELS = {
     "fast_paths.qk_norm_rope": "fused q/k norm + RoPE",
     "fast_paths.lora_autograd": "fused LoRA layers",
     "fast_paths.stacked_bases": "gate/up in one GEMM",
+    "fast_paths.fold_lora": "LoRA inside the base GEMM",
     "fast_paths.fused_ce": "fused loss (cross-entropy)",
     "fast_paths.packed_attention": "packed attention",
     "fast_paths.cached_metadata": "reuse packing metadata",

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.counters import count
-from engine.fastpath import quant, recompute
+from engine.fastpath import lora_fold, quant, recompute
 from engine.fastpath.lora_group import (
     LoRAGroup,
     as_group,
@@ -61,12 +61,19 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype) -
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def _group_forward(x, group: LoRAGroup, w):
+def _group_forward(x, group: LoRAGroup, w, spare: int = 0):
     """Outputs of projections sharing input x [N, in], and xa = x @ [A_1; A_2; ...]^T [N, R].
 
     With the bases stacked (lora_group.stack_bases) the outputs are column blocks of one [N, sum
-    of outs] tensor, made by one base GEMM."""
+    of outs] tensor, made by one base GEMM. With them folded (engine.fastpath.lora_fold) each
+    output is one GEMM over [x | xa]; `spare` is how many free columns x's producer left beside
+    its rows for xa (lora_fold.claim_spare)."""
     a_all, bs, _ = w
+    if group.fold is not None and a_all is not None:
+        one_gemm = x.shape[1] <= STACKED_FORWARD_MAX_IN
+        folded = lora_fold.forward(x, group, a_all, bs, spare, one_gemm)
+        if folded is not None:
+            return folded
     xa = None if a_all is None else torch.mm(x, a_all.t())
     stacked = group.stacked_weight()
     if stacked is not None and (all(B is not None for B in bs) or all(B is None for B in bs)):
@@ -200,13 +207,14 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
 
 
 class LoRALinears(torch.autograd.Function):
-    """Projections sharing one 2-D input: forward(x, group, A_1, B_1, ...) -> (y_1, ...)."""
+    """Projections sharing one 2-D input: forward(x, group, spare, A_1, B_1, ...) -> (y_1, ...);
+    `spare`: free columns beside x's rows (see _group_forward)."""
 
     @staticmethod
-    def forward(ctx, x, group, *ab):
+    def forward(ctx, x, group, spare, *ab):
         count("lora_linears")
         w = group.weights(ab, x.dtype)
-        ys, xa = _group_forward(x, group, w)
+        ys, xa = _group_forward(x, group, w, spare)
         # The cached low-precision weights are kept on ctx (they are not autograd inputs and
         # are never modified in place); only the activations go through save_for_backward,
         # which is what checkpointing recomputes.
@@ -219,8 +227,8 @@ class LoRALinears(torch.autograd.Function):
     def backward(ctx, *dys):
         x, xa = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dx, dab = _group_backward(dys, x, xa, ctx.group, ctx.w, _DtypeOnly.wrap(ctx.ab_dtypes), need[0], need[2:])
-        return (dx, None, *dab)
+        dx, dab = _group_backward(dys, x, xa, ctx.group, ctx.w, _DtypeOnly.wrap(ctx.ab_dtypes), need[0], need[3:])
+        return (dx, None, None, *dab)
 
 
 # The MLP's [tokens, intermediate] tensors are its largest: gate and up are saved, and the
@@ -309,14 +317,15 @@ def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
 
 
 class LoRAMLP(torch.autograd.Function):
-    """down(act(gate(x), up(x))) with LoRA on each: forward(x, gate_up, down, act, A/B x3)."""
+    """down(act(gate(x), up(x))) with LoRA on each: forward(x, gate_up, down, act, spare, A/B x3);
+    `spare`: free columns beside x's rows (see _group_forward)."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, act, *ab):
+    def forward(ctx, x, gate_up, down, act, spare, *ab):
         count("lora_mlp")
         w_in = gate_up.weights(ab[:4], x.dtype)
         w_out = down.weights(ab[4:], x.dtype)
-        (gate, up), xa = _group_forward(x, gate_up, w_in)
+        (gate, up), xa = _group_forward(x, gate_up, w_in, spare)
         y, ha = _down_forward(gate, up, act, down, w_out)
         ctx.groups, ctx.w, ctx.act = (gate_up, down), (w_in, w_out), act
         ctx.ab_dtypes = [None if t is None else t.dtype for t in ab]
@@ -330,12 +339,12 @@ class LoRAMLP(torch.autograd.Function):
         need = ctx.needs_input_grad
         gate_up, down = ctx.groups
         w_in, w_out = ctx.w
-        need_ab = need[4:]
+        need_ab = need[5:]
         ab = _DtypeOnly.wrap(ctx.ab_dtypes)
         # gate/up now hold d_gate/d_up (they are ours and used by nothing else).
         dab_down = _down_backward(dy, gate, up, ha, ctx.act, down, w_out, ab[4:], need_ab[4:])
         dx, dab_in = _group_backward((gate, up), x, xa, gate_up, w_in, ab[:4], need[0], need_ab[:4])
-        return (dx, None, None, None, *dab_in, *dab_down)
+        return (dx, None, None, None, None, *dab_in, *dab_down)
 
 
 # The unread-output MLP's backward remakes gate and up a row tile at a time: one tile's gate, up
@@ -567,9 +576,10 @@ def lora_linears(x: torch.Tensor, parts) -> tuple[torch.Tensor, ...]:
     also caches the adapter weights in the compute dtype across calls).
     """
     group = as_group(parts)
+    spare = lora_fold.claim_spare(x)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    ys = LoRALinears.apply(x2, group, *group.ab())
+    ys = LoRALinears.apply(x2, group, spare, *group.ab())
     # Reshape outside the Function: a view returned from inside it could not be modified in
     # place later (the RoPE kernel rotates q/k in place).
     return tuple(y.view(*lead, y.shape[-1]) for y in ys)
@@ -585,13 +595,14 @@ def lora_mlp(x: torch.Tensor, gate, up=None, down=None, act: "GatedAct" = None) 
         gate_up, down_g = gate, up
     else:
         gate_up, down_g = LoRAGroup((gate, up)), LoRAGroup((down,))
+    spare = lora_fold.claim_spare(x)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     rows = _tile_rows(down_g.bases[0].in_features, x2.element_size())
     if not torch.is_grad_enabled() and x2.shape[0] > rows and mlp_can_skip_output(gate_up, down_g):
         y = _mlp_no_grad(x2, gate_up, down_g, act)
     else:
-        y = LoRAMLP.apply(x2, gate_up, down_g, act, *gate_up.ab(), *down_g.ab())
+        y = LoRAMLP.apply(x2, gate_up, down_g, act, spare, *gate_up.ab(), *down_g.ab())
     return y.view(*lead, y.shape[-1])
 
 

@@ -330,7 +330,7 @@ class LoRAGroup:
     with its forward.
     """
 
-    __slots__ = ("parts", "bases", "scales", "ranks", "nf4", "_lora", "_owner", "_key", "_value", "_stack")
+    __slots__ = ("parts", "bases", "scales", "ranks", "nf4", "fold", "_lora", "_owner", "_key", "_value", "_stack")
 
     def __init__(self, parts: Sequence[LoRAParts], nf4: str = "auto"):
         self.parts = tuple(parts)
@@ -348,6 +348,8 @@ class LoRAGroup:
         self._key = None
         self._value = None
         self._stack = (None, None)  # (the bases' data pointers, their stacked weight or None)
+        # How engine.fastpath.lora_fold.fold_bases laid the bases out (a lora_fold.Fold), or None.
+        self.fold = None
 
     def ab(self) -> list[Optional[torch.Tensor]]:
         """[A_1, B_1, A_2, B_2, ...] (the trainable inputs of the Functions), None without LoRA."""
@@ -387,7 +389,10 @@ class LoRAGroup:
             return None, (None,) * len(self.parts), ()
         if _UNCACHED:  # inside a CUDA graph's capture: built in the graph, read by it only
             count("lora_cache_builds")
-            return _build_weights(ab, self.scales, dtype)
+            value = _build_weights(ab, self.scales, dtype)
+            if self.fold is not None:
+                self.fold.write_tails(self.bases, value[1])
+            return value
         clock = None if self._owner is None else self._owner.__dict__.get(_CLOCK)
         key = [dtype, clock, 0 if clock is None else clock.generation]
         for t in ab:
@@ -397,6 +402,8 @@ class LoRAGroup:
         if key != self._key:
             count("lora_cache_builds")
             self._value = _build_weights(ab, self.scales, dtype)
+            if self.fold is not None:  # the folded bases' spare columns carry s*B (lora_fold)
+                self.fold.write_tails(self.bases, self._value[1])
             # Holding the tensors (in _value's sources) keeps their ids from being reused.
             self._key = key
         return self._value
@@ -493,19 +500,24 @@ def stack_bases(layers: Sequence[nn.Module]) -> bool:
 
 
 def _stacked_view(layers: Sequence[nn.Module]) -> Optional[torch.Tensor]:
-    """The [sum of outs, in] tensor that the layers' weights are consecutive rows of, else None."""
+    """The [sum of outs, in] tensor that the layers' weights are consecutive rows of, else None.
+    The rows may be longer than `in` (folded bases, engine.fastpath.lora_fold: the view then has
+    their row stride)."""
     if not _stackable(layers):
         return None
     ws = [m.weight for m in layers]
     w0 = ws[0]
+    ld = w0.stride(0) if w0.shape[0] > 1 else w0.shape[1]
     storage = w0.untyped_storage().data_ptr()
     end = w0.data_ptr()
     for w in ws:
-        if not w.is_contiguous() or w.data_ptr() != end or w.untyped_storage().data_ptr() != storage:
+        if w.stride(1) != 1 or (w.shape[0] > 1 and w.stride(0) != ld) or ld < w.shape[1]:
             return None
-        end += w.numel() * w.element_size()
+        if w.data_ptr() != end or w.untyped_storage().data_ptr() != storage:
+            return None
+        end += w.shape[0] * ld * w.element_size()
     rows = sum(w.shape[0] for w in ws)
-    return w0.detach().as_strided((rows, w0.shape[1]), (w0.shape[1], 1))
+    return w0.detach().as_strided((rows, w0.shape[1]), (ld, 1))
 
 
 def as_group(parts) -> LoRAGroup:

@@ -56,6 +56,7 @@ from torch import nn
 from engine.counters import count_fallback
 from engine.fastpath import patching, recompute
 from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp, lora_mlp_unread, mlp_can_skip_output
+from engine.fastpath.lora_fold import fold_bases
 from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason, stack_bases
 from engine.fastpath.tiled_mlp import KIND as TILED_KIND
 from engine.kernels.rope import rope_reference
@@ -545,6 +546,14 @@ def dense_mlps(model: nn.Module) -> tuple[list[nn.Module], str]:
     return mlps, "" if mlps else f"no {mlp_cls} modules found"
 
 
+def _qkv_group(attn: nn.Module, nf4: str, fold: bool) -> LoRAGroup:
+    """The q/k/v projections' group, their bases folded (engine.fastpath.lora_fold) when `fold`."""
+    group = LoRAGroup([lora_parts(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], nf4)
+    if fold:
+        fold_bases(group, stacked=False)
+    return group
+
+
 def remove_fast_paths(model: nn.Module) -> int:
     """Restore every stock forward `apply_fast_paths` replaced; returns how many."""
     return sum(patching.uninstall(module, _KIND) for module in list(model.modules()))
@@ -574,6 +583,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
     # keeps dequantize + cuBLAS, 3.5-18x faster per product on the H200 (docs/gpu-test-log.md).
     nf4 = "auto" if getattr(fast, "nf4_matmul", "auto") is True else "off"
     stack_off = _switch(getattr(fast, "stacked_bases", "auto"), "stacked_bases", device)
+    fold_off = _switch(getattr(fast, "fold_lora", "auto"), "fold_lora", device)
     k = _Kernels.load(kernel_impl) if kernels_off is None else _Kernels(kernel_impl)
     kernel_off = {
         "rmsnorm": kernels_off or (k.missing.get("rmsnorm") if k.rms_norm is None else None),
@@ -638,8 +648,9 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     if fused
                     else None
                 )
-                if groups is not None and stack_off is None:
-                    stack_bases(groups[0].bases)
+                if groups is not None and not (fold_off is None and fold_bases(groups[0], stacked=stack_off is None)):
+                    if stack_off is None:
+                        stack_bases(groups[0].bases)
                 _install(module, _mlp_forward, _MLPPlan(module.forward, act, groups, act_reason is None))
 
         elif cls == attn_cls:
@@ -664,9 +675,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     attn_kwargs=arch.attn_kwargs,
                     qk_norm=arch.qk_norm,
                     qk_norm_projection=arch.qk_norm and arch.qk_norm_width == "projection",
-                    qkv=LoRAGroup([lora_parts(m) for m in (module.q_proj, module.k_proj, module.v_proj)], nf4)
-                    if qkv_reason is None
-                    else None,
+                    qkv=_qkv_group(module, nf4, fold_off is None) if qkv_reason is None else None,
                     o=LoRAGroup([lora_parts(module.o_proj)], nf4) if o_reason is None else None,
                     rope=k.apply_rope if rope_reason is None else None,
                     rope_always_inplace=kernel_impl == "triton",

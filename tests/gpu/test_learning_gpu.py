@@ -308,12 +308,14 @@ CE, ATTN = ("fused_ce:triton",), ("attention:varlen_triton",)
 ALL = FUSED + KERNELS + CE + ATTN
 QK = ("qk_norm_rope:triton",)  # per-head q/k norms fused with RoPE (Qwen3, EXAONE-4, Gemma-3)
 STACK = ("stacked_gemm",)  # gate and up as one base GEMM (fast_paths.stacked_bases)
+FOLD = ("folded_gemm",)  # q/k/v's and gate/up's LoRA inside their base GEMMs (fast_paths.fold_lora)
 
 # (arch, fast-path overrides, training overrides, fast paths that must have run every step)
 CASES = [
-    ("qwen3", {}, {}, ALL + QK + STACK),  # the defaults a GPU run gets
+    ("qwen3", {}, {}, ALL + QK + STACK + FOLD),  # the defaults a GPU run gets
     ("qwen3", {"qk_norm_rope": False}, {}, ALL),
-    ("qwen3", {"stacked_bases": False}, {}, ALL + QK),
+    ("qwen3", {"stacked_bases": False}, {}, ALL + QK + FOLD),
+    ("qwen3", {"fold_lora": False}, {}, ALL + QK + STACK),
     ("qwen3", {}, {"optimizer": "adamw_fused"}, ALL),
     ("qwen3", {}, {"optimizer": "adamw"}, ALL),
     ("qwen3", {"kernels": False}, {}, FUSED + CE + ATTN),
@@ -325,9 +327,9 @@ CASES = [
     # the offload variants on top.
     ("qwen3", {}, {"gradient_checkpointing": True, "offload": "off"}, ALL),
     ("qwen3", {}, {"gradient_checkpointing": True, "offload": "single"}, ALL),
-    ("qwen3", {}, {"gradient_checkpointing": True, "offload": "double"}, ALL + QK + STACK),
+    ("qwen3", {}, {"gradient_checkpointing": True, "offload": "double"}, ALL + QK + STACK + FOLD),
     ("qwen3", {}, {"grad_accum": 2, "rows_per_micro_batch": 1}, ALL),
-    ("llama", {}, {}, ALL + STACK),
+    ("llama", {}, {}, ALL + STACK + FOLD),
     ("llama", {}, {"gradient_checkpointing": True, "offload": "double"}, ALL),
     ("llama_untied", {"host_embeddings": True}, {}, ALL),
     # Llama-3.2's tied table on the host: the loss streams it (engine.fastpath.host_head).

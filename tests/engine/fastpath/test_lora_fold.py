@@ -1,0 +1,216 @@
+"""LoRA's rank product folded into the base GEMM (engine.fastpath.lora_fold): y = [x | xA^T][W | sB]^T.
+
+Checked against PEFT's own autograd (fp32, tight) and against the same Functions unfolded; over
+optimizer steps on a whole tiny model (the spare columns must follow every update of B); with an
+input whose producer left spare columns (claimed once, no copy); and where the fold cannot run (a
+moved weight, adapters off, 4-bit bases, a projection without LoRA), which keeps the plain path.
+FOLD_MIN_ROWS is lowered so the CPU's small inputs fold.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import FastPathConfig
+from engine.counters import Counters
+from engine.fastpath import lora as lora_mod
+from engine.fastpath import lora_fold
+from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp
+from engine.fastpath.lora_group import LoRAGroup, lora_parts, watch_optimizer
+from engine.train.step import prepare_model
+from tests.engine.fastpath.test_lora_autograd import (
+    HIDDEN,
+    assert_close_all,
+    inner,
+    make_block,
+    mlp_stock_for,
+    qkv_stock,
+    run,
+)
+from tests.tiny_models import tiny_model
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(autouse=True)
+def _fold_small_inputs(monkeypatch):
+    monkeypatch.setattr(lora_fold, "FOLD_MIN_ROWS", 1)
+
+
+def _groups(block, fold=True, stacked=True):
+    gate_up = LoRAGroup([lora_parts(block.gate_proj), lora_parts(block.up_proj)])
+    down = LoRAGroup([lora_parts(block.down_proj)])
+    qkv = LoRAGroup([lora_parts(m) for m in (block.q_proj, block.k_proj, block.v_proj)])
+    if fold:
+        assert lora_fold.fold_bases(gate_up, stacked=stacked)
+        assert lora_fold.fold_bases(qkv, stacked=False)
+    return gate_up, down, qkv
+
+
+def _inputs(seed=1, shape=(3, 70)):
+    return torch.randn(*shape, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def _upstream(outs, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(o.shape, generator=g) for o in outs]
+
+
+def test_fold_bases_keeps_parameters_and_values():
+    model = make_block(ALL)
+    b = inner(model)
+    layers = [getattr(b, n).get_base_layer() for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")]
+    params = [m.weight for m in layers]
+    before = [p.detach().clone() for p in params]
+    sd_before = {k: v.clone() for k, v in model.state_dict().items()}
+    gate_up, _, qkv = _groups(b)
+    # Three rank-4 adapters: 12 columns, aligned to 16; two: 8.
+    widths = [lora_fold.fold_width(qkv.ranks)] * 3 + [lora_fold.fold_width(gate_up.ranks)] * 2
+    assert widths == [16, 16, 16, 8, 8]
+    # The same Parameter objects and values, now views of buffers with spare columns after each row.
+    assert [m.weight for m in layers] == params
+    for p, v, width in zip(params, before, widths):
+        assert torch.equal(p, v) and not p.requires_grad
+        assert p.stride() == (HIDDEN + width, 1)
+    gate, up = params[3], params[4]
+    assert up.data_ptr() == gate.data_ptr() + gate.shape[0] * (HIDDEN + 8) * gate.element_size()
+    assert params[0].untyped_storage().data_ptr() != params[1].untyped_storage().data_ptr()  # q/k/v apart
+    for op in qkv.fold.operands(qkv.bases) + gate_up.fold.operands(gate_up.bases):
+        assert not op[:, HIDDEN:].any()  # spare columns start at zero
+    ptrs = [p.data_ptr() for p in params]
+    assert lora_fold.fold_bases(qkv, stacked=False) and lora_fold.fold_bases(gate_up, stacked=True)
+    assert [p.data_ptr() for p in params] == ptrs  # a second call copies nothing
+    sd = model.state_dict()
+    assert sd.keys() == sd_before.keys()
+    for k in sd:
+        assert torch.equal(sd[k], sd_before[k]), k
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout", ["stacked", "stacked_per_projection", "apart"])
+def test_folded_groups_match_peft(bias, layout, monkeypatch):
+    """q/k/v and the MLP folded give PEFT's outputs and gradients; each group's forward is one
+    folded call (counted); the spare columns carry s*B after the first call."""
+    if layout == "stacked_per_projection":
+        monkeypatch.setattr(lora_mod, "STACKED_FORWARD_MAX_IN", HIDDEN - 1)
+    model = make_block(ALL, bias=bias)
+    ref = copy.deepcopy(model)
+    gate_up, down, qkv = _groups(inner(model), stacked=layout != "apart")
+    x = _inputs()
+    with torch.no_grad():
+        up_qkv = _upstream(qkv_stock(inner(ref), x))
+    with Counters().active() as counts:
+        got_qkv = run(model, lambda b, x: lora_linears(x, qkv), x, up_qkv)
+        got_mlp = run(model, lambda b, x: (lora_mlp(x, gate_up, down, act=GatedAct("silu")),), x, _upstream([x]))
+    assert counts["folded_gemm"] == 2
+    assert counts["stacked_gemm"] == {"stacked": 2, "stacked_per_projection": 1, "apart": 0}[layout]
+    assert_close_all(*got_qkv, *run(ref, qkv_stock, x, up_qkv), 1e-5)
+    assert_close_all(*got_mlp, *run(ref, mlp_stock_for("silu"), x, _upstream([x])), 1e-5)
+    b = inner(model)
+    q = b.q_proj
+    tail = qkv.fold.operands(qkv.bases)[0][:, HIDDEN : HIDDEN + 4]
+    torch.testing.assert_close(tail, q.lora_B["default"].weight * q.scaling["default"])
+
+
+def test_spare_columns_are_claimed_once():
+    """A producer's spare columns take xa without a copy; a second consumer of the same tensor
+    finds none claimed and copies, and both get the right values."""
+    model = make_block(ALL)
+    ref = copy.deepcopy(model)
+    gate_up, down, qkv = _groups(inner(model))
+    width = lora_fold.fold_width(qkv.ranks)
+    src = _inputs()
+    x = lora_fold.wide_empty(src.shape, width, src.dtype, src.device)
+    x.copy_(src)
+    lora_fold.mark_spare(x, width)
+    with torch.no_grad():
+        outs = lora_linears(x, qkv)
+        assert lora_fold.claim_spare(x) == 0  # claimed by the call
+        wide = x.as_strided((x.shape[0] * x.shape[1], HIDDEN + width), (HIDDEN + width, 1))
+        b = inner(ref)
+        xa = torch.cat([src @ getattr(b, n).lora_A["default"].weight.t() for n in ("q_proj", "k_proj", "v_proj")], -1)
+        torch.testing.assert_close(wide[:, HIDDEN : HIDDEN + 12], xa.reshape(-1, 12))  # xa written in place
+        for o, w in zip(outs, qkv_stock(b, src)):
+            torch.testing.assert_close(o, w)
+        y = lora_mlp(x, gate_up, down, act=GatedAct("silu"))  # no spare left: copies
+        torch.testing.assert_close(y, mlp_stock_for("silu")(b, src)[0])
+        torch.testing.assert_close(wide[:, HIDDEN : HIDDEN + 12], xa.reshape(-1, 12))  # left alone
+
+
+def test_unfoldable_calls_keep_the_plain_path(monkeypatch):
+    """A weight moved after folding, adapters disabled, or fewer rows than FOLD_MIN_ROWS: the
+    plain two-GEMM path with the same values."""
+    model = make_block(ALL, bias=True)
+    ref = copy.deepcopy(model)
+    _, _, qkv = _groups(inner(model))
+    b, rb = inner(model), inner(ref)
+    x = _inputs()
+    monkeypatch.setattr(lora_fold, "FOLD_MIN_ROWS", x.shape[0] * x.shape[1] + 1)
+    with Counters().active() as counts, torch.no_grad():
+        for o, w in zip(lora_linears(x, qkv), qkv_stock(rb, x)):
+            torch.testing.assert_close(o, w)
+    assert counts["folded_gemm"] == 0
+    monkeypatch.setattr(lora_fold, "FOLD_MIN_ROWS", 1)
+    with Counters().active() as counts, torch.no_grad(), model.disable_adapter():
+        for o, m in zip(lora_linears(x, qkv), (b.q_proj, b.k_proj, b.v_proj)):
+            torch.testing.assert_close(o, F.linear(x, m.base_layer.weight, m.base_layer.bias))
+    assert counts["folded_gemm"] == 0
+    b.k_proj.base_layer.weight.data = b.k_proj.base_layer.weight.detach().clone()  # what .to() does
+    assert not qkv.fold.folded(qkv.bases)
+    with Counters().active() as counts, torch.no_grad():
+        for o, w in zip(lora_linears(x, qkv), qkv_stock(rb, x)):
+            torch.testing.assert_close(o, w)
+    assert counts["folded_gemm"] == 0
+
+
+def test_what_cannot_fold_is_left_alone():
+    model = make_block(["q_proj", "v_proj", "gate_proj", "up_proj"])
+    b = inner(model)
+    qkv = LoRAGroup([lora_parts(m) for m in (b.q_proj, b.k_proj, b.v_proj)])
+    ptr = b.q_proj.base_layer.weight.data_ptr()
+    assert "no LoRA" in lora_fold.fold_reason(qkv.bases, qkv.ranks)
+    assert not lora_fold.fold_bases(qkv, stacked=False) and qkv.fold is None
+    assert b.q_proj.base_layer.weight.data_ptr() == ptr
+    gate_up = LoRAGroup([lora_parts(b.gate_proj), lora_parts(b.up_proj)])
+    b.up_proj.base_layer.weight.requires_grad_(True)
+    assert lora_fold.fold_reason(gate_up.bases, gate_up.ranks) is not None
+
+
+def _prepared(fold: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    model = tiny_model("llama", lora={}, lora_b_std=0.1)
+    prepare_model(model, FastPathConfig(kernels=False, fold_lora=fold), "cpu", gradient_checkpointing=False)
+    return model
+
+
+def test_a_prepared_model_folds_and_learns_the_same_over_steps():
+    """fold_lora on and off, three AdamW steps each: the same losses and gradients at every step,
+    so the spare columns follow every update of B (the weight cache rewrites them)."""
+    on, off = _prepared(True), _prepared(False)
+    off.load_state_dict(on.state_dict())
+    attn = on.base_model.model.model.layers[0].self_attn
+    assert attn.q_proj.get_base_layer().weight.stride(0) > attn.q_proj.get_base_layer().in_features
+    ids = torch.randint(0, on.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    opts = {}
+    for name, model in (("on", on), ("off", off)):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        watch_optimizer(opt, model)
+        opts[name] = opt
+    for step in range(3):
+        results = {}
+        for name, model in (("on", on), ("off", off)):
+            with Counters().active() as counts:
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+            assert (counts["folded_gemm"] > 0) == (name == "on")
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+            results[name] = (loss.detach(), grads)
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+        torch.testing.assert_close(results["on"][0], results["off"][0], rtol=1e-5, atol=1e-6)
+        for n in results["off"][1]:
+            torch.testing.assert_close(results["on"][1][n], results["off"][1][n], rtol=1e-4, atol=1e-6, msg=n)
