@@ -189,7 +189,8 @@ class FastPathConfig:
     # With the fused LoRA layers: q/k/v's and gate/up's rank products folded into their base GEMMs,
     # y = [x | xA^T][W | sB]^T, one GEMM per projection instead of two, from 1,024 rows of input
     # (engine.fastpath.lora_fold; the frozen weights move into buffers 16-48 columns wider, same
-    # values). Dense (16-bit) bases, one process.
+    # values). Dense (16-bit) bases, one process. auto: models up to hidden size 2,048 (wider
+    # ones gained nothing on an H100); true: any width.
     fold_lora: Union[bool, Literal["auto"]] = "auto"
     fused_ce: Union[bool, Literal["auto"]] = "auto"  # fused linear cross-entropy
     packed_attention: Union[bool, Literal["auto"]] = "auto"  # varlen attention kernel

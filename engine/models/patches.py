@@ -546,11 +546,12 @@ def dense_mlps(model: nn.Module) -> tuple[list[nn.Module], str]:
     return mlps, "" if mlps else f"no {mlp_cls} modules found"
 
 
-def _qkv_group(attn: nn.Module, nf4: str, fold: bool) -> LoRAGroup:
-    """The q/k/v projections' group, their bases folded (engine.fastpath.lora_fold) when `fold`."""
+def _qkv_group(attn: nn.Module, nf4: str, fold) -> LoRAGroup:
+    """The q/k/v projections' group, their bases folded (engine.fastpath.lora_fold) as `fold`
+    (fast_paths.fold_lora) says."""
     group = LoRAGroup([lora_parts(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], nf4)
-    if fold:
-        fold_bases(group, stacked=False)
+    if fold is not False:
+        fold_bases(group, False, fold)
     return group
 
 
@@ -583,7 +584,8 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
     # keeps dequantize + cuBLAS, 3.5-18x faster per product on the H200 (docs/gpu-test-log.md).
     nf4 = "auto" if getattr(fast, "nf4_matmul", "auto") is True else "off"
     stack_off = _switch(getattr(fast, "stacked_bases", "auto"), "stacked_bases", device)
-    fold_off = _switch(getattr(fast, "fold_lora", "auto"), "fold_lora", device)
+    fold = getattr(fast, "fold_lora", "auto")  # width and layout rules: engine.fastpath.lora_fold
+    fold_off = _switch(fold, "fold_lora", device)
     k = _Kernels.load(kernel_impl) if kernels_off is None else _Kernels(kernel_impl)
     kernel_off = {
         "rmsnorm": kernels_off or (k.missing.get("rmsnorm") if k.rms_norm is None else None),
@@ -648,7 +650,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     if fused
                     else None
                 )
-                if groups is not None and not (fold_off is None and fold_bases(groups[0], stacked=stack_off is None)):
+                if groups is not None and not (fold_off is None and fold_bases(groups[0], stack_off is None, fold)):
                     if stack_off is None:
                         stack_bases(groups[0].bases)
                 _install(module, _mlp_forward, _MLPPlan(module.forward, act, groups, act_reason is None))
@@ -675,7 +677,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     attn_kwargs=arch.attn_kwargs,
                     qk_norm=arch.qk_norm,
                     qk_norm_projection=arch.qk_norm and arch.qk_norm_width == "projection",
-                    qkv=_qkv_group(module, nf4, fold_off is None) if qkv_reason is None else None,
+                    qkv=_qkv_group(module, nf4, fold if fold_off is None else False) if qkv_reason is None else None,
                     o=LoRAGroup([lora_parts(module.o_proj)], nf4) if o_reason is None else None,
                     rope=k.apply_rope if rope_reason is None else None,
                     rope_always_inplace=kernel_impl == "triton",

@@ -214,3 +214,14 @@ def test_a_prepared_model_folds_and_learns_the_same_over_steps():
         torch.testing.assert_close(results["on"][0], results["off"][0], rtol=1e-5, atol=1e-6)
         for n in results["off"][1]:
             torch.testing.assert_close(results["on"][1][n], results["off"][1][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_auto_folds_narrow_inputs_only(monkeypatch):
+    """fast_paths.fold_lora: auto folds inputs up to AUTO_MAX_IN wide; true at any width; false never."""
+    monkeypatch.setattr(lora_fold, "AUTO_MAX_IN", HIDDEN - 1)
+    b = inner(make_block(ALL))
+    qkv = LoRAGroup([lora_parts(m) for m in (b.q_proj, b.k_proj, b.v_proj)])
+    assert "auto folds inputs up to" in lora_fold.fold_reason(qkv.bases, qkv.ranks, "auto")
+    assert not lora_fold.fold_bases(qkv, False, "auto") and qkv.fold is None
+    assert not lora_fold.fold_bases(qkv, False, False)
+    assert lora_fold.fold_bases(qkv, False, True) and qkv.fold is not None
