@@ -43,7 +43,8 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
   engine.fastpath.lora_group.stack_bases): the fused MLP's forward where its input is narrow
   enough for one GEMM to pay, and the input gradient over the side-by-side d_gate/d_up.
 - ``folded_gemm``: forwards of a q/k/v or gate/up group with LoRA's rank product inside the base
-  GEMMs (engine.fastpath.lora_fold: [x | xA^T] against [W | sB]).
+  GEMMs (engine.fastpath.lora_fold: [x | xA^T] against [W | sB]); ``folded_gemm:copied``: those
+  whose input was copied into a wide buffer (its producer, a patched norm, left no spare columns).
 - ``<op>:triton`` / ``<op>:torch`` for op in rmsnorm, rope, activations, fused_ce, token_logp: forward
   computations of each kernel op by the path that ran (the Triton kernel or its torch
   reference; on a CPU the reference is the engine's path); ``add_rmsnorm:<path>``: those of the
@@ -80,6 +81,7 @@ CALL_KEYS = (
     "lora_cache_builds",
     "stacked_gemm",
     "folded_gemm",
+    "folded_gemm:copied",
     "rmsnorm:triton",
     "rmsnorm:torch",
     "add_rmsnorm:triton",

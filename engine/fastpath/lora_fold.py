@@ -19,9 +19,9 @@ nothing. So only the groups that read a normed hidden state (q/k/v, gate/up) fol
 forward, and only above FOLD_MIN_ROWS rows: a decoding step's few rows keep the plain path.
 
 Inputs with spare columns: a norm patched for a folded consumer (engine.models.patches) writes its
-output into a buffer with the consumer's spare width and returns the first columns as a view,
-marked (`mark_spare`); the consumer's entry point claims the mark (`claim_spare`) once, so two
-consumers of one tensor never write the same columns.
+output into a buffer with the consumer's spare width (engine.kernels.rmsnorm.spare_empty) and
+returns the first columns as a view, marked (`mark_spare`); the consumer's entry point claims the
+mark (`claim_spare`) once, so two consumers of one tensor never write the same columns.
 """
 
 from __future__ import annotations
@@ -172,17 +172,11 @@ def fold_bases(group, stacked: bool, setting="auto") -> bool:
 # -- inputs with spare columns ----------------------------------------------------------------------
 
 
-def wide_empty(shape: Sequence[int], spare: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A tensor of `shape` whose rows have `spare` columns after them in memory, marked for one
-    consumer to claim (a norm's output for a folded group)."""
-    shape = tuple(shape)
-    full = torch.empty((*shape[:-1], shape[-1] + spare), dtype=dtype, device=device)
-    return full[..., : shape[-1]]
-
-
 def mark_spare(t: torch.Tensor, spare: int) -> torch.Tensor:
-    """Mark `t` (made by wide_empty) as carrying `spare` columns free for its consumer."""
-    setattr(t, _SPARE, spare)
+    """Mark `t` as carrying `spare` free columns after each row for its consumer, when its layout
+    has them (engine.kernels.rmsnorm.spare_empty made it); returns t."""
+    if spare and t.dim() >= 2 and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] + spare:
+        setattr(t, _SPARE, spare)
     return t
 
 
@@ -221,6 +215,7 @@ def forward(x: torch.Tensor, group, a_all: torch.Tensor, bs, spare: int = 0, one
         # node that saved x checks) stays as it was.
         wide = x.data.as_strided((n, ld), (k + spare, 1))
     else:
+        count("folded_gemm:copied")
         wide = torch.empty((n, ld), dtype=x.dtype, device=x.device)
         wide[:, :k].copy_(x)
     wide[:, k : k + r_all].copy_(xa)

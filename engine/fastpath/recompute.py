@@ -60,6 +60,19 @@ class _Remade:
         self.remake, self.shape, self.stride, self.offset = remake, t.shape, t.stride(), t.storage_offset()
 
 
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Whether `t` is its storage's whole, or its rows with free columns after each (a norm's output
+    made with spare columns for a folded LoRA group, engine.kernels.rmsnorm.spare_empty, whose
+    consumer keeps what it writes there in a tensor of its own)."""
+    nbytes = t.untyped_storage().nbytes()
+    if nbytes == t.numel() * t.element_size():
+        return True
+    if t.dim() < 2 or t.storage_offset() != 0 or t.stride(-1) != 1 or t.stride(-2) < t.shape[-1]:
+        return False
+    rows = t.as_strided((*t.shape[:-1], t.stride(-2)), t.stride())
+    return rows.is_contiguous() and nbytes == rows.numel() * t.element_size()
+
+
 class _Block:
     """The tensor a `remade_when_unpacked` block remakes: its storage's address, its dtype, and
     whether `release_remade` may free it (and has)."""
@@ -70,7 +83,7 @@ class _Block:
         self.ptr, self.dtype = t.untyped_storage().data_ptr(), t.dtype
         # Only a tensor that is its storage's whole: a view into memory shared with other tensors
         # would free theirs too.
-        self.releasable = releasable and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        self.releasable = releasable and _owns_storage(t)
         self.released = False
 
     def matches(self, x: torch.Tensor) -> bool:

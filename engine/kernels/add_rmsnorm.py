@@ -24,7 +24,7 @@ import torch
 
 from engine.counters import count
 from engine.kernels._common import as_rows, jit, on_cuda, tl, triton, warps_for
-from engine.kernels.rmsnorm import _blocks, _check, _sm_count
+from engine.kernels.rmsnorm import _blocks, _check, _sm_count, spare_empty
 
 
 @jit
@@ -128,11 +128,12 @@ def _check_pair(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -
         )
 
 
-def _fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
+def _fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, spare: int = 0):
     x2, r2 = as_rows(x), as_rows(residual)
     n_rows, n_cols = x2.shape
-    # Outputs in x's shape (not views made here): the layer hands both on to other Functions.
-    y_full = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # Outputs in x's shape (not views made here): the layer hands both on to other Functions. The
+    # normed one may have `spare` free columns after each row (engine.kernels.rmsnorm.spare_empty).
+    y_full = spare_empty(x.shape, spare, x.dtype, x.device)
     h_full = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y, h = y_full.view(n_rows, n_cols), h_full.view(n_rows, n_cols)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -214,8 +215,8 @@ class AddRMSNormFunction(torch.autograd.Function):
     """Triton add + RMSNorm; returns (y, h) and saves h, weight and the fp32 per-row 1/rms."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset):
-        y, h, rstd = _fwd(x, residual, weight, eps, offset)
+    def forward(ctx, x, residual, weight, eps, offset, spare=0):
+        y, h, rstd = _fwd(x, residual, weight, eps, offset, spare)
         ctx.save_for_backward(h, weight, rstd)
         ctx.offset = float(offset)
         return y, h
@@ -227,19 +228,25 @@ class AddRMSNormFunction(torch.autograd.Function):
         if dy is None:  # only the residual stream carries a gradient: h = x + residual passes it on
             dx = dh if (need_x or need_r) else None
             dw = torch.zeros_like(weight) if need_dw else None
-            return dx if need_x else None, dx if need_r else None, dw, None, None
+            return dx if need_x else None, dx if need_r else None, dw, None, None, None
         if not (need_x or need_r or need_dw):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         dx, dw = _bwd(dy, dh, as_rows(h), weight, rstd, ctx.offset, need_dw)
         dx = dx.view(h.shape)
         # x and residual get the same gradient (the same tensor, as Liger's fused add-norm returns).
-        return dx if need_x else None, dx if need_r else None, dw, None, None
+        return dx if need_x else None, dx if need_r else None, dw, None, None, None
 
 
 def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    spare: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch, op for op the stock layer's add and engine.kernels.rmsnorm's reference: (y, h)."""
+    """Plain torch, op for op the stock layer's add and engine.kernels.rmsnorm's reference: (y, h).
+    `spare` is the kernel's option and is ignored here."""
     count("add_rmsnorm:torch")
     count("rmsnorm:torch")  # a norm computed: every RMSNorm counts under rmsnorm (engine.counters)
     h = residual + x
@@ -249,22 +256,33 @@ def add_rms_norm_reference(
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    spare: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton path regardless of device (CPU tensors need TRITON_INTERPRET=1)."""
     _check_pair(x, residual, weight)
     count("add_rmsnorm:triton")
     count("rmsnorm:triton")
-    return AddRMSNormFunction.apply(x, residual, weight, eps, offset)
+    return AddRMSNormFunction.apply(x, residual, weight, eps, offset, spare)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    spare: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * (offset + weight), x + residual) over the last dim.
 
-    Runs the Triton kernel when every tensor is on CUDA, the torch reference otherwise.
+    Runs the Triton kernel when every tensor is on CUDA, the torch reference otherwise. `spare`:
+    the kernel's normed output gets that many free columns after each row.
     """
     if on_cuda(x, residual, weight):
-        return add_rms_norm_triton(x, residual, weight, eps, offset)
+        return add_rms_norm_triton(x, residual, weight, eps, offset, spare)
     return add_rms_norm_reference(x, residual, weight, eps, offset)

@@ -123,12 +123,24 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
-def _fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
+def spare_empty(shape, spare: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized tensor of `shape` whose rows have `spare` free columns after them in memory
+    (a view of a wider buffer); `shape` itself when spare is 0. A norm's output made this way lets
+    its consumer (engine.fastpath.lora_fold) put a row's LoRA product beside it without a copy."""
+    if not spare:
+        return torch.empty(shape, dtype=dtype, device=device)
+    shape = tuple(shape)
+    return torch.empty((*shape[:-1], shape[-1] + spare), dtype=dtype, device=device)[..., : shape[-1]]
+
+
+def _fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, spare: int = 0):
     x2 = as_rows(x)
     n_rows, n_cols = x2.shape
     # Allocate in x's shape and hand the kernel a 2-D view: returning a view from the
-    # autograd.Function would forbid the in-place RoPE that follows Qwen3's q/k norm.
-    y_full = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # autograd.Function would forbid the in-place RoPE that follows Qwen3's q/k norm. (With
+    # `spare` columns the output is a view of a wider buffer; only a layer's input norms, whose
+    # outputs nothing modifies in place, ask for them.)
+    y_full = spare_empty(x.shape, spare, x.dtype, x.device)
     y = y_full.view(n_rows, n_cols)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
@@ -202,8 +214,8 @@ class RMSNormFunction(torch.autograd.Function):
     """Triton RMSNorm; saves x, weight and the fp32 per-row 1/rms."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset):
-        y, x2, rstd = _fwd(x, weight, eps, offset)
+    def forward(ctx, x, weight, eps, offset, spare=0):
+        y, x2, rstd = _fwd(x, weight, eps, offset, spare)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.offset = float(offset)
         ctx.x_shape = x.shape
@@ -214,31 +226,39 @@ class RMSNormFunction(torch.autograd.Function):
         x2, weight, rstd = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dx or need_dw):
-            return None, None, None, None
+            return None, None, None, None, None
         dx, dw = _bwd(dy, x2, weight, rstd, ctx.offset, need_dw)
-        return (dx.view(ctx.x_shape) if need_dx else None), dw, None, None
+        return (dx.view(ctx.x_shape) if need_dx else None), dw, None, None, None
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
-    """Plain torch: normalize in fp32, multiply by (offset + weight) in fp32, cast to x.dtype."""
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, spare: int = 0
+) -> torch.Tensor:
+    """Plain torch: normalize in fp32, multiply by (offset + weight) in fp32, cast to x.dtype.
+    `spare` is the kernel's option and is ignored here (a contiguous output)."""
     count("rmsnorm:torch")
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (offset + weight.float())).to(x.dtype)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, spare: int = 0
+) -> torch.Tensor:
     """The Triton path regardless of device (CPU tensors need TRITON_INTERPRET=1)."""
     _check(x, weight)
     count("rmsnorm:triton")
-    return RMSNormFunction.apply(x, weight, eps, offset)
+    return RMSNormFunction.apply(x, weight, eps, offset, spare)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, spare: int = 0
+) -> torch.Tensor:
     """RMSNorm over the last dim of x (any leading dims). offset=1.0 gives Gemma's (1 + w) form.
 
-    Runs the Triton kernel when x and weight are on CUDA, the torch reference otherwise.
+    Runs the Triton kernel when x and weight are on CUDA, the torch reference otherwise. `spare`:
+    the kernel's output rows get that many free columns after them (`spare_empty`).
     """
     if on_cuda(x, weight):
-        return rms_norm_triton(x, weight, eps, offset)
+        return rms_norm_triton(x, weight, eps, offset, spare)
     return rms_norm_reference(x, weight, eps, offset)

@@ -56,7 +56,7 @@ from torch import nn
 from engine.counters import count_fallback
 from engine.fastpath import patching, recompute
 from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp, lora_mlp_unread, mlp_can_skip_output
-from engine.fastpath.lora_fold import fold_bases
+from engine.fastpath.lora_fold import fold_bases, mark_spare
 from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason, stack_bases
 from engine.fastpath.tiled_mlp import KIND as TILED_KIND
 from engine.kernels.rope import rope_reference
@@ -184,7 +184,11 @@ def _rmsnorm_forward(self, plan: dict, hidden_states: torch.Tensor) -> torch.Ten
     if plan["offset"] == 0.0 and self.weight.dtype != hidden_states.dtype:
         count_fallback("rmsnorm", "weight dtype differs from the activations")
         return plan["stock"](hidden_states)
-    return plan["fn"](hidden_states, self.weight, getattr(self, plan["eps_attr"]), plan["offset"])
+    spare = plan.get("spare", 0)  # free columns for the folded group that reads the output next
+    if not spare:
+        return plan["fn"](hidden_states, self.weight, getattr(self, plan["eps_attr"]), plan["offset"])
+    y = plan["fn"](hidden_states, self.weight, getattr(self, plan["eps_attr"]), plan["offset"], spare)
+    return mark_spare(y, spare)
 
 
 @dataclass
@@ -373,6 +377,9 @@ class _LayerPlan:
     # it), which an instance forward bypasses, so this forward checkpoints itself; older versions
     # checkpoint in __call__, around whatever forward the instance has.
     checkpoints_in_forward: bool
+    # Free columns the fused norm leaves after each row of its output for the MLP's folded gate/up
+    # (engine.fastpath.lora_fold); 0: none. Set after the layer's MLP is planned (_leave_spare).
+    mlp_spare: int = 0
 
 
 def _layer_plan(layer: nn.Module, fn: Optional[Callable], offset: float) -> tuple[Optional[_LayerPlan], Optional[str]]:
@@ -431,7 +438,12 @@ def _fused_layer(self, plan: _LayerPlan, hidden_states, **kwargs):
         mlp = _unread_mlp(self.mlp, hidden_states)
         if mlp is not None:  # offload's recompute: the output only roots the backward (fast_paths.lean_recompute)
             return lora_mlp_unread(residual + hidden_states, norm, *mlp)
-    if reason is None:
+    if reason is None and plan.mlp_spare:
+        hidden_states, residual = plan.fn(
+            hidden_states, residual, norm.weight, getattr(norm, plan.eps_attr), plan.offset, plan.mlp_spare
+        )
+        mark_spare(hidden_states, plan.mlp_spare)
+    elif reason is None:
         hidden_states, residual = plan.fn(
             hidden_states, residual, norm.weight, getattr(norm, plan.eps_attr), plan.offset
         )
@@ -544,6 +556,43 @@ def dense_mlps(model: nn.Module) -> tuple[list[nn.Module], str]:
     mlp_cls = arch.classes()[2]
     mlps = [m for m in hf.modules() if type(m).__name__ == mlp_cls]
     return mlps, "" if mlps else f"no {mlp_cls} modules found"
+
+
+def _leave_spare(hf: nn.Module, layer_cls: str) -> None:
+    """Have each decoder layer's patched norms write their output with free columns after each row
+    for the folded group that reads it next (q/k/v after input_layernorm, gate/up after the MLP's
+    norm), so that group puts x A^T there instead of copying x into a wide buffer
+    (engine.fastpath.lora_fold). Done once everything is planned: the norms are patched before
+    the attention and MLP they feed, in module order."""
+
+    def spare_of(module: Optional[nn.Module], get_group: Callable) -> int:
+        patch = None if module is None else patching.installed(module, _KIND)
+        group = None if patch is None else get_group(patch.plan)
+        fold = None if group is None else group.fold
+        return 0 if fold is None else fold.width
+
+    def give(norm: Optional[nn.Module], spare: int) -> None:
+        patch = None if norm is None else patching.installed(norm, _KIND)
+        if patch is not None and isinstance(patch.plan, dict):
+            patch.plan["spare"] = spare
+
+    def qkv_of(plan) -> Optional[LoRAGroup]:
+        return getattr(plan, "qkv", None)
+
+    def gate_up_of(plan) -> Optional[LoRAGroup]:
+        groups = getattr(plan, "groups", None)  # the MLP's (gate/up, down)
+        return None if groups is None else groups[0]
+
+    for layer in hf.modules():
+        if type(layer).__name__ != layer_cls:
+            continue
+        give(getattr(layer, "input_layernorm", None), spare_of(getattr(layer, "self_attn", None), qkv_of))
+        mlp_spare = spare_of(getattr(layer, "mlp", None), gate_up_of)
+        sandwich = hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
+        give(getattr(layer, "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm", None), mlp_spare)
+        patch = patching.installed(layer, _KIND)
+        if patch is not None and isinstance(patch.plan, _LayerPlan):
+            patch.plan.mlp_spare = mlp_spare
 
 
 def _qkv_group(attn: nn.Module, nf4: str, fold) -> LoRAGroup:
@@ -687,6 +736,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                 )
                 _install(module, _attention_forward, plan)
 
+    _leave_spare(hf, layer_cls)
     return {
         "rmsnorm": tally.report("rmsnorm", kernel_off["rmsnorm"] or f"no {norm_cls} modules found"),
         "add_rmsnorm": tally.report("add_rmsnorm", add_norm_off or f"no {layer_cls} modules found"),

@@ -128,3 +128,15 @@ def test_rejects_mismatched_inputs():
         add_rms_norm_triton(torch.randn(3, 8), torch.randn(3, 8), torch.ones(7))
     with pytest.raises(ValueError, match="residual"):
         add_rms_norm_triton(torch.randn(3, 8), torch.randn(3, 8, dtype=torch.float16), torch.ones(8))
+
+
+def test_normed_output_with_spare_columns():
+    """spare: the normed output's rows have free columns after them (for a folded LoRA group to
+    fill); the residual stays contiguous; values and gradients as without."""
+    x, r, w, dy, dh = _inputs((2, 33, 96), torch.float32, 9, 0.0, True)
+    plain = _run(add_rms_norm_triton, x, r, w, dy, dh, 0.0)
+    spare = _run(lambda *a: add_rms_norm_triton(*a, spare=16), x, r, w, dy, dh, 0.0)
+    y, h = add_rms_norm_triton(x, r, w.detach(), 1e-6, 0.0, 16)
+    assert y.stride()[-2:] == (96 + 16, 1) and h.is_contiguous()
+    for a, b in zip(spare, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -94,3 +94,18 @@ def test_dispatcher_uses_reference_on_cpu():
 def test_rejects_mismatched_weight():
     with pytest.raises(ValueError, match="weight shape"):
         rms_norm_triton(torch.randn(3, 8), torch.ones(7))
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 100), (300, 64)])
+def test_output_with_spare_columns(shape):
+    """spare: the output is a view whose rows have free columns after them in memory (for a folded
+    LoRA group to fill), with the same values and gradients as the plain output."""
+    x, w, dy = _inputs(shape, torch.float32, 8, 0.0, True)
+    plain = _run(rms_norm_triton, x, w, dy, 0.0)
+    spare = _run(lambda *a: rms_norm_triton(*a, spare=24), x, w, dy, 0.0)
+    y = rms_norm_triton(x.detach(), w.detach(), 1e-6, 0.0, 24)
+    assert y.shape == x.shape and y.stride()[-2:] == (shape[-1] + 24, 1)
+    assert y.untyped_storage().nbytes() == y.numel() // shape[-1] * (shape[-1] + 24) * 4
+    for a, b in zip(spare, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert rms_norm_reference(x.detach(), w.detach(), 1e-6, 0.0, 24).is_contiguous()  # ignored there

@@ -10,17 +10,20 @@ FOLD_MIN_ROWS is lowered so the CPU's small inputs fold.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.config import FastPathConfig
-from engine.counters import Counters
+from engine.counters import Counters, reset_counters
 from engine.fastpath import lora as lora_mod
-from engine.fastpath import lora_fold
+from engine.fastpath import lora_fold, recompute
 from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp
 from engine.fastpath.lora_group import LoRAGroup, lora_parts, watch_optimizer
+from engine.kernels.rmsnorm import spare_empty
+from engine.models.patches import apply_fast_paths
 from engine.train.step import prepare_model
 from tests.engine.fastpath.test_lora_autograd import (
     HIDDEN,
@@ -31,6 +34,7 @@ from tests.engine.fastpath.test_lora_autograd import (
     qkv_stock,
     run,
 )
+from tests.engine.models.test_patches import CPU, assert_same_step, packed_batch, step, tiny
 from tests.tiny_models import tiny_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -124,7 +128,7 @@ def test_spare_columns_are_claimed_once():
     gate_up, down, qkv = _groups(inner(model))
     width = lora_fold.fold_width(qkv.ranks)
     src = _inputs()
-    x = lora_fold.wide_empty(src.shape, width, src.dtype, src.device)
+    x = spare_empty(src.shape, width, src.dtype, src.device)
     x.copy_(src)
     lora_fold.mark_spare(x, width)
     with torch.no_grad():
@@ -200,7 +204,7 @@ def test_a_prepared_model_folds_and_learns_the_same_over_steps():
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         watch_optimizer(opt, model)
         opts[name] = opt
-    for step in range(3):
+    for _ in range(3):
         results = {}
         for name, model in (("on", on), ("off", off)):
             with Counters().active() as counts:
@@ -225,3 +229,39 @@ def test_auto_folds_narrow_inputs_only(monkeypatch):
     assert not lora_fold.fold_bases(qkv, False, "auto") and qkv.fold is None
     assert not lora_fold.fold_bases(qkv, False, False)
     assert lora_fold.fold_bases(qkv, False, True) and qkv.fold is not None
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "gemma3_text"])
+def test_patched_norms_leave_the_spare_columns(model_type):
+    """With the Triton kernels (the interpreter on a CPU) each layer's input norm and the MLP's norm
+    (the fused add + norm where the layer has it) write their output with the folded group's spare
+    columns: every folded forward puts xA^T there, none copies its input, and the step is the
+    unfolded one's."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+    model = tiny(model_type)
+    ids, pos = packed_batch()
+    apply_fast_paths(model, FastPathConfig(fold_lora=False), CPU, kernel_impl="triton")
+    apart = step(model, ids, pos)
+    apply_fast_paths(model, FastPathConfig(), CPU, kernel_impl="triton")
+    reset_counters()
+    folded = step(model, ids, pos)
+    counts = reset_counters()
+    layers = model.config.num_hidden_layers
+    assert counts["folded_gemm"] == 2 * layers  # q/k/v and gate/up of every layer
+    assert counts.get("folded_gemm:copied", 0) == 0
+    assert_same_step(folded, apart, 1e-5)
+
+
+def test_a_norm_output_with_spare_columns_can_be_released():
+    """The lean recompute frees the normed attention input once q/k/v have read it
+    (recompute.release_remade): a norm's output with spare columns is still its storage's whole
+    (what the consumer wrote there it keeps in a tensor of its own); a view into a shared buffer
+    is not."""
+    t = spare_empty((2, 5, 8), 8, torch.float32, "cpu")
+    with recompute.remade_when_unpacked(t, lambda: t, True, True):
+        assert recompute.release_remade(t)
+    assert t.untyped_storage().nbytes() == 0
+    shared = torch.empty(2, 5, 16)[..., 8:]  # the second half of someone else's rows
+    with recompute.remade_when_unpacked(shared, lambda: shared, True, True):
+        assert not recompute.release_remade(shared)
