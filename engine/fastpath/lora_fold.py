@@ -38,11 +38,10 @@ from engine.counters import count
 # pass over y it saves, and decoding loops stay as they were.
 FOLD_MIN_ROWS = 1024
 
-# `fast_paths.fold_lora: auto` folds groups whose input is at most this wide. The input's copy into a
-# wide buffer (where its producer left no spare columns) grows with the width while the pass it saves
-# does not: measured end to end on an H100 in one run each (fold on / off), W1 (1,024 wide) 94,544
-# and 94,332 against 90,759 tok/s, W2 (2,048) 68,128 and 67,959 against 67,317, W3 (4,096) 12,532
-# against 12,604 with 5.5 GiB more reserved by the allocator. `true` folds at any width.
+# `fast_paths.fold_lora: auto` folds groups whose input is at most this wide. Measured end to end on an
+# H100, in one run each with the fold on and off (the norms leaving the spare columns, 6c98e3a): W1
+# (1,024 wide) 95,282 and 94,616 against 91,395 tok/s, W2 (2,048) 68,813 and 68,822 against 67,499, W3
+# (4,096) 12,640 against 12,609, inside its spread. `true` folds at any width.
 AUTO_MAX_IN = 2048
 
 # The wide operands' rows are kept a multiple of 8 elements (16 bytes in bf16), as cuBLAS wants.
