@@ -179,6 +179,11 @@ def mark_spare(t: torch.Tensor, spare: int) -> torch.Tensor:
     return t
 
 
+def marked_spare(t: torch.Tensor) -> int:
+    """The spare columns `t` is marked with and not yet claimed (0 if none), without claiming them."""
+    return getattr(t, _SPARE, 0)
+
+
 def claim_spare(x: torch.Tensor) -> int:
     """The spare columns x's producer left for its consumer (0 if none), claimed once: a second
     consumer of the same tensor finds none and copies instead of overwriting the first's."""

@@ -33,6 +33,8 @@ from typing import Callable, Optional
 
 import torch
 
+from engine.fastpath import lora_fold
+
 _LAYER_OUTPUT_UNUSED: ContextVar[bool] = ContextVar("tunesmith_layer_output_unused", default=False)
 
 
@@ -61,13 +63,16 @@ class _Remade:
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
-    """Whether `t` is its storage's whole, or its rows with free columns after each (a norm's output
-    made with spare columns for a folded LoRA group, engine.kernels.rmsnorm.spare_empty, whose
-    consumer keeps what it writes there in a tensor of its own)."""
+    """Whether `t` is its storage's whole, or its rows with free columns after each: a norm's output
+    made with spare columns for a folded LoRA group (engine.kernels.rmsnorm.spare_empty), marked
+    for it (lora_fold.mark_spare; the group keeps what it writes there in a tensor of its own).
+    An unmarked column slice of someone's rows is not: the other columns are theirs."""
     nbytes = t.untyped_storage().nbytes()
     if nbytes == t.numel() * t.element_size():
         return True
-    if t.dim() < 2 or t.storage_offset() != 0 or t.stride(-1) != 1 or t.stride(-2) < t.shape[-1]:
+    if t.dim() < 2 or t.storage_offset() != 0 or t.stride(-1) != 1:
+        return False
+    if lora_fold.marked_spare(t) != t.stride(-2) - t.shape[-1]:
         return False
     rows = t.as_strided((*t.shape[:-1], t.stride(-2)), t.stride())
     return rows.is_contiguous() and nbytes == rows.numel() * t.element_size()

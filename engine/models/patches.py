@@ -739,8 +739,8 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
     _leave_spare(hf, layer_cls)
     if fold_off is None and device.type == "cuda" and torch.cuda.is_initialized():
         # Folding moved the frozen weights into wider buffers; the allocator would keep the old ones'
-        # blocks reserved for the rest of the run (on the H100: W1 2.37 against 2.01 GiB reserved,
-        # W3 with the fold forced on 22.85 against 17.32), memory no other process could have.
+        # blocks reserved for the rest of the run, memory no other process could have. (Runs with the
+        # fold reserved more on the H100: W1 2.37 against 2.01 GiB, W3 forced on 22.85 against 17.32.)
         torch.cuda.empty_cache()
     return {
         "rmsnorm": tally.report("rmsnorm", kernel_off["rmsnorm"] or f"no {norm_cls} modules found"),

@@ -18,13 +18,14 @@ import torch.nn.functional as F
 
 from engine.config import FastPathConfig
 from engine.counters import Counters, reset_counters
+from engine.data.collate import PackedBatch
 from engine.fastpath import lora as lora_mod
 from engine.fastpath import lora_fold, recompute
 from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp
 from engine.fastpath.lora_group import LoRAGroup, lora_parts, watch_optimizer
 from engine.kernels.rmsnorm import spare_empty
 from engine.models.patches import apply_fast_paths
-from engine.train.step import prepare_model
+from engine.train.step import forward_loss, prepare_model
 from tests.engine.fastpath.test_lora_autograd import (
     HIDDEN,
     assert_close_all,
@@ -258,10 +259,36 @@ def test_a_norm_output_with_spare_columns_can_be_released():
     (recompute.release_remade): a norm's output with spare columns is still its storage's whole
     (what the consumer wrote there it keeps in a tensor of its own); a view into a shared buffer
     is not."""
-    t = spare_empty((2, 5, 8), 8, torch.float32, "cpu")
+    t = lora_fold.mark_spare(spare_empty((2, 5, 8), 8, torch.float32, "cpu"), 8)
     with recompute.remade_when_unpacked(t, lambda: t, True, True):
         assert recompute.release_remade(t)
     assert t.untyped_storage().nbytes() == 0
-    shared = torch.empty(2, 5, 16)[..., 8:]  # the second half of someone else's rows
-    with recompute.remade_when_unpacked(shared, lambda: shared, True, True):
-        assert not recompute.release_remade(shared)
+    for shared in (torch.empty(2, 5, 16)[..., 8:], torch.empty(2, 5, 16)[..., :8]):  # halves of someone's rows
+        with recompute.remade_when_unpacked(shared, lambda: shared, True, True):
+            assert not recompute.release_remade(shared)
+
+
+@pytest.mark.parametrize("offload", ["single", "double"])
+def test_the_lean_recompute_takes_inputs_with_spare_columns(offload):
+    """Offload's lean recompute remakes the normed attention input (with its spare columns) for
+    q/k/v's backward and frees it once they are made; with the fold the step is the unfolded one's.
+    The Triton kernels run through the interpreter on a CPU, so the norms leave spare columns."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+    results = {}
+    for fold in (False, True):
+        model = tiny("qwen3", attn="sdpa", num_hidden_layers=2)
+        fast = FastPathConfig(lean_recompute=True, fold_lora=fold)
+        prepared = prepare_model(model, fast, CPU, gradient_checkpointing=True, offload=offload)
+        apply_fast_paths(model, fast, CPU, kernel_impl="triton")
+        model.train()
+        g = torch.Generator().manual_seed(3)
+        docs = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (37, 12, 64, 9)]
+        b = PackedBatch.from_documents(docs)
+        with Counters().active() as counts:
+            forward_loss(prepared, b, normalizer=b.num_trained_tokens).backward()
+        assert (counts["folded_gemm"] > 0) == fold
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[fold] = grads
+    for n, want in results[False].items():
+        torch.testing.assert_close(results[True][n], want, rtol=1e-4, atol=1e-6, msg=n)
