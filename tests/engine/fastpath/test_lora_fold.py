@@ -269,14 +269,22 @@ def test_a_norm_output_with_spare_columns_can_be_released():
 
 
 @pytest.mark.parametrize("offload", ["single", "double"])
-def test_the_lean_recompute_takes_inputs_with_spare_columns(offload):
+def test_the_lean_recompute_takes_inputs_with_spare_columns(offload, monkeypatch):
     """Offload's lean recompute remakes the normed attention input (with its spare columns) for
     q/k/v's backward and frees it once they are made; with the fold the step is the unfolded one's.
     The Triton kernels run through the interpreter on a CPU, so the norms leave spare columns."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+    released, real_release = [], recompute.release_remade
+
+    def release(x):
+        released.append((x.stride(-2) > x.shape[-1], real_release(x)))
+        return released[-1][1]
+
+    monkeypatch.setattr(recompute, "release_remade", release)
     results = {}
     for fold in (False, True):
+        released.clear()
         model = tiny("qwen3", attn="sdpa", num_hidden_layers=2)
         fast = FastPathConfig(lean_recompute=True, fold_lora=fold)
         prepared = prepare_model(model, fast, CPU, gradient_checkpointing=True, offload=offload)
@@ -288,6 +296,9 @@ def test_the_lean_recompute_takes_inputs_with_spare_columns(offload):
         with Counters().active() as counts:
             forward_loss(prepared, b, normalizer=b.num_trained_tokens).backward()
         assert (counts["folded_gemm"] > 0) == fold
+        # Each layer's recompute freed its normed input, with spare columns exactly when folded.
+        freed = [spare for spare, done in released if done]
+        assert len(freed) == 2 and all(spare == fold for spare in freed), released
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         results[fold] = grads
     for n, want in results[False].items():
