@@ -7,7 +7,9 @@ spare columns and the weight carries sB (and A, for the backward) beside W:
 
     y  = [x | s xa] [W | B]^T              dx = [dy | dy sB] [W; A]
 
-one GEMM each, K larger by R. This times both ways for every projection group of one decoder
+one GEMM each, K larger by R. `*_dx_outfold` reads the forward's folded weight the other way:
+[dy W | dy sB] = dy [W | sB] in one GEMM (N larger by R), then (dy sB) A is added onto dx.
+This times both ways for every projection group of one decoder
 layer at the workloads' shapes (16,384 tokens, r = 16), before any engine code is changed for it:
 the group's forward (`*_fwd_now` / `*_fwd_fold`) and input gradient (`*_dx_now` / `*_dx_fold`),
 plus the base GEMM alone (`*_fwd_base` / `*_dx_base`) for what the LoRA term costs today. One
@@ -99,6 +101,20 @@ def _group(tokens: int, k_in: int, outs: list[int], r: int, dev, stacked: bool):
         torch.mm(g, a_all, out=dx)
         dx.addmm_(dy, w_st)
 
+    out_wide = torch.empty(tokens, k_in + R, device=dev, dtype=bf)
+
+    def dx_outfold():
+        # The forward's folded weight [W | B-blockdiag] read the other way: dy [W | B] = [dy W | dy B],
+        # every projection's dy B landing in its own block of the spare columns (zeros elsewhere), so
+        # the per-projection passes over dy for dy B go; the rank term is then added onto dx.
+        if stacked:
+            torch.mm(dy, m_fwd, out=out_wide)
+        else:
+            torch.mm(dys[0], m_fwd_parts[0], out=out_wide)
+            for d, mi in zip(dys[1:], m_fwd_parts[1:]):
+                out_wide.addmm_(d, mi)
+        out_wide[:, :k_in].addmm_(out_wide[:, k_in:], a_all)
+
     def dx_fold():
         # dy_wide's first `total` columns are written by dy's producer; the tail is dy sB.
         col = 0
@@ -114,6 +130,7 @@ def _group(tokens: int, k_in: int, outs: list[int], r: int, dev, stacked: bool):
         "dx_base": dx_base,
         "dx_now": dx_now,
         "dx_fold": dx_fold,
+        "dx_outfold": dx_outfold,
     }
 
 
@@ -174,6 +191,7 @@ def main(argv=None) -> int:
                 lora_now=round((now - base) * layers, 2),
                 lora_fold=round((fold - base) * layers, 2),
                 saved=round((now - fold) * layers, 2),
+                dx_outfold_saved=round((totals["dx_now"] - totals["dx_outfold"]) * layers, 2),
             ),
         )
         print(json.dumps(summary), flush=True)
