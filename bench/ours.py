@@ -67,11 +67,23 @@ def variant_fields(variant: str) -> dict:
 # Variant fields that are not FastPathConfig switches but training settings.
 TRAINING_FIELDS = ("offload",)
 
+# Variant fields that are the engine's before/after switches read from the environment (no setting
+# of their own): every variant sets each one, to "0" where it asks for false, else to "1".
+ENV_FIELDS = {"fold_backward": "TUNESMITH_FOLD_BACKWARD"}
+
 
 def split_fields(fields: dict) -> tuple[dict, dict]:
     """(FastPathConfig fields, training fields such as offload) of a variant."""
-    fast = {k: v for k, v in fields.items() if k not in TRAINING_FIELDS}
+    fast = {k: v for k, v in fields.items() if k not in TRAINING_FIELDS and k not in ENV_FIELDS}
     return fast, {k: v for k, v in fields.items() if k in TRAINING_FIELDS}
+
+
+def set_env_fields(fields: dict) -> None:
+    """Set the ENV_FIELDS switches for a variant about to run (read by the engine at each call)."""
+    import os
+
+    for field, name in ENV_FIELDS.items():
+        os.environ[name] = "0" if fields.get(field, True) is False else "1"
 
 
 def fast_path_config(fields: dict):
@@ -140,6 +152,7 @@ def setup_ours(variant: str):
         wl = ctx.workload
         fields = variant_fields(variant)
         fast_path_config(fields)  # fail before building a big model
+        set_env_fields(fields)
         if wl.kind == "moe_block":  # W5: one MoE block, not a training step
             from bench.moe_block import setup_ours_moe_block
 

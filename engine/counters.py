@@ -44,7 +44,9 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
   enough for one GEMM to pay, and the input gradient over the side-by-side d_gate/d_up.
 - ``folded_gemm``: forwards of a q/k/v or gate/up group with LoRA's rank product inside the base
   GEMMs (engine.fastpath.lora_fold: [x | xA^T] against [W | sB]); ``folded_gemm:copied``: those
-  whose input was copied into a wide buffer (its producer, a patched norm, left no spare columns).
+  whose input was copied into a wide buffer (its producer, a patched norm, left no spare columns);
+  ``folded_gemm:dx``: input gradients of such a group made through the same folded weight (dy [W | sB]
+  gives dx's base part and dy sB in one GEMM).
 - ``<op>:triton`` / ``<op>:torch`` for op in rmsnorm, rope, activations, fused_ce, token_logp: forward
   computations of each kernel op by the path that ran (the Triton kernel or its torch
   reference; on a CPU the reference is the engine's path); ``add_rmsnorm:<path>``: those of the
@@ -82,6 +84,7 @@ CALL_KEYS = (
     "stacked_gemm",
     "folded_gemm",
     "folded_gemm:copied",
+    "folded_gemm:dx",
     "rmsnorm:triton",
     "rmsnorm:torch",
     "add_rmsnorm:triton",

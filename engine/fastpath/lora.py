@@ -163,8 +163,14 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
     dx is written into `dx_out` when given."""
     a_all, bs, _ = w
     dx = None
-    g_parts = []  # dy_i (s_i B_i), stacked to [N, R] to pair with the stacked A
     dab: list[Optional[torch.Tensor]] = [None] * len(ab)
+    stacked = group.stacked_weight() if need_dx else None
+    dy_all = None if stacked is None else _side_by_side(dys, stacked)
+    # Folded (lora_fold.backward_dx): dx's base part and every dy_i (s_i B_i) from one GEMM a projection.
+    folded = None
+    if need_dx and dx_out is None and group.fold is not None and a_all is not None:
+        folded = lora_fold.backward_dx(dys, group, a_all, bs, dy_all)
+    g_parts = []  # dy_i (s_i B_i), stacked to [N, R] to pair with the stacked A
     col = 0
     for i, (B, r) in enumerate(zip(bs, group.ranks)):
         if B is None:
@@ -172,24 +178,29 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
         dy = dys[i]
         if need_ab[2 * i + 1]:
             dab[2 * i + 1] = _scaled_mm(dy.t(), xa[:, col : col + r], group.scales[i], ab[2 * i + 1].dtype)
-        g_parts.append(torch.mm(dy, B))
+        if folded is None:
+            g_parts.append(torch.mm(dy, B))
         col += r
     g = None
-    if g_parts:
-        g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts, 1)
-    stacked = group.stacked_weight() if need_dx else None
-    dy_all = None if stacked is None else _side_by_side(dys, stacked)
-    if dy_all is not None:  # one base GEMM over the stacked weight
-        count("stacked_gemm")
-        dx = None if g is None else torch.mm(g, a_all, out=dx_out)
-        dx = torch.mm(dy_all, stacked, out=dx_out) if dx is None else dx.addmm_(dy_all, stacked)
-    elif need_dx:
-        # The rank-R term first; every base GEMM then adds onto dx (see lora_linear_out).
-        dx = None if g is None else torch.mm(g, a_all, out=dx_out)
-        for dy, base in zip(dys, group.bases):
-            wt = base_operand(base, dy, False, group.nf4)
-            dx = base_mm(dy, wt, False, out=dx_out) if dx is None else base_mm(dy, wt, False, out=dx, accumulate=True)
-            del wt  # a dequantized 4-bit weight goes before the next one is made
+    if folded is not None:
+        dx, g = folded
+    else:
+        if g_parts:
+            g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts, 1)
+        if dy_all is not None:  # one base GEMM over the stacked weight
+            count("stacked_gemm")
+            dx = None if g is None else torch.mm(g, a_all, out=dx_out)
+            dx = torch.mm(dy_all, stacked, out=dx_out) if dx is None else dx.addmm_(dy_all, stacked)
+        elif need_dx:
+            # The rank-R term first; every base GEMM then adds onto dx (see lora_linear_out).
+            dx = None if g is None else torch.mm(g, a_all, out=dx_out)
+            for dy, base in zip(dys, group.bases):
+                wt = base_operand(base, dy, False, group.nf4)
+                if dx is None:
+                    dx = base_mm(dy, wt, False, out=dx_out)
+                else:
+                    dx = base_mm(dy, wt, False, out=dx, accumulate=True)
+                del wt  # a dequantized 4-bit weight goes before the next one is made
     if g is not None:
         if any(need_ab[0::2]):
             da_all = torch.mm(g.t(), x)  # [R, in]: every dA of the group in one matmul

@@ -26,6 +26,7 @@ mark (`claim_spare`) once, so two consumers of one tensor never write the same c
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -252,3 +253,51 @@ def _one(wide: torch.Tensor, op: torch.Tensor, bias: Optional[torch.Tensor], out
         return torch.mm(wide, op.t()) if out is None else torch.mm(wide, op.t(), out=out)
     bias = bias.to(wide.dtype)
     return torch.addmm(bias, wide, op.t()) if out is None else torch.addmm(bias, wide, op.t(), out=out)
+
+
+# -- the folded input gradient ------------------------------------------------------------------------
+
+
+def _fold_backward() -> bool:
+    """TUNESMITH_FOLD_BACKWARD=0 keeps the backward's separate passes: a before/after switch for
+    measurements (bench.ours's `fold_backward=false`), read at each call so one process can time both."""
+    return os.environ.get("TUNESMITH_FOLD_BACKWARD", "1") != "0"
+
+
+def backward_dx(dys, group, a_all: torch.Tensor, bs, one_gemm_dy: Optional[torch.Tensor] = None):
+    """(dx, g) for the group's projections folded, or None when this call cannot fold.
+
+    The forward's folded weight read the other way: dy_i [W_i | tails_i] = [dy_i W_i | dy_i sB_i in
+    its block], every other block zero, so one GEMM per projection accumulated into one [N, ld]
+    output makes dx's base part and g = [dy_1 sB_1 | dy_2 sB_2 | ...] together, with no pass of its
+    own over each dy for dy sB. Then dx += g A. dx and g are column views of that output (row
+    stride ld): dx's consumers (the norms' backward kernels, autograd's views) take strided rows.
+    `one_gemm_dy`: the group's gradients as one [N, sum of outs] tensor when they are side by side
+    (a stacked group), for one GEMM over the stacked buffer."""
+    fold: Optional[Fold] = group.fold
+    if fold is None or not _fold_backward() or any(B is None for B in bs) or not fold.folded(group.bases):
+        return None
+    d0 = dys[0]
+    n = d0.shape[0]
+    if n < FOLD_MIN_ROWS or any(d is None or d.dtype != group.bases[0].weight.dtype for d in dys):
+        return None
+    k, ld = fold.in_features, fold.ld
+    ops = fold.operands(group.bases)
+    out = torch.empty((n, ld), dtype=d0.dtype, device=d0.device)
+    count("folded_gemm:dx")
+    if fold.stacked:
+        op = ops[0]
+        if one_gemm_dy is not None:
+            count("stacked_gemm")
+            torch.mm(one_gemm_dy, op, out=out)
+        else:
+            for i, (dy, w) in enumerate(zip(dys, op.split([m.out_features for m in group.bases], 0))):
+                torch.mm(dy, w, out=out) if i == 0 else out.addmm_(dy, w)
+    else:
+        for i, (dy, op) in enumerate(zip(dys, ops)):
+            torch.mm(dy, op, out=out) if i == 0 else out.addmm_(dy, op)
+    r_all = sum(fold.ranks)
+    g = out[:, k : k + r_all]
+    dx = out[:, :k]
+    dx.addmm_(g, a_all)
+    return dx, g
