@@ -166,10 +166,10 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
     dab: list[Optional[torch.Tensor]] = [None] * len(ab)
     stacked = group.stacked_weight() if need_dx else None
     dy_all = None if stacked is None else _side_by_side(dys, stacked)
-    # Folded (lora_fold.backward_dx): dx's base part and every dy_i (s_i B_i) from one GEMM a projection.
+    # Folded (lora_fold.backward_dx): dx's base part and every dy_i (s_i B_i) from one GEMM.
     folded = None
-    if need_dx and dx_out is None and group.fold is not None and a_all is not None:
-        folded = lora_fold.backward_dx(dys, group, a_all, bs, dy_all)
+    if dy_all is not None and dx_out is None and group.fold is not None and a_all is not None:
+        folded = lora_fold.backward_dx(group, a_all, bs, dy_all)
     g_parts = []  # dy_i (s_i B_i), stacked to [N, R] to pair with the stacked A
     col = 0
     for i, (B, r) in enumerate(zip(bs, group.ranks)):

@@ -264,40 +264,35 @@ def _fold_backward() -> bool:
     return os.environ.get("TUNESMITH_FOLD_BACKWARD", "1") != "0"
 
 
-def backward_dx(dys, group, a_all: torch.Tensor, bs, one_gemm_dy: Optional[torch.Tensor] = None):
-    """(dx, g) for the group's projections folded, or None when this call cannot fold.
+def backward_dx(group, a_all: torch.Tensor, bs, dy_all: Optional[torch.Tensor]):
+    """(dx, g) for a stacked folded group whose gradients lie side by side in `dy_all` ([N, sum of
+    outs]: the gated activation's backward writes d_gate and d_up so), or None when this call cannot
+    fold.
 
-    The forward's folded weight read the other way: dy_i [W_i | tails_i] = [dy_i W_i | dy_i sB_i in
-    its block], every other block zero, so one GEMM per projection accumulated into one [N, ld]
-    output makes dx's base part and g = [dy_1 sB_1 | dy_2 sB_2 | ...] together, with no pass of its
-    own over each dy for dy sB. Then dx += g A. dx and g are column views of that output (row
-    stride ld): dx's consumers (the norms' backward kernels, autograd's views) take strided rows.
-    `one_gemm_dy`: the group's gradients as one [N, sum of outs] tensor when they are side by side
-    (a stacked group), for one GEMM over the stacked buffer."""
+    The forward's folded weight read the other way: dy_all [W | tails] = [dy W | dy_1 sB_1 | dy_2 sB_2],
+    each projection's tail block zero outside its own rows, so one GEMM makes dx's base part and g
+    together, with no pass of its own over each dy for dy sB; then dx += g A. dx and g are column views
+    of that [N, ld] output (row stride ld): dx's consumers (the norms' backward kernels, autograd's
+    views) take strided rows.
+
+    Only the stacked one-GEMM case folds: measured on the H100 (bench.lora_fold `*_dx_outfold`, 16,384
+    tokens), gate/up's input gradient took 0.336 against 0.377 ms on W1 and 4.78 against 5.11 on W3,
+    but q/k/v's three GEMMs into one wide output took longer than today's (W1 0.286 against 0.275,
+    W2 0.481 against 0.400): the output is R columns wider and read back by each accumulation."""
     fold: Optional[Fold] = group.fold
-    if fold is None or not _fold_backward() or any(B is None for B in bs) or not fold.folded(group.bases):
+    if dy_all is None or fold is None or not fold.stacked or not _fold_backward():
         return None
-    d0 = dys[0]
-    n = d0.shape[0]
-    if n < FOLD_MIN_ROWS or any(d is None or d.dtype != group.bases[0].weight.dtype for d in dys):
+    if any(B is None for B in bs) or not fold.folded(group.bases):
+        return None
+    n = dy_all.shape[0]
+    if n < FOLD_MIN_ROWS or dy_all.dtype != group.bases[0].weight.dtype:
         return None
     k, ld = fold.in_features, fold.ld
-    ops = fold.operands(group.bases)
-    out = torch.empty((n, ld), dtype=d0.dtype, device=d0.device)
+    out = torch.empty((n, ld), dtype=dy_all.dtype, device=dy_all.device)
     count("folded_gemm:dx")
-    if fold.stacked:
-        op = ops[0]
-        if one_gemm_dy is not None:
-            count("stacked_gemm")
-            torch.mm(one_gemm_dy, op, out=out)
-        else:
-            for i, (dy, w) in enumerate(zip(dys, op.split([m.out_features for m in group.bases], 0))):
-                torch.mm(dy, w, out=out) if i == 0 else out.addmm_(dy, w)
-    else:
-        for i, (dy, op) in enumerate(zip(dys, ops)):
-            torch.mm(dy, op, out=out) if i == 0 else out.addmm_(dy, op)
-    r_all = sum(fold.ranks)
-    g = out[:, k : k + r_all]
+    count("stacked_gemm")
+    torch.mm(dy_all, fold.operands(group.bases)[0], out=out)
+    g = out[:, k : k + sum(fold.ranks)]
     dx = out[:, :k]
     dx.addmm_(g, a_all)
     return dx, g

@@ -93,6 +93,7 @@ def prepare_model(
 
     base = hf_model(model)
     base.config.use_cache = False
+    _no_padding_check(base)
     if gradient_checkpointing:
         _checkpoint_layers(base)
     offloader, report["offload"] = _install_offload(
@@ -147,6 +148,25 @@ def _say_policy_offs(report: dict[str, str], auto_reasons: dict[str, str]) -> di
         if path in auto_reasons:
             out[key] = f"off: auto, the policy chose off: {auto_reasons[path]}"
     return out
+
+
+def _skip_padding_check(input_ids, attention_mask) -> None:
+    """Stands in for transformers' `warn_if_padding_and_no_attention_mask` (see _no_padding_check)."""
+
+
+def _no_padding_check(base) -> None:
+    """Turn off transformers' padding warning on every model of `base`'s tree.
+
+    Packed rows carry no attention mask by design (documents are kept apart by their positions), and
+    the check that would warn about it (GPT-2, GPT-BigCode and some sixty other families run it in
+    each forward) indexes the ids with a Python list: a CPU tensor copied to the GPU, which a CUDA
+    graph's capture refuses (those families fell back from the step graph for it), and a read back
+    to the host every step. It only ever warns, so nothing a run computes changes."""
+    from transformers import PreTrainedModel
+
+    for module in base.modules():
+        if isinstance(module, PreTrainedModel):
+            module.warn_if_padding_and_no_attention_mask = _skip_padding_check
 
 
 def _checkpoint_layers(base) -> None:

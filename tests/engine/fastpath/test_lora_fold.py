@@ -112,7 +112,8 @@ def test_folded_groups_match_peft(bias, layout, monkeypatch):
         got_qkv = run(model, lambda b, x: lora_linears(x, qkv), x, up_qkv)
         got_mlp = run(model, lambda b, x: (lora_mlp(x, gate_up, down, act=GatedAct("silu")),), x, _upstream([x]))
     assert counts["folded_gemm"] == 2
-    assert counts["folded_gemm:dx"] == 2  # both input gradients through dy [W | sB]
+    # gate/up's input gradient through dy [W | sB] where d_gate and d_up lie side by side (stacked).
+    assert counts["folded_gemm:dx"] == (0 if layout == "apart" else 1)
     assert counts["stacked_gemm"] == {"stacked": 2, "stacked_per_projection": 1, "apart": 0}[layout]
     assert_close_all(*got_qkv, *run(ref, qkv_stock, x, up_qkv), 1e-5)
     assert_close_all(*got_mlp, *run(ref, mlp_stock_for("silu"), x, _upstream([x])), 1e-5)
@@ -123,8 +124,9 @@ def test_folded_groups_match_peft(bias, layout, monkeypatch):
 
 
 def test_folded_input_gradient_matches_the_two_pass_one(monkeypatch):
-    """dy [W | sB] in one GEMM a projection (lora_fold.backward_dx) against dy sB and dy W apart:
-    the same dx and adapter gradients; dx comes back as a column view of the wide output."""
+    """Stacked gate/up's input gradient as dy [W | sB] in one GEMM (lora_fold.backward_dx) against
+    dy sB and dy W apart: the same dx and adapter gradients; q/k/v keep the two passes; dx comes
+    back as a column view of the wide output."""
     model = make_block(ALL, bias=True)
     gate_up, down, qkv = _groups(inner(model))
     x = _inputs(shape=(2, 90)).requires_grad_(True)
@@ -136,25 +138,22 @@ def test_folded_input_gradient_matches_the_two_pass_one(monkeypatch):
         with Counters().active() as counts:
             outs = lora_linears(x, qkv) + (lora_mlp(x, gate_up, down, act=GatedAct("silu")),)
             torch.autograd.backward(outs, _upstream(outs))
-        assert counts["folded_gemm:dx"] == (2 if folded else 0)
+        assert counts["folded_gemm:dx"] == (1 if folded else 0)
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         got[folded] = (x.grad.clone(), grads)
     torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
     for n in got[False][1]:
         torch.testing.assert_close(got[True][1][n], got[False][1][n], rtol=1e-5, atol=1e-5, msg=n)
-    # Straight from the group's backward: dx has the buffer's row length, not its own width.
     monkeypatch.setenv("TUNESMITH_FOLD_BACKWARD", "1")
-    w = qkv.weights(
-        [
-            t
-            for m in (inner(model).q_proj, inner(model).k_proj, inner(model).v_proj)
-            for t in (m.lora_A["default"].weight, m.lora_B["default"].weight)
-        ],
+    b = inner(model)
+    w = gate_up.weights(
+        [t for m in (b.gate_proj, b.up_proj) for t in (m.lora_A["default"].weight, m.lora_B["default"].weight)],
         x.dtype,
     )
-    dys = [torch.randn(180, b.out_features) for b in qkv.bases]
-    dx, g = lora_fold.backward_dx(dys, qkv, w[0], w[1])
-    assert dx.shape == (180, HIDDEN) and dx.stride() == (qkv.fold.ld, 1) and g.shape == (180, 12)
+    dy_all = torch.randn(180, sum(m.out_features for m in gate_up.bases))
+    dx, g = lora_fold.backward_dx(gate_up, w[0], w[1], dy_all)
+    assert dx.shape == (180, HIDDEN) and dx.stride() == (gate_up.fold.ld, 1) and g.shape == (180, 8)
+    assert lora_fold.backward_dx(gate_up, w[0], w[1], None) is None  # gradients not side by side
 
 
 def test_spare_columns_are_claimed_once():

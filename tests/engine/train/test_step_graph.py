@@ -192,3 +192,27 @@ def test_a_micro_batch_that_could_not_replay_is_named_to_the_monitor():
 def test_a_set_value_takes_graphs_on_a_small_card():
     on, why = _choice(setting=True, memory=8 * 2**30)
     assert on and why == "set in config"
+
+
+def test_prepared_models_skip_transformers_padding_check(monkeypatch):
+    """GPT-2 (like some sixty families) runs transformers' padding warning in every forward, which
+    copies a CPU index to the ids' device: a CUDA graph's capture refused it and the step fell back
+    (seen on the H100). A prepared model never calls it; an unprepared one does."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+    calls = []
+    monkeypatch.setattr(PreTrainedModel, "warn_if_padding_and_no_attention_mask", lambda self, *a: calls.append(1))
+    cfg = AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64, pad_token_id=0)
+
+    def model():
+        torch.manual_seed(0)
+        return get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["c_attn"]))
+
+    ids = torch.tensor([[0, 5, 6, 7, 0]])
+    model()(input_ids=ids)
+    assert calls, "transformers no longer runs the check: the engine's stand-in can go"
+    calls.clear()
+    prepared = prepare_model(model(), FastPathConfig(), torch.device("cpu"), False)
+    prepared.model(input_ids=ids)
+    assert calls == []
