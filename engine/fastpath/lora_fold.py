@@ -14,9 +14,11 @@ rebuilds (`Fold.write_tails`; every other block stays zero). The input side cost
 into a buffer with spare columns, unless x's producer left them (`claim_spare`).
 
 Measured before it was built (bench.lora_fold, H100, 16,384 tokens): the forward of q/k/v 0.260
-ms against 0.341 and of gate/up 0.337 against 0.422 on W1's shapes, where the input gradient gained
-nothing. So only the groups that read a normed hidden state (q/k/v, gate/up) fold, only their
-forward, and only above FOLD_MIN_ROWS rows: a decoding step's few rows keep the plain path.
+ms against 0.341 and of gate/up 0.337 against 0.422 on W1's shapes, where the input gradient as
+[dy | dy sB] [W; A] gained nothing. So only the groups that read a normed hidden state (q/k/v,
+gate/up) fold, and only above FOLD_MIN_ROWS rows: a decoding step's few rows keep the plain path.
+Stacked gate/up's input gradient also reads the folded weight the other way (`backward_dx`:
+dy [W | sB] makes dx's base part and dy sB in one GEMM).
 
 Inputs with spare columns: a norm patched for a folded consumer (engine.models.patches) writes its
 output into a buffer with the consumer's spare width (engine.kernels.rmsnorm.spare_empty) and
