@@ -1,18 +1,19 @@
 """Every family the engine knows trains on a GPU with the settings a user gets, and learns like stock.
 
 The learning tier (test_learning_gpu.py) checks each fast path at real layer shapes on a handful of
-families. This file is the breadth beside it: for every model_type of engine.models.arch that a
-small config can build (the tiny test config where the family has one, else TINY_BASE's values),
-a local folder of random bf16 weights trains through the real TrainingSession, as `tunesmith
-train` runs it, with every fast path and training setting left at what the hardware policy picks
-on this GPU (the fold, the stacked bases, the kernels, CUDA graphs where auto takes them); then on
-the stock HF + PEFT path on the same rows. Rows are 2,048 tokens, so the folded LoRA GEMMs (from
-1,024 rows) run. A case passes when the stock curve falls, ours falls by the same amount within
-10%, every step is within 2% and nothing fell back to a stock module (the stateful families'
-documents running one at a time is theirs by design). A second case per patched
-family turns on gradient checkpointing with double offload, a laptop's settings for a larger model.
+families. This file is the breadth beside it. For every family a small config builds (CONFIGS: an
+architecture's tiny config, else test_more_families' for the families beyond the patched ones,
+else TINY_BASE; 66 families), a local folder of random bf16 weights trains 30 steps through the
+real TrainingSession, as `tunesmith train` runs it, with every fast path and training setting left
+at what the hardware policy picks on this GPU (the fold, the stacked bases, the kernels, CUDA
+graphs where auto takes them); then on the stock HF + PEFT path on the same rows. Rows are 2,048
+tokens, so the folded LoRA GEMMs (from 1,024 rows) run.
 
-Families left out, and why, are in SKIPPED. Curves go to $TUNESMITH_LEARNING_LOG.
+A case passes when the stock curve falls (0.2 nats), ours falls as far within 10%, every step is
+within 2%, and nothing fell back to a stock module (the stateful families' documents running one at
+a time is theirs by design). A second case per patched family turns on gradient checkpointing with
+double offload, a laptop's settings for a larger model. Curves go to $TUNESMITH_LEARNING_LOG.
+
 Run on the GPU host:  python -m pytest -m gpu tests/gpu/test_families_gpu.py -q
 """
 
@@ -29,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from learning_parity import compare, curve_table, make_config, random_model_folder, stock, train  # noqa: E402
 
 from engine.data.synthetic import write_text_jsonl  # noqa: E402
-from engine.models.arch import ARCHS  # noqa: E402
+from engine.models.arch import ARCHS, arch_for  # noqa: E402
 from engine.models.arch.spec import TINY_BASE  # noqa: E402
+from tests.engine.models.test_more_families import FAMILIES as MORE_FAMILIES  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,43 +40,67 @@ pytestmark = [
 ]
 
 STEPS, SEQ, LR = 30, 2048, 5e-3
-# The learning tier's bf16 bounds, but a fall of 0.3 nats (WORKLOADS.md's learning check): a model
-# 64 wide with LoRA alone levels off about 0.45 nats down on this text.
-BF16 = dict(step_rel=0.02, final_rel=0.01, min_fall=0.3, fall_rel=0.10)
+# The learning tier's bf16 bounds, but a fall of 0.2 nats: a model 64 wide with LoRA alone levels off
+# 0.2-0.6 nats down on this text (fp32 on a CPU, 30 steps). A run that learned nothing still fails:
+# it must fall as far as the stock run, within 10%.
+BF16 = dict(step_rel=0.02, final_rel=0.01, min_fall=0.2, fall_rel=0.10)
 
-# Families whose config TINY_BASE's generic values do not build (each needs values of its own the
-# arch file has no tiny config for yet), or that are not causal LMs.
-SKIPPED = {
-    "qwen2_vl": "a vision-language wrapper: AutoModelForCausalLM does not build it from its config",
-    "qwen3_next": "hybrid linear attention: the generic tiny config has no full-attention layer",
-    "jamba": "hybrid: the generic tiny config has no attention layer",
-    "granitemoehybrid": "hybrid: the generic tiny config has no attention layer",
-    "bamba": "hybrid: the generic tiny config has no attention layer",
-    "qwen3_5": "hybrid linear attention: the generic tiny config does not build",
-    "olmo_hybrid": "its default pad id lies outside a 1,024-token vocabulary",
-    "kimi_linear": "its default pad id lies outside a 1,024-token vocabulary",
-    "minicpm3": "multi-head latent attention needs its own head sizes",
-    "gptj": "its rotary dimension needs its own head size",
-    "falcon": "its config derives head_dim and takes no generic value",
+# Families with an architecture file but no tiny config (engine.models.arch, test_more_families):
+# TINY_BASE with these values, minus the keys their config cannot take.
+PLAIN = {
+    "gpt2": {},
+    "gpt_neox": {},
+    "gptj": dict(rotary_dim=8),
+    "phi": {},
+    "opt": {},
+    "bloom": {},
+    "falcon": {},
+    "starcoder2": {},
+    "gpt_bigcode": {},
 }
-# Logit scales that leave a random model too flat to fall 0.3 nats in STEPS steps, made milder (still
+WITHOUT = {"falcon": ("head_dim",)}
+# Not built here: a vision-language wrapper AutoModelForCausalLM does not build from its config, and
+# Qwen3.5's wrapper (its text model, qwen3_5_text, is in test_more_families).
+SKIPPED = {"qwen2_vl", "qwen3_5"}
+# Logit scales that leave a random model too flat to fall 0.2 nats in STEPS steps, made milder (still
 # not 1, so the scaled loss runs).
-LEARNABLE = {"granite": dict(logits_scaling=1.5), "cohere": dict(logit_scale=0.75)}
-# Granite-MoE learns slower: at LR it fell 0.27 nats on the H100 (0.32 in fp32 on a CPU, 0.35 at 1e-2).
-LR_FOR = {"granitemoe": 1e-2}
-# Families whose layers carry state along a row train one document at a time (a counted fallback
-# of the packing, `packed_rows: ...`, by design); their torch recurrences are the slowest cases here.
-STATEFUL = ("lfm2", "nemotron_h", "falcon_h1")
-FAMILIES = [name for name, arch in ARCHS.items() if name == arch.model_type and name not in SKIPPED]
-FAMILIES = [n for n in FAMILIES if n not in STATEFUL] + [n for n in STATEFUL if n in FAMILIES]
-PATCHED = [name for name in FAMILIES if ARCHS[name].fast_paths]
+LEARNABLE = {
+    "granite": dict(logits_scaling=1.5),
+    "granitemoe": dict(logits_scaling=1.0),  # its router learns slower still (LR_FOR)
+    "granitemoehybrid": dict(logits_scaling=1.5),
+    "hyperclovax": dict(logits_scaling=1.5),
+    "cohere": dict(logit_scale=0.75),
+    "cohere2": dict(logit_scale=0.75),
+    "minicpm3": dict(dim_model_base=48),
+    "falcon_h1": dict(lm_head_multiplier=0.75),
+}
+# Tiny routers and MLA learn slower: these fell 0.18-0.25 nats at LR in fp32 on a CPU (0.23-0.38 at 1e-2).
+LR_FOR = {"granitemoe": 1e-2, "mixtral": 1e-2, "minicpm3": 1e-2}
+
+
+def _configs() -> dict[str, dict]:
+    """{model_type: its small config's values}: an architecture's tiny config where it has one, else
+    test_more_families' (the families beyond the patched ones, with no file of their own too), else PLAIN."""
+    out = {
+        name: arch.tiny_config() for name, arch in ARCHS.items() if name == arch.model_type and arch.tiny is not None
+    }
+    for name, extra in {**MORE_FAMILIES, **PLAIN}.items():
+        base = {k: v for k, v in TINY_BASE.items() if k not in WITHOUT.get(name, ())}
+        out.setdefault(name, {**base, **extra})
+    return {name: values for name, values in out.items() if name not in SKIPPED}
+
+
+CONFIGS = _configs()
+# Families whose layers carry state along a row train one document at a time (a counted fallback of
+# the packing, `packed_rows: ...`, by design); their torch recurrences are the slowest cases: last.
+FAMILIES = sorted(CONFIGS, key=lambda n: (bool(getattr(arch_for(n), "row_state", False)), n))
+PATCHED = [name for name in FAMILIES if arch_for(name) is not None and arch_for(name).fast_paths]
 _TOKEN_IDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
 _LOG = os.environ.get("TUNESMITH_LEARNING_LOG")
 
 
 def _shape(model_type: str) -> dict:
-    arch = ARCHS[model_type]
-    values = arch.tiny_config() if arch.tiny is not None else dict(TINY_BASE)
+    values = dict(CONFIGS[model_type])
     values["max_position_embeddings"] = 4 * SEQ
     values.update(LEARNABLE.get(model_type, {}))
     return {k: v for k, v in values.items() if k not in _TOKEN_IDS}
