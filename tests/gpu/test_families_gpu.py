@@ -131,7 +131,8 @@ def _run(root, data, model_type, training):
         )
     ref = _REFS[model_type]
     problems = compare(ours, ref, **BF16)
-    # Stateful families' documents run alone by design (STATEFUL); any other fallback is a failure.
+    # A family that cannot pack runs each document alone by design (a `packed_rows:` fallback: state carried
+    # along a row, Bloom's ALiBi mask); any other fallback is a failure.
     fallbacks = [
         f"step {s.step}: {bad}"
         for s in ours.steps
