@@ -562,7 +562,9 @@ class _Step:
                 out = self.eager()
         except RuntimeError as exc:  # an op that syncs or is not capturable: the eager step
             torch.cuda.synchronize()
-            return f"capture failed: {str(exc).splitlines()[0][:200]}"
+            from engine.train.step_graph import failed_at
+
+            return f"capture failed: {str(exc).splitlines()[0][:160]}{failed_at(exc)}"
         self.graph, self.out = graph, out
         return None
 

@@ -152,6 +152,27 @@ def graph_choice(
 STATIC_BLOCKS = (16, 32, 64, 128)
 
 
+def failed_at(exc: BaseException) -> str:
+    """Where `exc` was raised, as ' at <file>:<line>': the innermost frame outside torch, or "".
+
+    A capture fails at the op that cannot be captured (a host tensor copied in, a read back), and
+    that op is almost always called from a model's code, not torch's: naming the frame in the
+    counted reason tells the user which family's code stopped the graph, with no log to dig in."""
+    import traceback
+
+    where = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or "/contextlib" in path:
+            continue
+        for root in ("/site-packages/", "/engine/", "/studio/"):
+            if root in path:
+                path = path.split(root, 1)[1] if root == "/site-packages/" else root[1:] + path.split(root, 1)[1]
+                break
+        where = f" at {path}:{frame.lineno}"
+    return where
+
+
 class _StaticInfo(PackedSeqInfo):
     """A bucket's packed metadata: its block tables are the static ones, filled per micro-batch.
     A table it does not hold is an error (the capture fails and the run stays eager), never one
@@ -303,7 +324,7 @@ class StepGraphs:
 
                 if is_oom(exc):
                     raise  # the step's memory recovery handles it (and calls reset)
-                self.broken = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+                self.broken = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}){failed_at(exc)}"
                 self.reset()
                 count_fallback("cuda_graphs", self.broken)
                 return self._eager(batch, normalizer)

@@ -216,3 +216,17 @@ def test_prepared_models_skip_transformers_padding_check(monkeypatch):
     prepared = prepare_model(model(), FastPathConfig(), torch.device("cpu"), False)
     prepared.model(input_ids=ids)
     assert calls == []
+
+
+def test_a_failed_capture_names_the_model_code_that_stopped_it():
+    # The counted reason names the innermost frame outside torch: here a model file under
+    # site-packages whose op (a torch call) raised, as a capture's refused host copy does.
+    from engine.train.step_graph import failed_at
+
+    source = "def forward(x):\n    return torch.zeros(2).to(x)\n"
+    scope = {"torch": torch}
+    exec(compile(source, "/env/lib/site-packages/transformers/models/gpt2/modeling_gpt2.py", "exec"), scope)
+    with pytest.raises(TypeError) as info:
+        scope["forward"](object())
+    assert failed_at(info.value) == " at transformers/models/gpt2/modeling_gpt2.py:2"
+    assert failed_at(RuntimeError("no traceback")) == ""
