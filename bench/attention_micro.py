@@ -6,10 +6,10 @@ ours ("triton") and torch's flash varlen kernel ("torch_flash", torch.nn.attenti
 or any other engine.fastpath.attention backend named in --backends. Ours runs once per backward named
 in --backwards ("split": dK/dV then dQ, the reference; "onepass": engine.kernels.varlen_attention_bwd;
 set through TUNESMITH_ATTN_BWD for the call) and per launch-choice set named in --tunings ("new", the
-default; "old": the block sizes and dK/dV addressing of before 2026-12-02, TUNESMITH_ATTN_TUNING), so before
-and after land in one run. The autotuner's memory is cleared before each of ours, so every variant tunes at
-its own workload's shape as a fresh training process would, and its picks are recorded
-(`configs`). It also reports each backend's
+default; "old": the block sizes and dK/dV addressing of before 2026-12-02, TUNESMITH_ATTN_TUNING) and
+per GQA packing named in --packs (TUNESMITH_ATTN_PACK), so before and after land in one run. The
+autotuner's memory is cleared before each of ours, so every variant tunes at its own workload's
+shape as a fresh training process would, and its picks are recorded (`configs`). It also reports each backend's
 largest difference from ours in the output and in dq/dk/dv, so a fast backend that is wrong
 shows up here. It is the evidence behind engine.fastpath.attention's backend choice; one JSON line per
 (workload, backend, backward) goes to --results.
@@ -59,14 +59,6 @@ def _tuned_kernels() -> dict:
     }
 
 
-def _forget_tuning() -> None:
-    """Clear the autotuners' picks, so the next call tunes at its own shape (the key holds no length
-    beyond the long-document bucket, and W2 and W6 share head_dim 64 and GQA 4)."""
-    for kernel in _tuned_kernels().values():
-        getattr(kernel, "cache", {}).clear()
-        kernel.best_config = None
-
-
 def _tuned_picks() -> dict:
     """{kernel: the autotuner's last pick} for the kernels that ran (none when autotuning is off)."""
     picks = {}
@@ -93,10 +85,12 @@ def run(
     results: Path | None,
     backwards: tuple[str, ...] = ("auto",),
     tunings: tuple[str, ...] = ("new",),
+    packs: tuple[str, ...] = ("1",),
 ) -> list[dict]:
     from engine.fastpath import attention, packed
-    from engine.kernels.varlen_attention import TUNING_ENV
+    from engine.kernels.varlen_attention import TUNING_ENV, forget_tuning
     from engine.kernels.varlen_attention_bwd import BACKWARD_ENV
+    from engine.kernels.varlen_attention_configs import PACK_ENV
 
     dev = torch.device("cuda")
     rows = []
@@ -117,12 +111,13 @@ def run(
         fwd_flops = 2.0 * d * hq * sum(n * n for n in info.lengths)
         ref = None
         variants = [
-            (b, w, u)
+            (b, w, u, n)
             for b in backends
             for w in (backwards if b == "triton" else (None,))
             for u in (tunings if b == "triton" else (None,))
+            for n in (packs if b == "triton" else (None,))
         ]
-        for backend, backward, tuning in variants:
+        for backend, backward, tuning, pack in variants:
             row = {
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "gpu": torch.cuda.get_device_name(),
@@ -131,6 +126,7 @@ def run(
                 "backend": backend,
                 "attn_backward": backward,
                 "tuning": tuning,
+                "pack": pack,
                 "autotune": os.environ.get("TUNESMITH_ATTN_AUTOTUNE", "1") != "0",
                 "tokens": t,
                 "docs": len(info.lengths),
@@ -140,8 +136,9 @@ def run(
             }
             before_bwd = _set_env(BACKWARD_ENV, backward) if backward is not None else os.environ.get(BACKWARD_ENV)
             before_tuning = _set_env(TUNING_ENV, tuning) if tuning is not None else os.environ.get(TUNING_ENV)
+            before_pack = _set_env(PACK_ENV, pack) if pack is not None else os.environ.get(PACK_ENV)
             if backend == "triton":
-                _forget_tuning()
+                forget_tuning()
             try:
                 if not attention.backend_available(backend, q):
                     row["status"] = "not available here"
@@ -184,6 +181,7 @@ def run(
             finally:
                 _set_env(BACKWARD_ENV, before_bwd)
                 _set_env(TUNING_ENV, before_tuning)
+                _set_env(PACK_ENV, before_pack)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if results is not None:
@@ -199,6 +197,9 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="triton,torch_flash")
     p.add_argument("--backwards", default="split,onepass", help="our backward(s): split, onepass, auto")
     p.add_argument("--tunings", default="new", help="our launch choices: new, old (TUNESMITH_ATTN_TUNING)")
+    p.add_argument(
+        "--packs", default="1", help="GQA packing of fwd/dQ (TUNESMITH_ATTN_PACK): 1 auto, 0 off, n forced; e.g. 0,1"
+    )
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--results", type=Path, default=HERE / "results" / "attention_results.jsonl")
     args = p.parse_args(argv)
@@ -212,14 +213,16 @@ def main(argv=None) -> int:
         args.results,
         tuple(args.backwards.split(",")),
         tuple(args.tunings.split(",")),
+        tuple(args.packs.split(",")),
     )
     print(
-        f"\n{'workload':8} {'backend':12} {'backward':9} {'tuning':6} {'fwd ms':>8} {'bwd ms':>8} {'fwd+bwd ms':>11} "
-        f"{'fwd TF/s':>9} {'f+b TF/s':>9}  status"
+        f"\n{'workload':8} {'backend':12} {'backward':9} {'tuning':6} {'pack':4} {'fwd ms':>8} {'bwd ms':>8} "
+        f"{'fwd+bwd ms':>11} {'fwd TF/s':>9} {'f+b TF/s':>9}  status"
     )
     for r in rows:
         print(
             f"{r['workload']:8} {r['backend']:12} {str(r['attn_backward'] or '-'):9} {str(r['tuning'] or '-'):6} "
+            f"{str(r['pack'] or '-'):4} "
             f"{r.get('fwd_ms', '-'):>8} "
             f"{r.get('bwd_ms', '-'):>8} {r.get('fwd_bwd_ms', '-'):>11} "
             f"{r.get('fwd_tflops', '-'):>9} {r.get('fwd_bwd_tflops', '-'):>9}  {r['status']}"

@@ -117,8 +117,12 @@ def measure(kind: str, d: int, cfg, tuning: str = "new", group: int = 4) -> dict
         BLOCK_M=bm,
         BLOCK_N=bn,
     )
+    pack = cfg.kwargs.get("PACK")
+    if pack is not None:  # the query-block kernels' GQA packing (varlen_attention_configs.PACK_ENV)
+        constexprs["PACK"] = pack
     usage = resource_usage(fn, constexprs, cfg.num_warps, cfg.num_stages)
-    return dict(kind=kind, head_dim=d, block_m=bm, block_n=bn, warps=cfg.num_warps, stages=cfg.num_stages, **usage)
+    row = dict(kind=kind, head_dim=d, block_m=bm, block_n=bn, warps=cfg.num_warps, stages=cfg.num_stages)
+    return {**row, **({"pack": pack} if pack is not None else {}), **usage}
 
 
 def main(argv=None) -> int:

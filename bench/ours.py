@@ -69,7 +69,7 @@ TRAINING_FIELDS = ("offload",)
 
 # Variant fields that are the engine's before/after switches read from the environment (no setting
 # of their own): every variant sets each one, to "0" where it asks for false, else to "1".
-ENV_FIELDS = {"fold_backward": "TUNESMITH_FOLD_BACKWARD"}
+ENV_FIELDS = {"fold_backward": "TUNESMITH_FOLD_BACKWARD", "attn_pack": "TUNESMITH_ATTN_PACK"}
 
 
 def split_fields(fields: dict) -> tuple[dict, dict]:
@@ -82,8 +82,15 @@ def set_env_fields(fields: dict) -> None:
     """Set the ENV_FIELDS switches for a variant about to run (read by the engine at each call)."""
     import os
 
+    changed = False
     for field, name in ENV_FIELDS.items():
-        os.environ[name] = "0" if fields.get(field, True) is False else "1"
+        value = "0" if fields.get(field, True) is False else "1"
+        changed |= name == "TUNESMITH_ATTN_PACK" and os.environ.get(name, "1") != value
+        os.environ[name] = value
+    if changed:  # the attention autotuners' picks were made under the other packing
+        from engine.kernels.varlen_attention import forget_tuning
+
+        forget_tuning()
 
 
 def fast_path_config(fields: dict):

@@ -20,6 +20,10 @@ gradients accumulate in registers with no atomics), then dQ per query block. Tha
 is the reference path; engine.kernels.varlen_attention_bwd holds the one-pass backward (dQ, dK, dV
 in one kernel, dQ by atomic adds), taken when asked for (`backward=` / TUNESMITH_ATTN_BWD).
 
+The query-block kernels (forward, dQ) may pack the query heads of a GQA group: a program then owns
+BLOCK_M positions of PACK heads, a tile of PACK * BLOCK_M rows that reads each K/V block once for
+all of them and masks at BLOCK_M's granularity (`_packed_rows`; varlen_attention_configs.PACK_ENV).
+
 Launch configurations come from small fixed candidate lists per head dim, one for packed short
 documents and one for long ones (the longest at least LONG_DOCUMENT tokens, a host int the caller
 passes as `max_seqlen`); the autotuner ranks a list once per process per (head dim, flags, bucket),
@@ -58,6 +62,7 @@ from engine.kernels.varlen_attention_configs import (
     _fixed,
     _tuned,
     _use_autotune,
+    fixed_pack,
     tuning,
 )
 from engine.kernels.varlen_attention_configs import _LONG_DEFAULTS as _LONG_DEFAULTS
@@ -287,6 +292,16 @@ def _fwd_inner(
 
 
 @triton.jit
+def _packed_rows(m0, head0, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
+    """(position, query head) of each row of a query-block program's tile: PACK heads of BLOCK_M
+    positions, head-major. Every mask reads only positions, so a packed tile masks as an unpacked one."""
+    r = tl.arange(0, PACK * BLOCK_M)
+    if PACK == 1:
+        return m0 + r, head0 + tl.zeros([BLOCK_M], dtype=tl.int32)
+    return m0 + r % BLOCK_M, head0 + r // BLOCK_M
+
+
+@triton.jit
 def _key_range(
     m0,
     doc_start,
@@ -383,8 +398,11 @@ def _attn_fwd(
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PACK: tl.constexpr,
 ):
-    head = tl.program_id(0)
+    # A program owns BLOCK_M positions of PACK query heads of one GQA group (PACK * BLOCK_M rows,
+    # head-major): each K/V block it reads serves all of them (varlen_attention_configs.PACK_ENV).
+    head0 = tl.program_id(0) * PACK
     pid = tl.program_id(1)
     # Autotuning may pick either block size; the launcher passes a table for each.
     if BLOCK_M == BLOCK_A:
@@ -397,27 +415,27 @@ def _attn_fwd(
     m0 = tl.load(tbl + 2 * pid + 1)
     doc_start = tl.load(CU + doc)
     doc_end = tl.load(CU + doc + 1)
-    kvh = head // GROUP
+    kvh = head0 // GROUP
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_m, heads = _packed_rows(m0, head0, BLOCK_M, PACK)
     offs_d = tl.arange(0, HEAD_DIM)
     m_ok = offs_m < doc_end
     rows = offs_m.to(tl.int64)
-    q = tl.load(Q + head * sq_h + rows[:, None] * sq_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    q = tl.load(Q + heads[:, None] * sq_h + rows[:, None] * sq_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
 
     if HAS_SINKS:
         # The head's sink is one more logit in every row's softmax, with no value: it starts the
         # running max and sum (exp2(sink - sink) = 1), so the log-sum-exp kept for the backward
         # counts it and the backward's probabilities come out right with no change there.
-        sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634  # base 2, as the scores
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        sink = tl.load(SINKS + heads).to(tl.float32) * 1.4426950408889634  # base 2, as the scores
+        m_i = tl.zeros([PACK * BLOCK_M], dtype=tl.float32) + sink
+        l_i = tl.full([PACK * BLOCK_M], 1.0, dtype=tl.float32)
     else:
         # A finite floor instead of -inf keeps rows whose first visited keys are all masked
         # (sliding window) free of inf - inf = NaN.
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([PACK * BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([PACK * BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([PACK * BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_base = K + kvh * sk_h
     v_base = V + kvh * sv_h
     lo, mid, hi = _key_range(m0, doc_start, doc_end, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
@@ -471,8 +489,10 @@ def _attn_fwd(
     )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    tl.store(O + head * so_h + rows[:, None] * so_t + offs_d[None, :], o.to(O.dtype.element_ty), mask=m_ok[:, None])
-    tl.store(LSE + head * s_lse + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
+    tl.store(
+        O + heads[:, None] * so_h + rows[:, None] * so_t + offs_d[None, :], o.to(O.dtype.element_ty), mask=m_ok[:, None]
+    )
+    tl.store(LSE + heads * s_lse + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
 
 
 @triton.jit
@@ -818,8 +838,10 @@ def _attn_bwd_dq(
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PACK: tl.constexpr,
 ):
-    head = tl.program_id(0)
+    # Programs own BLOCK_M positions of PACK heads, as in the forward.
+    head0 = tl.program_id(0) * PACK
     pid = tl.program_id(1)
     if BLOCK_M == BLOCK_A:
         tbl = TBL_A
@@ -831,17 +853,17 @@ def _attn_bwd_dq(
     m0 = tl.load(tbl + 2 * pid + 1)
     doc_start = tl.load(CU + doc)
     doc_end = tl.load(CU + doc + 1)
-    kvh = head // GROUP
+    kvh = head0 // GROUP
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_m, heads = _packed_rows(m0, head0, BLOCK_M, PACK)
     offs_d = tl.arange(0, HEAD_DIM)
     m_ok = offs_m < doc_end
     rows = offs_m.to(tl.int64)
-    q = tl.load(Q + head * sq_h + rows[:, None] * sq_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-    do = tl.load(DO + head * sdo_h + rows[:, None] * sdo_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-    lse = tl.load(LSE + head * s_lse + offs_m, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + head * s_lse + offs_m, mask=m_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    q = tl.load(Q + heads[:, None] * sq_h + rows[:, None] * sq_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    do = tl.load(DO + heads[:, None] * sdo_h + rows[:, None] * sdo_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    lse = tl.load(LSE + heads * s_lse + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + heads * s_lse + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros([PACK * BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_base = K + kvh * sk_h
     v_base = V + kvh * sv_h
     lo, mid, hi = _key_range(m0, doc_start, doc_end, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
@@ -897,7 +919,9 @@ def _attn_bwd_dq(
     )
     dq = dq * sm_scale
     tl.store(
-        DQ + head * sdq_h + rows[:, None] * sdq_t + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=m_ok[:, None]
+        DQ + heads[:, None] * sdq_h + rows[:, None] * sdq_t + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=m_ok[:, None],
     )
 
 
@@ -905,11 +929,25 @@ def _attn_bwd_dq(
 # Autotuned kernels (their launch lists: engine.kernels.varlen_attention_configs)
 # --------------------------------------------------------------------------------------------
 
+# The query-block kernels, whose launches take PACK (engine.kernels.varlen_attention_configs.PACK_ENV).
+_PACKED_KINDS = ("fwd", "dq")
+
 _attn_fwd_tuned = _tuned(_attn_fwd, _FWD_CONFIGS, key=_LONG_KEY, long_table=_FWD_LONG_CONFIGS)
 _attn_bwd_dkdv_tuned = _tuned(
     _attn_bwd_dkdv, _DKDV_CONFIGS, key=_LONG_KEY + ["REBUILD_ADDR"], long_table=_DKDV_LONG_CONFIGS
 )
 _attn_bwd_dq_tuned = _tuned(_attn_bwd_dq, _DQ_CONFIGS, key=_LONG_KEY, long_table=_DQ_LONG_CONFIGS)
+
+
+def forget_tuning() -> None:
+    """Clear the attention autotuners' picks, so the next call ranks its candidates again: for a
+    benchmark that changes TUNESMITH_ATTN_PACK or TUNESMITH_ATTN_TUNING between variants in one
+    process (the autotuner's key holds neither)."""
+    from engine.kernels.varlen_attention_bwd import _attn_bwd_onepass_tuned
+
+    for kernel in (_attn_fwd_tuned, _attn_bwd_dkdv_tuned, _attn_bwd_dq_tuned, _attn_bwd_onepass_tuned):
+        getattr(kernel, "cache", {}).clear()
+        kernel.best_config = None
 
 
 class _Launch:
@@ -987,10 +1025,14 @@ class _Launch:
             ta, na = self.tables(table_kind, TABLE_BLOCKS[0])
             tb, nb = self.tables(table_kind, TABLE_BLOCKS[1])
             counts = {TABLE_BLOCKS[0]: na, TABLE_BLOCKS[1]: nb}
-            grid = lambda meta: (heads, max(counts[meta[table_key]], 1))  # noqa: E731
+            # A packed candidate's program serves PACK query heads (fwd, dq).
+            grid = lambda meta: (heads // meta.get("PACK", 1), max(counts[meta[table_key]], 1))  # noqa: E731
             tuned[grid](*head_args, ta, tb, *tail_args, BLOCK_A=TABLE_BLOCKS[0], **flags)
             return
         bm, bn, warps, stages = _fixed(kind, self.d, self.blocks, self.fp32, defaults, bool(self.long_docs))
+        if kind in _PACKED_KINDS:
+            flags["PACK"] = pack = fixed_pack(self.group) if not self.long_docs else 1
+            heads //= pack
         tblock = bn if key_blocks else bm
         ta, na = self.tables(table_kind, tblock)
         plain[(heads, max(na, 1))](

@@ -41,11 +41,47 @@ def _cfg(bm, bn, warps, stages):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
+def _qcfg(bm, bn, warps, stages, pack=1):
+    """A query-block kernel's candidate (forward, dQ): BLOCK_M positions of PACK query heads that
+    share one key/value head, so a program's tile has PACK * BLOCK_M rows and reads each K/V block
+    once for all of them (see PACK_ENV)."""
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PACK": pack}, num_warps=warps, num_stages=stages)
+
+
+# GQA packing of the query-block kernels (forward and dQ). Packed short documents (W1-W3) leave
+# most of a 128-row tile masked on the diagonal, and every query head re-reads its group's K/V: a
+# 64-position block of two heads is a 128-row tile with the masking of a 64-row one and half the
+# K/V reads. TUNESMITH_ATTN_PACK: unset or "1" lets the autotuner rank packed candidates beside the
+# others (the untuned default packs nothing); "0" keeps only unpacked ones (the before of an A/B);
+# an integer n >= 2 packs n heads in every launch whose group it divides (tests, the interpreter).
+PACK_ENV = "TUNESMITH_ATTN_PACK"
+
+
+def pack_setting() -> int:
+    """TUNESMITH_ATTN_PACK as an int: 1 auto (default), 0 off, n >= 2 forced."""
+    value = os.environ.get(PACK_ENV, "1").strip() or "1"
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{PACK_ENV}={value!r}: must be 0 (off), 1 (auto) or a head count >= 2") from None
+    if n < 0:
+        raise ValueError(f"{PACK_ENV}={value!r}: must be 0 (off), 1 (auto) or a head count >= 2")
+    return n
+
+
+def fixed_pack(group: int) -> int:
+    """PACK for an untuned launch of a query-block kernel: the forced count where it divides the group, else 1."""
+    n = pack_setting()
+    return n if n >= 2 and group % n == 0 else 1
+
+
 # Hopper-minded candidates, few on purpose: each distinct (head_dim, group, flags, dtype) tunes once.
 _FWD_CONFIGS = {
-    64: [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 4)],
-    128: [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 4, 3)],
-    256: [_cfg(64, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2)],
+    64: [_qcfg(128, 64, 4, 3), _qcfg(128, 128, 8, 3), _qcfg(64, 64, 4, 3), _qcfg(128, 64, 8, 4)]
+    + [_qcfg(64, 64, 4, 3, pack=2), _qcfg(64, 128, 8, 3, pack=2), _qcfg(64, 64, 8, 3, pack=4)],
+    128: [_qcfg(128, 64, 8, 3), _qcfg(128, 128, 8, 3), _qcfg(64, 64, 4, 3), _qcfg(128, 64, 4, 3)]
+    + [_qcfg(64, 64, 8, 3, pack=2), _qcfg(64, 64, 8, 2, pack=2), _qcfg(64, 128, 8, 3, pack=2)],
+    256: [_qcfg(64, 64, 4, 2), _qcfg(64, 64, 8, 2), _qcfg(64, 32, 4, 2)],
 }
 # dK/dV: BLOCK_N is the key block (table), BLOCK_M the query step (any ratio works).
 _DKDV_CONFIGS = {
@@ -55,9 +91,11 @@ _DKDV_CONFIGS = {
 }
 # dQ: BLOCK_M is the query block (table), BLOCK_N the key step.
 _DQ_CONFIGS = {
-    64: [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
-    128: [_cfg(128, 32, 8, 2), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
-    256: [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 16, 4, 2)],
+    64: [_qcfg(128, 32, 4, 3), _qcfg(128, 64, 8, 3), _qcfg(64, 64, 4, 3), _qcfg(64, 32, 4, 2)]
+    + [_qcfg(64, 32, 4, 3, pack=2), _qcfg(64, 64, 8, 3, pack=2), _qcfg(64, 32, 8, 3, pack=4)],
+    128: [_qcfg(128, 32, 8, 2), _qcfg(128, 64, 8, 2), _qcfg(64, 64, 4, 3), _qcfg(64, 32, 4, 2)]
+    + [_qcfg(64, 32, 8, 2, pack=2), _qcfg(64, 64, 8, 2, pack=2)],
+    256: [_qcfg(64, 32, 4, 2), _qcfg(64, 64, 8, 2), _qcfg(64, 16, 4, 2)],
 }
 _ALL_KEY = ["HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_SOFTCAP"]
 
@@ -72,16 +110,17 @@ _ALL_KEY = ["HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_SOFTCAP"]
 # Head dims without a long list use the short one.
 LONG_DOCUMENT = 4096
 _FWD_LONG_CONFIGS = {
-    64: [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 4, 4), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4)],
-    128: [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 4)],
+    64: [_qcfg(128, 128, 8, 3), _qcfg(128, 128, 8, 4), _qcfg(128, 64, 4, 4), _qcfg(128, 64, 4, 3)]
+    + [_qcfg(128, 64, 8, 4)],
+    128: [_qcfg(128, 64, 8, 3), _qcfg(128, 128, 8, 2), _qcfg(128, 128, 8, 3), _qcfg(128, 64, 8, 4)],
 }
 _DKDV_LONG_CONFIGS = {
     64: [_cfg(32, 128, 8, 3), _cfg(32, 128, 8, 5), _cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3)],
     128: [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 2)],
 }
 _DQ_LONG_CONFIGS = {
-    64: [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 3), _cfg(128, 32, 4, 3)],
-    128: [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 32, 8, 2), _cfg(128, 32, 8, 3)],
+    64: [_qcfg(128, 64, 8, 3), _qcfg(128, 64, 8, 4), _qcfg(128, 128, 8, 3), _qcfg(128, 32, 4, 3)],
+    128: [_qcfg(128, 64, 8, 2), _qcfg(128, 64, 8, 3), _qcfg(128, 32, 8, 2), _qcfg(128, 32, 8, 3)],
 }
 
 # TUNESMITH_ATTN_TUNING=old runs the launch choices of before 2026-12-02 (one candidate list for
@@ -109,9 +148,25 @@ def _prune(table, long_table=None):
         long_docs = kwargs.get("long_docs", named_args.get("long_docs", 0))
         if long_table is not None and long_docs and d in long_table:
             return long_table[d]
-        return _nearest(table, d)
+        return _packable(_nearest(table, d), kwargs.get("GROUP", named_args.get("GROUP", 1)))
 
     return prune
+
+
+def _packable(configs, group: int):
+    """The candidates whose PACK the GQA group and TUNESMITH_ATTN_PACK allow (kernels without PACK: all)."""
+    setting = pack_setting()
+    if setting == 1:
+        allowed = None  # auto: every pack that divides the group
+    else:  # off, or forced: that count where it divides the group (fixed_pack's rule)
+        allowed = {setting if setting >= 2 and group % setting == 0 else 1}
+    kept = [
+        c
+        for c in configs
+        if "PACK" not in c.kwargs
+        or (group % c.kwargs["PACK"] == 0 and (allowed is None or c.kwargs["PACK"] in allowed))
+    ]
+    return kept or [c for c in configs if c.kwargs.get("PACK", 1) == 1]
 
 
 # Timed runs per candidate: about this many milliseconds of them, at least one, at most MAX_RUNS.

@@ -70,6 +70,28 @@ def test_real_shapes_bf16(hq, hkv, d, seed):
     print(_check(doc_lengths(seed=seed), hq, hkv, d, torch.bfloat16, seed=seed))
 
 
+@pytest.mark.parametrize(
+    "hq,hkv,d,pack",
+    [(16, 8, 128, 2), (32, 8, 64, 2), (32, 8, 64, 4), (32, 8, 128, 2)],
+    ids=["W1-pack2", "W2-pack2", "W2-pack4", "W3-pack2"],
+)
+def test_gqa_packed_query_blocks_at_real_shapes_bf16(monkeypatch, hq, hkv, d, pack):
+    # Forced packing (TUNESMITH_ATTN_PACK=n): the autotuner ranks only the packed candidates of the
+    # forward and dQ, so the pick it makes is the one checked (the interpreter cannot check bf16 dots).
+    from engine.kernels.varlen_attention import forget_tuning
+
+    monkeypatch.setenv("TUNESMITH_ATTN_PACK", str(pack))
+    forget_tuning()
+    try:
+        print(_check(doc_lengths(seed=2), hq, hkv, d, torch.bfloat16, seed=2))
+        from engine.kernels.varlen_attention import _attn_bwd_dq_tuned, _attn_fwd_tuned
+
+        assert _attn_fwd_tuned.best_config.kwargs["PACK"] == pack
+        assert _attn_bwd_dq_tuned.best_config.kwargs["PACK"] == pack
+    finally:
+        forget_tuning()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "kw",

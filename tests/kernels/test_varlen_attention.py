@@ -178,6 +178,48 @@ def test_sinks_match_the_reference_with_their_gradient(lengths, hq, hkv, kw, dty
     assert grad.abs().min() > 1e-4  # every head's sink has a gradient to check
 
 
+PACKED_CASES = [
+    # lengths, hq, hkv, pack, extra kwargs: every case's GQA group takes the forced pack
+    pytest.param([5, 1, 20, 1, 37], 4, 2, 2, {}, id="gqa2-pack2"),
+    pytest.param([17, 33, 8], 8, 2, 4, {"scale": 0.3}, id="gqa4-pack4"),
+    pytest.param([17, 33, 8], 8, 2, 2, {}, id="gqa4-pack2"),
+    pytest.param([40, 7, 26], 4, 2, 2, {"sliding_window": 7, "softcap": 2.0}, id="window-softcap-pack2"),
+    pytest.param([12, 19], 4, 2, 2, {"causal": False}, id="bidirectional-pack2"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("lengths,hq,hkv,pack,kw", PACKED_CASES)
+@pytest.mark.parametrize("use_info", [True, False], ids=["host", "device"])
+def test_gqa_packed_query_blocks_match_the_reference(monkeypatch, lengths, hq, hkv, pack, kw, dtype, use_info):
+    # TUNESMITH_ATTN_PACK=n: the forward and dQ programs own n query heads of one group each.
+    monkeypatch.setenv("TUNESMITH_ATTN_PACK", str(pack))
+    _compare(lengths, hq, hkv, 16, dtype, use_info=use_info, seed=3, **kw)
+
+
+def test_gqa_packing_keeps_the_sinks_of_each_head(monkeypatch):
+    monkeypatch.setenv("TUNESMITH_ATTN_PACK", "2")
+    grad = _compare([5, 1, 40, 23], 4, 2, 16, torch.float32, seed=6, sinks=torch.linspace(-2.0, 4.0, 4))
+    assert grad.abs().min() > 1e-4
+
+
+def test_gqa_pack_setting_is_checked(monkeypatch):
+    from engine.kernels.varlen_attention_configs import _FWD_CONFIGS, _packable, fixed_pack
+
+    monkeypatch.setenv("TUNESMITH_ATTN_PACK", "4")
+    assert fixed_pack(4) == 4 and fixed_pack(2) == 1  # a count that does not divide the group packs nothing
+    monkeypatch.setenv("TUNESMITH_ATTN_PACK", "0")
+    assert {c.kwargs["PACK"] for c in _packable(_FWD_CONFIGS[64], 4)} == {1}
+    monkeypatch.setenv("TUNESMITH_ATTN_PACK", "1")
+    assert {c.kwargs["PACK"] for c in _packable(_FWD_CONFIGS[64], 4)} == {1, 2, 4}
+    assert {c.kwargs["PACK"] for c in _packable(_FWD_CONFIGS[64], 2)} == {1, 2}  # 4 does not divide 2
+    monkeypatch.setenv("TUNESMITH_ATTN_PACK", "4")
+    assert {c.kwargs["PACK"] for c in _packable(_FWD_CONFIGS[64], 2)} == {1}  # forced where it cannot: none
+    monkeypatch.setenv("TUNESMITH_ATTN_PACK", "two")
+    with pytest.raises(ValueError, match="TUNESMITH_ATTN_PACK='two'"):
+        fixed_pack(2)
+
+
 def test_frozen_sinks_get_no_gradient_and_tokens_past_the_documents_are_left_out():
     # cu_seqlens covering 30 of 34 tokens: the last four belong to no document.
     cu = torch.tensor([0, 12, 30], dtype=torch.int32)

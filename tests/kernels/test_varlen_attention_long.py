@@ -112,13 +112,15 @@ def test_long_lists_are_chosen_by_bucket_and_have_block_tables(monkeypatch):
         prune = va._prune(short, long)
         for d in (64, 128):
             assert prune([], {"HEAD_DIM": d, "long_docs": 1}) is long[d]
-            assert prune([], {"HEAD_DIM": d, "long_docs": 0}) is short[d]
+            # Short lists keep the packed candidates a group can take (GROUP 4: all; MHA: none).
+            assert prune([], {"HEAD_DIM": d, "long_docs": 0, "GROUP": 4}) == short[d]
+            assert all(c.kwargs.get("PACK", 1) == 1 for c in prune([], {"HEAD_DIM": d, "long_docs": 0, "GROUP": 1}))
             first = long[d][0]
             want = (first.kwargs["BLOCK_M"], first.kwargs["BLOCK_N"], first.num_warps, first.num_stages)
             assert va._fixed(kind, d, None, long_docs=True) == want
             assert va._fixed(kind, d, None, long_docs=False) == va._DEFAULTS[kind][d]
         # Head dims without a long list keep the short one.
-        assert prune([], {"HEAD_DIM": 256, "long_docs": 1}) is short[256]
+        assert prune([], {"HEAD_DIM": 256, "long_docs": 1}) == short[256]
         # Every tile a long config may pick has a block table (PackedSeqInfo queues TABLE_BLOCKS).
         assert {c.kwargs[table_key] for cs in long.values() for c in cs} <= set(va.TABLE_BLOCKS)
 
