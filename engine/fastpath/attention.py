@@ -108,6 +108,16 @@ def varlen_attention(
     if dropout_p > 0.0:
         backend = "reference"
     if backend == "reference":
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Its loop over the documents is Python, fixed at capture: a replay with other lengths
+            # would attend across the wrong bounds. So a step graph cannot hold it, and says why.
+            if dropout_p > 0.0:
+                why = "attention dropout"
+            elif kernel_head_dim(d, dv) is None:
+                why = f"head dim {max(d, dv)} over 256"
+            else:
+                why = "asked for"
+            raise RuntimeError(f"reference attention ({why}) loops over documents on the host: not capturable")
         count("attention:reference")  # its cu_seqlens.tolist() counts a host sync
         return varlen_attention_reference(
             q,

@@ -158,17 +158,24 @@ def failed_at(exc: BaseException) -> str:
     A capture fails at the op that cannot be captured (a host tensor copied in, a read back), and
     that op is almost always called from a model's code, not torch's: naming the frame in the
     counted reason tells the user which family's code stopped the graph, with no log to dig in."""
+    import os
     import traceback
 
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
     where = ""
     for frame in traceback.extract_tb(exc.__traceback__):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" in path or "/contextlib" in path:
+        if frame.filename.startswith(torch_dir) or os.path.basename(frame.filename) == "contextlib.py":
             continue
-        for root in ("/site-packages/", "/engine/", "/studio/"):
+        path = frame.filename.replace("\\", "/")
+        for root in ("/site-packages/", "/dist-packages/"):
             if root in path:
-                path = path.split(root, 1)[1] if root == "/site-packages/" else root[1:] + path.split(root, 1)[1]
+                path = path.split(root, 1)[1]
                 break
+        else:
+            for root in ("/engine/", "/studio/"):
+                if root in path:
+                    path = root[1:] + path.split(root, 1)[1]
+                    break
         where = f" at {path}:{frame.lineno}"
     return where
 
