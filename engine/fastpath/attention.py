@@ -319,8 +319,9 @@ def tunesmith_varlen_attention_forward(
 ):
     """transformers attention function: query [B, Hq, T, D], key/value [B, Hkv, T, D] ->
     ([B, T, Hq, D], None). Packed rows (B == 1) come with `cu_seq_lens_q`/`max_length_q`
-    from the collator; without them the documents are found from `position_ids` (a sync,
-    counted) or, with neither, every row is one document."""
+    from the collator; without them, from the batch's own `position_ids` (packed.lookup_positions,
+    no sync), else the documents are found from the positions' values (a sync, counted) or, with
+    neither, every row is one document."""
     opts = _OPTIONS.get(module, DEFAULT_OPTIONS)
     b, hq, t, d = query.shape
     scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
@@ -342,9 +343,12 @@ def tunesmith_varlen_attention_forward(
         info = packed.lookup(cu)
     else:
         pos = kwargs.get("position_ids")
-        if pos is not None:
+        if pos is not None and b == 1 and opts.cached_metadata:
+            # A layer that dropped the packing kwargs but passed the batch's own positions.
+            info = packed.lookup_positions(pos)
+        if info is None and pos is not None:
             info = packed.PackedSeqInfo.from_position_ids(pos.expand(b, -1))
-        else:
+        elif info is None:
             info = _single_documents(b, t, query.device)
         cu, max_len = info.cu_seqlens, info.max_seqlen
     if cu.device != query.device or cu.dtype != torch.int32:

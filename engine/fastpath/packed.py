@@ -35,6 +35,24 @@ def lookup(cu_seqlens: torch.Tensor) -> Optional["PackedSeqInfo"]:
     return info if info is not None and info.cu_seqlens is cu_seqlens else None
 
 
+# Device position_ids storage -> its PackedSeqInfo, for decoder layers that take the packing kwargs
+# but do not hand them on to their attention (StableLM and Nemotron in transformers 5.17 pass
+# position_ids alone): their attention call finds the batch's metadata from the positions it
+# does get, instead of reading them back from the device in every layer. Weak values, as _BY_CU.
+_BY_POSITIONS: "weakref.WeakValueDictionary[tuple, PackedSeqInfo]" = weakref.WeakValueDictionary()
+
+
+def lookup_positions(position_ids: torch.Tensor) -> Optional["PackedSeqInfo"]:
+    """The PackedSeqInfo whose positions these are (a view of its own `position_ids`, all of
+    them, in order: the same memory, so the same values), or None."""
+    if position_ids.numel() == 0 or position_ids.stride(-1) != 1 or position_ids.reshape(-1).stride(0) != 1:
+        return None
+    info = _BY_POSITIONS.get((position_ids.device, position_ids.data_ptr()))
+    if info is None or info.position_ids.numel() != position_ids.numel():
+        return None
+    return info
+
+
 @dataclass
 class PackedSeqInfo:
     lengths: list[int]
@@ -47,6 +65,8 @@ class PackedSeqInfo:
 
     def __post_init__(self) -> None:
         _BY_CU[id(self.cu_seqlens)] = self
+        if self.position_ids.numel():
+            _BY_POSITIONS[(self.position_ids.device, self.position_ids.data_ptr())] = self
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int]) -> "PackedSeqInfo":

@@ -133,6 +133,28 @@ def test_position_ids_only_and_no_kwargs():
     torch.testing.assert_close(ours, stock, atol=1e-5, rtol=1e-5)
 
 
+def test_a_layer_given_only_the_batchs_positions_finds_its_metadata():
+    # StableLM's and Nemotron's decoder layers (transformers 5.17) take the packing kwargs but hand
+    # their attention only position_ids: the batch's own positions lead to its metadata with no
+    # read back, where a copy of the same values is rebuilt from the device in every layer.
+    model = _tiny("llama")
+    info = PackedSeqInfo.from_lengths(LENGTHS)
+    ids = torch.randint(0, 97, (info.total_tokens,), generator=torch.Generator().manual_seed(3))
+    assert enable_packed_attention(model) == "on"
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        full = model(input_ids=ids[None], use_cache=False, **info.model_kwargs()).logits
+        packed.reset_counters()
+        own = model(input_ids=ids[None], use_cache=False, position_ids=info.position_ids[None]).logits
+        assert packed.reset_counters()["metadata_builds"] == 0
+        copied = model(input_ids=ids[None], use_cache=False, position_ids=info.position_ids[None].clone()).logits
+        assert packed.reset_counters()["metadata_builds"] == layers
+    torch.testing.assert_close(own, full)
+    torch.testing.assert_close(copied, full)
+    assert packed.lookup_positions(info.position_ids[None]) is info
+    assert packed.lookup_positions(info.position_ids[:5]) is None  # a part is not the batch's positions
+
+
 def test_generation_with_cache_matches_sdpa():
     model = _tiny("qwen3").eval()
     prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(4))
