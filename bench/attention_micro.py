@@ -47,22 +47,12 @@ def _time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _tuned_kernels() -> dict:
-    from engine.kernels import varlen_attention as va
-    from engine.kernels import varlen_attention_bwd as vb
-
-    return {
-        "fwd": va._attn_fwd_tuned,
-        "dkdv": va._attn_bwd_dkdv_tuned,
-        "dq": va._attn_bwd_dq_tuned,
-        "onepass": vb._attn_bwd_onepass_tuned,
-    }
-
-
 def _tuned_picks() -> dict:
     """{kernel: the autotuner's last pick} for the kernels that ran (none when autotuning is off)."""
+    from engine.kernels.varlen_attention import tuned_kernels
+
     picks = {}
-    for name, kernel in _tuned_kernels().items():
+    for name, kernel in tuned_kernels().items():
         best = getattr(kernel, "best_config", None)
         if best is not None:
             picks[name] = str(best)

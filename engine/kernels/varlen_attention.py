@@ -939,13 +939,23 @@ _attn_bwd_dkdv_tuned = _tuned(
 _attn_bwd_dq_tuned = _tuned(_attn_bwd_dq, _DQ_CONFIGS, key=_LONG_KEY, long_table=_DQ_LONG_CONFIGS)
 
 
+def tuned_kernels() -> dict:
+    """{kernel: its autotuner} for every attention kernel that autotunes (the one-pass backward's too)."""
+    from engine.kernels.varlen_attention_bwd import _attn_bwd_onepass_tuned
+
+    return {
+        "fwd": _attn_fwd_tuned,
+        "dkdv": _attn_bwd_dkdv_tuned,
+        "dq": _attn_bwd_dq_tuned,
+        "onepass": _attn_bwd_onepass_tuned,
+    }
+
+
 def forget_tuning() -> None:
     """Clear the attention autotuners' picks, so the next call ranks its candidates again: for a
     benchmark that changes TUNESMITH_ATTN_PACK or TUNESMITH_ATTN_TUNING between variants in one
     process (the autotuner's key holds neither)."""
-    from engine.kernels.varlen_attention_bwd import _attn_bwd_onepass_tuned
-
-    for kernel in (_attn_fwd_tuned, _attn_bwd_dkdv_tuned, _attn_bwd_dq_tuned, _attn_bwd_onepass_tuned):
+    for kernel in tuned_kernels().values():
         getattr(kernel, "cache", {}).clear()
         kernel.best_config = None
 
