@@ -554,17 +554,19 @@ class _Step:
         """Record the step as a CUDA graph (its buffers hold a real step's inputs; capturing
         runs nothing); None, or why it stays eager. Call after one eager step (Triton's
         compiles, cuBLAS's workspaces)."""
+        from engine.train.step_graph import SyncWatch, failed_at
+
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        watch = SyncWatch()
         try:
             # thread_local: another thread's CUDA calls (the window's) do not spoil the capture.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with watch, torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = self.eager()
         except RuntimeError as exc:  # an op that syncs or is not capturable: the eager step
             torch.cuda.synchronize()
-            from engine.train.step_graph import failed_at
-
-            return f"capture failed: {str(exc).splitlines()[0][:160]}{failed_at(exc)}"
+            where = f" (read back{watch.place})" if watch.place else failed_at(exc)
+            return f"capture failed: {str(exc).splitlines()[0][:160]}{where}"
         self.graph, self.out = graph, out
         return None
 

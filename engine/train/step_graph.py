@@ -152,19 +152,15 @@ def graph_choice(
 STATIC_BLOCKS = (16, 32, 64, 128)
 
 
-def failed_at(exc: BaseException) -> str:
-    """Where `exc` was raised, as ' at <file>:<line>': the innermost frame outside torch, or "".
-
-    A capture fails at the op that cannot be captured (a host tensor copied in, a read back), and
-    that op is almost always called from a model's code, not torch's: naming the frame in the
-    counted reason tells the user which family's code stopped the graph, with no log to dig in."""
+def _place(frames) -> str:
+    """' at <file>:<line>' of the innermost of `frames` (traceback.FrameSummary) outside torch and
+    contextlib, the path shortened to its package (transformers/..., engine/...); or ""."""
     import os
-    import traceback
 
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     where = ""
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if frame.filename.startswith(torch_dir) or os.path.basename(frame.filename) == "contextlib.py":
+    for frame in frames:
+        if frame.filename.startswith(torch_dir) or os.path.basename(frame.filename) in ("contextlib.py", "warnings.py"):
             continue
         path = frame.filename.replace("\\", "/")
         for root in ("/site-packages/", "/dist-packages/"):
@@ -178,6 +174,62 @@ def failed_at(exc: BaseException) -> str:
                     break
         where = f" at {path}:{frame.lineno}"
     return where
+
+
+def failed_at(exc: BaseException) -> str:
+    """Where `exc` was raised, as ' at <file>:<line>': the innermost frame outside torch, or "".
+
+    A capture fails at the op that cannot be captured (a host tensor copied in, a read back), and
+    that op is almost always called from a model's code, not torch's: naming the frame in the
+    counted reason tells the user which family's code stopped the graph, with no log to dig in."""
+    import traceback
+
+    return _place(traceback.extract_tb(exc.__traceback__))
+
+
+class SyncWatch:
+    """Within it, the first read back to the host (a synchronizing CUDA op) is recorded with its
+    place: `place` is ' at <file>:<line>', or "" while none was seen.
+
+    Some reads back do not raise where they are made during a capture: the capture is spoiled and
+    fails only at its end ("operation failed due to a previous error during capture", LongCat-Flash's
+    stock experts' `nonzero`), where failed_at can only name the capture itself. torch's sync debug
+    mode warns at each synchronizing op, from the op's own call; the warning's stack names the
+    model code that read back. Used around a capture only: code that reads back eagerly but not
+    while a stream captures (transformers' `is_tracing` checks) is quiet there."""
+
+    def __init__(self):
+        self.place = ""
+
+    def __enter__(self):
+        import warnings
+
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing" in str(message):  # the mode's own warning: kept, not shown
+                if not self.place:
+                    import traceback
+
+                    self.place = _place(traceback.extract_stack()[:-1]) or f" at {filename}:{lineno}"
+                return
+            shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        self._mode = None
+        if torch.cuda.is_available():
+            self._mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._mode is not None:
+            torch.cuda.set_sync_debug_mode(self._mode)
+        self._warnings.__exit__(*exc)
+        return False
 
 
 class _StaticInfo(PackedSeqInfo):
@@ -324,14 +376,18 @@ class StepGraphs:
         if bucket.graph is not None and bucket.version != self.version():
             bucket.graph = None  # its buffers were replaced: captured again below
         if bucket.graph is None:
+            watch = SyncWatch()
             try:
-                self._capture(bucket)
+                with watch:
+                    self._capture(bucket)
             except Exception as exc:
                 from engine.train.recovery import is_oom
 
                 if is_oom(exc):
                     raise  # the step's memory recovery handles it (and calls reset)
-                self.broken = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}){failed_at(exc)}"
+                # A read back made during the capture is the cause wherever the failure surfaced.
+                where = f" (read back{watch.place})" if watch.place else failed_at(exc)
+                self.broken = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}){where}"
                 self.reset()
                 count_fallback("cuda_graphs", self.broken)
                 return self._eager(batch, normalizer)

@@ -143,7 +143,8 @@ def _run(root, data, model_type, training):
     # runs eagerly where the reason is not ours to remove: attention that needs the reference (dropout,
     # as GPT-2's config asks; heads wider than 256, as Gemma-4's global layers), whose loop over documents
     # cannot be captured, or an op in transformers' own code (Falcon's list indexing, GPT-J's eager mask
-    # on transformers 5.17). Any other fallback, a capture stopped in engine code among them, fails.
+    # on transformers 5.17, LongCat-Flash's stock experts reading back). Any other fallback, a capture stopped
+    # in engine code among them, fails.
     fallbacks = [
         f"step {s.step}: {bad}"
         for s in ours.steps

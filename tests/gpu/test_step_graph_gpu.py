@@ -130,3 +130,20 @@ def test_replays_make_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(loss)
+
+
+def test_a_capture_spoiled_by_a_read_back_names_the_line_that_read():
+    # The failure may surface at the capture's end; the watch names the op's caller (this file).
+    from engine.train.step_graph import SyncWatch
+
+    x = torch.ones(8, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    watch = SyncWatch()
+    with pytest.raises(Exception):
+        with watch, torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            y = x * 2
+            int(y.sum().item())  # the read back
+    torch.cuda.synchronize()
+    assert "test_step_graph_gpu.py:" in watch.place, watch.place
+    assert torch.cuda.get_sync_debug_mode() == 0

@@ -230,3 +230,29 @@ def test_a_failed_capture_names_the_model_code_that_stopped_it():
         scope["forward"](object())
     assert failed_at(info.value) == " at transformers/models/gpt2/modeling_gpt2.py:2"
     assert failed_at(RuntimeError("no traceback")) == ""
+
+
+def test_a_read_back_during_capture_is_named_by_the_code_that_made_it():
+    # torch's sync debug mode warns from the op's own call; the watch keeps the first such
+    # warning's place (the model file here) and lets every other warning through.
+    import warnings
+
+    from engine.train.step_graph import SyncWatch
+
+    source = (
+        "import warnings\n"
+        "def forward(x):\n"
+        "    warnings.warn('called a synchronizing CUDA operation')\n"
+        "    warnings.warn('called a synchronizing CUDA operation')\n"
+        "    return x\n"
+    )
+    scope: dict = {}
+    exec(compile(source, "/env/lib/site-packages/transformers/models/longcat_flash/modeling.py", "exec"), scope)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with SyncWatch() as watch:
+            scope["forward"](1)
+            warnings.warn("something else")
+    assert watch.place == " at transformers/models/longcat_flash/modeling.py:3"
+    assert [str(w.message) for w in seen] == ["something else"]
+    assert SyncWatch().place == ""
