@@ -76,6 +76,7 @@ def run(
     backwards: tuple[str, ...] = ("auto",),
     tunings: tuple[str, ...] = ("new",),
     packs: tuple[str, ...] = ("1",),
+    shape: tuple[int, int, int] | None = None,
 ) -> list[dict]:
     from engine.fastpath import attention, packed
     from engine.kernels.varlen_attention import TUNING_ENV, forget_tuning
@@ -91,6 +92,8 @@ def run(
         cfg = wl.config
         hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         d = cfg.get("head_dim") or cfg["hidden_size"] // hq
+        if shape is not None:  # another model's heads at this workload's document lengths
+            hq, hkv, d = shape
         t = info.total_tokens
         gen = torch.Generator(device=dev).manual_seed(0)
         q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -190,6 +193,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--packs", default="1", help="GQA packing of fwd/dQ (TUNESMITH_ATTN_PACK): 1 auto, 0 off, n forced; e.g. 0,1"
     )
+    p.add_argument(
+        "--shape", default=None, help="HQ/HKV/D: these heads, not the workload's (16/4/512: Gemma-4's global)"
+    )
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--results", type=Path, default=HERE / "results" / "attention_results.jsonl")
     args = p.parse_args(argv)
@@ -204,6 +210,7 @@ def main(argv=None) -> int:
         tuple(args.backwards.split(",")),
         tuple(args.tunings.split(",")),
         tuple(args.packs.split(",")),
+        tuple(int(x) for x in args.shape.split("/")) if args.shape else None,
     )
     print(
         f"\n{'workload':8} {'backend':12} {'backward':9} {'tuning':6} {'pack':4} {'fwd ms':>8} {'bwd ms':>8} "

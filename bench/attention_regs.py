@@ -57,7 +57,8 @@ def _cuobjdump() -> str:
 
 
 def resource_usage(fn, constexprs: dict, num_warps: int, num_stages: int, arch: int = 90) -> dict:
-    """{"registers": int, "spill_bytes": int} of `fn` compiled for sm_<arch> with `constexprs`."""
+    """{"registers": int, "spill_bytes": int, "shared_bytes": int} of `fn` compiled for sm_<arch>
+    with `constexprs` (an H100 gives a block at most 227 KiB of shared memory)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -79,13 +80,23 @@ def resource_usage(fn, constexprs: dict, num_warps: int, num_stages: int, arch: 
     if regs is None:
         raise RuntimeError(f"cuobjdump printed no register count:\n{out}")
     # cuobjdump reports the stack frame, which is where spilled registers go (0 when nothing spills).
-    return {"registers": int(regs.group(1)), "spill_bytes": int(stack.group(1)) if stack else 0}
+    spill = int(stack.group(1)) if stack else 0
+    return {"registers": int(regs.group(1)), "spill_bytes": spill, "shared_bytes": kernel.metadata.shared}
 
 
-def kernel_configs(kinds=("fwd", "dkdv", "dq"), head_dims=(64, 128)):
-    """(kind, head_dim, bucket, config) for every candidate of the short and long lists."""
+def kernel_configs(kinds=("fwd", "dkdv", "dq"), head_dims=(64, 128), fixed: bool = False):
+    """(kind, head_dim, bucket, config) for every candidate of the short and long lists, or with
+    `fixed` each kind's untuned config (_DEFAULTS: what head dims past the autotuned ones run)."""
     from engine.kernels import varlen_attention as va
+    from engine.kernels.varlen_attention_configs import _qcfg
 
+    if fixed:
+        for kind in kinds:
+            for d in head_dims:
+                bm, bn, warps, stages = va._DEFAULTS[kind][d]
+                cfg = va._cfg(bm, bn, warps, stages) if kind == "dkdv" else _qcfg(bm, bn, warps, stages)
+                yield kind, d, "fixed", cfg
+        return
     lists = {
         "fwd": (va._FWD_CONFIGS, va._FWD_LONG_CONFIGS),
         "dkdv": (va._DKDV_CONFIGS, va._DKDV_LONG_CONFIGS),
@@ -130,16 +141,19 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default="fwd,dkdv,dq")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--tuning", default="new", help="new, old, or both (dK/dV addresses: rebuilt or carried)")
+    p.add_argument("--fixed", action="store_true", help="the untuned configs (_DEFAULTS) instead of the lists")
+    p.add_argument("--group", type=int, default=4, help="GQA group (query heads per key/value head)")
     args = p.parse_args(argv)
     tunings = ("old", "new") if args.tuning == "both" else (args.tuning,)
     seen = set()
-    for kind, d, bucket, cfg in kernel_configs(args.kinds.split(","), tuple(int(x) for x in args.head_dims.split(","))):
+    dims = tuple(int(x) for x in args.head_dims.split(","))
+    for kind, d, bucket, cfg in kernel_configs(args.kinds.split(","), dims, args.fixed):
         for tuning in tunings if kind == "dkdv" else ("new",):
             ident = (kind, d, tuning, str(cfg))
             if ident in seen:
                 continue
             seen.add(ident)
-            row = measure(kind, d, cfg, tuning)
+            row = measure(kind, d, cfg, tuning, args.group)
             row.update(bucket=bucket, tuning=tuning, triton=triton.__version__)
             print(json.dumps(row), flush=True)
     return 0

@@ -35,6 +35,7 @@ import torch
 from engine.counters import count, count_fallback
 from engine.fastpath import packed
 from engine.kernels.varlen_attention import KEPT_KWARG, varlen_attention_reference
+from engine.kernels.varlen_attention_configs import MAX_HEAD_DIM
 from engine.peft_model import hf_model
 
 ATTN_NAME = "tunesmith_varlen"
@@ -103,7 +104,7 @@ def varlen_attention(
     if (sinks is not None or dv != d) and backend in ("flash_attn", "torch_flash"):
         backend = "auto"  # neither takes sinks, nor values narrower than the keys
     if backend == "auto":
-        # Head dims wider than the kernel tiles (> 256) take the reference.
+        # Head dims wider than the kernel tiles (> MAX_HEAD_DIM, 512) take the reference.
         backend = "triton" if q.is_cuda and kernel_head_dim(d, dv) is not None else "reference"
     if dropout_p > 0.0:
         backend = "reference"
@@ -114,7 +115,7 @@ def varlen_attention(
             if dropout_p > 0.0:
                 why = "attention dropout"
             elif kernel_head_dim(d, dv) is None:
-                why = f"head dim {max(d, dv)} over 256"
+                why = f"head dim {max(d, dv)} over {MAX_HEAD_DIM}"
             else:
                 why = "asked for"
             raise RuntimeError(f"reference attention ({why}) loops over documents on the host: not capturable")
@@ -146,7 +147,7 @@ def varlen_attention(
 
     width = kernel_head_dim(d, dv)
     if width is None:
-        raise ValueError(f"the triton attention backend tiles head dims up to 256, got {d} (values {dv})")
+        raise ValueError(f"the triton attention backend tiles head dims up to {MAX_HEAD_DIM}, got {d} (values {dv})")
     if width != d or width != dv:
         # MLA (DeepSeek-V2/V3, GLM-4-MoE-Lite: queries and keys 192 wide, values 128) and other head
         # dims that are not a power of two: zeros appended to q and k leave q.k as it was, and to v
@@ -181,9 +182,9 @@ def varlen_attention(
 
 def kernel_head_dim(d: int, dv: int) -> Optional[int]:
     """The head dim the Triton kernel runs for queries/keys of `d` and values of `dv`: the next
-    power of two of both, at least 16; None past 256 (the widest it tiles)."""
+    power of two of both, at least 16; None past MAX_HEAD_DIM (the widest it tiles)."""
     width = max(16, 1 << (max(d, dv) - 1).bit_length())
-    return width if width <= 256 else None
+    return width if width <= MAX_HEAD_DIM else None
 
 
 def _flash_attn_varlen(q, k, v, cu, max_seqlen, scale, causal, sliding_window, softcap):

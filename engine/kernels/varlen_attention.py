@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.counters import count
+from engine.counters import count, count_fallback
 
 # The launch lists (see varlen_attention_configs). Names imported `as` themselves are re-exported:
 # tests and benches read them from this module.
@@ -57,7 +57,9 @@ from engine.kernels.varlen_attention_configs import (
     _FWD_LONG_CONFIGS,
     _KEY_BLOCK_KINDS,
     _LONG_KEY,
+    AUTOTUNED_MAX_HEAD_DIM,
     LONG_DOCUMENT,
+    MAX_HEAD_DIM,
     TABLE_BLOCKS,
     _fixed,
     _tuned,
@@ -982,8 +984,8 @@ class _Launch:
         hkv = k.shape[1]
         if hq % hkv:
             raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-        if d < 16 or d > 256 or d & (d - 1):
-            raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
+        if d < 16 or d > MAX_HEAD_DIM or d & (d - 1):
+            raise ValueError(f"head_dim must be a power of two in [16, {MAX_HEAD_DIM}], got {d}")
         self.t, self.hq, self.hkv, self.d = t, hq, hkv, d
         self.group = hq // hkv
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -1031,7 +1033,7 @@ class _Launch:
         key_blocks = kind in _KEY_BLOCK_KINDS
         table_key = "BLOCK_N" if key_blocks else "BLOCK_M"
         table_kind = "k" if key_blocks else "q"
-        if self.blocks is None and _use_autotune() and not self.fp32:
+        if self.blocks is None and _use_autotune() and not self.fp32 and self.d <= AUTOTUNED_MAX_HEAD_DIM:
             ta, na = self.tables(table_kind, TABLE_BLOCKS[0])
             tb, nb = self.tables(table_kind, TABLE_BLOCKS[1])
             counts = {TABLE_BLOCKS[0]: na, TABLE_BLOCKS[1]: nb}
@@ -1110,7 +1112,7 @@ def _backward(do, q, k, v, o, lse, L: _Launch, o_private: bool = False):
     if L.t == 0:
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)
-    block = 64
+    block = 64 if L.d <= AUTOTUNED_MAX_HEAD_DIM else 16  # [block, D] of O and dO per program
     _bwd_delta[(L.hq, triton.cdiv(L.t, block))](
         o,
         do,
@@ -1267,6 +1269,9 @@ def varlen_attention_triton(
 
     longest = max_seqlen if isinstance(max_seqlen, int) else None
     bwd = resolve_backward(backward, longest, q.shape[0] * q.shape[1] * q.shape[2] * 4)
+    if bwd == "onepass" and q.shape[2] > AUTOTUNED_MAX_HEAD_DIM:
+        count_fallback("attention_backward", f"head dim {q.shape[2]}: the one-pass backward tiles up to 256")
+        bwd = "split"
     if tables is None:
         t = q.shape[0]
         cache: dict = {}

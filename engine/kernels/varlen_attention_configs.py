@@ -35,6 +35,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Block sizes the GPU configs use; tables for both are passed so autotuning may pick either.
 # (engine.fastpath.packed precomputes tables for exactly these sizes when a batch moves to the GPU.)
 TABLE_BLOCKS = (64, 128)
+# The widest head dim the kernels tile, and the widest the autotuner ranks candidates for. Past
+# 256 (Gemma-4's global layers: 512) a [BLOCK, D] fp32 accumulator fills the registers, so the
+# tiles are 32 or 16 rows, which no table of TABLE_BLOCKS serves: those launches take their
+# fixed config (_DEFAULTS), with a table built for its block.
+MAX_HEAD_DIM = 512
+AUTOTUNED_MAX_HEAD_DIM = 256
 
 
 def _cfg(bm, bn, warps, stages):
@@ -225,11 +231,15 @@ def _tuned(kernel, table, key=_ALL_KEY, reset_to_zero=None, long_table=None):
 _LONG_KEY = _ALL_KEY + ["long_docs"]
 
 # Fixed configs used when autotuning is off (interpreter, TUNESMITH_ATTN_AUTOTUNE=0, or tests
-# that pin blocks): {kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)} per head dim.
+# that pin blocks) and for head dims past AUTOTUNED_MAX_HEAD_DIM: {kernel: (BLOCK_M, BLOCK_N,
+# num_warps, num_stages)} per head dim. The 512 entries were chosen by ptxas on sm_90a (Triton 3.9,
+# causal bf16, GROUP 2, `python -m bench.attention_regs --head-dims 512 --fixed`): forward and dQ
+# spill 48 and 32 bytes, dK/dV nothing, in at most 128 KiB of shared memory; 64-row tiles spill
+# 0.2-2.3 KB, and 16 warps cap a thread at 128 registers and spill more.
 _DEFAULTS = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)},
-    "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 2), 256: (32, 64, 4, 1)},
-    "dq": {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 32, 4, 2)},
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2), 512: (32, 32, 8, 2)},
+    "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 2), 256: (32, 64, 4, 1), 512: (32, 16, 8, 1)},
+    "dq": {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 32, 4, 2), 512: (32, 32, 8, 2)},
 }
 _INTERPRET_BLOCKS = (16, 16)
 
@@ -268,8 +278,9 @@ def _fixed(
     if INTERPRET:
         return _INTERPRET_BLOCKS[0], _INTERPRET_BLOCKS[1], 4, 1
     if fp32:
-        # fp32 on a GPU is for exact checks, not speed: small tiles fit shared memory at D=256.
-        return 32, 32, 4, 1
+        # fp32 on a GPU is for exact checks, not speed: small tiles fit shared memory at D=256,
+        # smaller ones at 512.
+        return (16, 16, 4, 1) if d > 256 else (32, 32, 4, 1)
     if defaults is not None:
         return _nearest(defaults, d)
     if long_docs and d in _LONG_DEFAULTS.get(kind, {}):

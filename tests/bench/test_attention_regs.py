@@ -38,3 +38,29 @@ def test_w6_long_dkdv_default_does_not_spill_and_the_old_default_does():
     assert (new["block_m"], new["block_n"], new["warps"]) == (32, 128, 8)
     assert new["spill_bytes"] == 0, new
     assert old["spill_bytes"] > 0, old
+
+
+_PROBE_512 = """
+import json
+from bench.attention_regs import kernel_configs, measure
+configs = kernel_configs(("fwd", "dkdv", "dq"), (512,), fixed=True)
+rows = [measure(kind, d, cfg, "new", group=2) for kind, d, _, cfg in configs]
+print(json.dumps(rows))
+"""
+
+
+def test_head_dim_512_fixed_configs_fit_an_h100():
+    # Head dims past the autotuned ones launch their _DEFAULTS config untried: each must fit the
+    # 227 KiB of shared memory an H100 block may have (past it the launch fails on the GPU), and
+    # dK/dV, whose two [BLOCK_N, 512] fp32 accumulators are the heaviest, must not spill.
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE_512], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["kind"]: r for r in json.loads(done.stdout.strip().splitlines()[-1])}
+    assert set(rows) == {"fwd", "dkdv", "dq"}
+    for row in rows.values():
+        assert row["shared_bytes"] <= 227 * 1024, row
+        assert row["spill_bytes"] <= 64, row
+    assert rows["dkdv"]["spill_bytes"] == 0, rows["dkdv"]

@@ -168,6 +168,14 @@ def test_mla_head_dims_bf16():
     print(errs)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+def test_head_dim_512_as_gemma4_global_layers(dtype, tol):
+    # Gemma-4's global layers: 512-wide heads, run with the fixed small-tile configs (each must
+    # fit the card's shared memory: a launch past it fails outright), packed and one long document.
+    print(_check(doc_lengths(total=8192, seed=6), 16, 4, 512, dtype, tol=tol))
+    print(_check([4096, 100], 8, 2, 512, dtype, tol=tol, sliding_window=1024))
+
+
 def test_fp32_on_gpu_is_tight():
     _check(doc_lengths(total=2048, seed=5), 8, 2, 64, torch.float32, tol=1e-4)
 

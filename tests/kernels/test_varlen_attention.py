@@ -92,6 +92,20 @@ def test_head_dim_64():
     _compare([20, 13], 2, 1, 64, torch.float32, seed=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_head_dim_512_as_gemma4_global_layers(dtype):
+    # The widest the kernels tile (its GPU launches take the fixed small-tile configs); with a
+    # window and a softcap so every masked path runs at this width too.
+    _compare([21, 3, 12], 2, 1, 512, dtype, seed=4)
+    _compare([21, 3, 12], 2, 1, 512, dtype, seed=5, sliding_window=6, softcap=3.0)
+
+
+def test_head_dims_past_the_widest_tile_are_refused():
+    q = torch.zeros(4, 1, 1024)
+    with pytest.raises(ValueError, match=r"head_dim must be a power of two in \[16, 512\], got 1024"):
+        varlen_attention_triton(q, q, q, torch.tensor([0, 4], dtype=torch.int32), 4)
+
+
 def test_strided_inputs_and_no_cross_document_leak():
     # q/k/v as transposed views of [T, H, D] storage (the layout transformers hands over), and a
     # perturbation of one document must leave every other document's output untouched.

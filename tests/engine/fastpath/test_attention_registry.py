@@ -245,7 +245,8 @@ def test_the_triton_backend_pads_head_dims_it_does_not_tile(d, dv):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     padded = kernel_head_dim(d, dv) != d or d != dv
     assert (counters["attention:padded_head_dim"] > 0) == padded
-    assert kernel_head_dim(192, 128) == 256 and kernel_head_dim(8, 8) == 16 and kernel_head_dim(320, 256) is None
+    assert kernel_head_dim(192, 128) == 256 and kernel_head_dim(8, 8) == 16 and kernel_head_dim(320, 256) == 512
+    assert kernel_head_dim(512, 512) == 512 and kernel_head_dim(576, 512) is None
 
 
 def test_a_packed_rows_gradients_flow_back_to_the_projections_uncopied():
