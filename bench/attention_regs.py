@@ -110,7 +110,7 @@ def kernel_configs(kinds=("fwd", "dkdv", "dq"), head_dims=(64, 128), fixed: bool
                     yield kind, d, bucket, cfg
 
 
-def measure(kind: str, d: int, cfg, tuning: str = "new", group: int = 4) -> dict:
+def measure(kind: str, d: int, cfg, tuning: str = "new", group: int = 4, arch: int = 90) -> dict:
     from engine.kernels import varlen_attention as va
 
     fn = {"fwd": va._attn_fwd, "dkdv": va._attn_bwd_dkdv, "dq": va._attn_bwd_dq}[kind]
@@ -131,7 +131,7 @@ def measure(kind: str, d: int, cfg, tuning: str = "new", group: int = 4) -> dict
     pack = cfg.kwargs.get("PACK")
     if pack is not None:  # the query-block kernels' GQA packing (varlen_attention_configs.PACK_ENV)
         constexprs["PACK"] = pack
-    usage = resource_usage(fn, constexprs, cfg.num_warps, cfg.num_stages)
+    usage = resource_usage(fn, constexprs, cfg.num_warps, cfg.num_stages, arch)
     row = dict(kind=kind, head_dim=d, block_m=bm, block_n=bn, warps=cfg.num_warps, stages=cfg.num_stages)
     return {**row, **({"pack": pack} if pack is not None else {}), **usage}
 
@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--tuning", default="new", help="new, old, or both (dK/dV addresses: rebuilt or carried)")
     p.add_argument("--fixed", action="store_true", help="the untuned configs (_DEFAULTS) instead of the lists")
     p.add_argument("--group", type=int, default=4, help="GQA group (query heads per key/value head)")
+    p.add_argument("--arch", type=int, default=90, help="sm_<arch>: 90 Hopper, 89 Ada (RTX 40), 86 Ampere (RTX 30)")
     args = p.parse_args(argv)
     tunings = ("old", "new") if args.tuning == "both" else (args.tuning,)
     seen = set()
@@ -153,8 +154,8 @@ def main(argv=None) -> int:
             if ident in seen:
                 continue
             seen.add(ident)
-            row = measure(kind, d, cfg, tuning, args.group)
-            row.update(bucket=bucket, tuning=tuning, triton=triton.__version__)
+            row = measure(kind, d, cfg, tuning, args.group, args.arch)
+            row.update(bucket=bucket, tuning=tuning, arch=args.arch, triton=triton.__version__)
             print(json.dumps(row), flush=True)
     return 0
 

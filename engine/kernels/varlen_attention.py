@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from engine.counters import count, count_fallback
 
@@ -65,6 +66,7 @@ from engine.kernels.varlen_attention_configs import (
     _tuned,
     _use_autotune,
     fixed_pack,
+    shrink,
     tuning,
 )
 from engine.kernels.varlen_attention_configs import _LONG_DEFAULTS as _LONG_DEFAULTS
@@ -73,6 +75,8 @@ from engine.kernels.varlen_attention_configs import _cfg as _cfg
 from engine.kernels.varlen_attention_configs import _prune as _prune
 
 LOG2E = 1.4426950408889634
+# Fixed launch configs shrunk to fit a card's shared memory: {(kind, config, fp32, pack, device): fitted}.
+_FITTED: dict = {}
 
 # A table provider maps (kind, block) -> (int32 table [n, 2] on the device, n). kind "q": blocks of
 # queries (forward, dQ), ordered by the keys they visit; kind "k": blocks of keys (dK/dV).
@@ -1041,24 +1045,38 @@ class _Launch:
             grid = lambda meta: (heads // meta.get("PACK", 1), max(counts[meta[table_key]], 1))  # noqa: E731
             tuned[grid](*head_args, ta, tb, *tail_args, BLOCK_A=TABLE_BLOCKS[0], **flags)
             return
-        bm, bn, warps, stages = _fixed(kind, self.d, self.blocks, self.fp32, defaults, bool(self.long_docs))
+        config = _fixed(kind, self.d, self.blocks, self.fp32, defaults, bool(self.long_docs))
         if kind in _PACKED_KINDS:
             flags["PACK"] = pack = fixed_pack(self.group) if not self.long_docs else 1
             heads //= pack
-        tblock = bn if key_blocks else bm
-        ta, na = self.tables(table_kind, tblock)
-        plain[(heads, max(na, 1))](
-            *head_args,
-            ta,
-            ta,
-            *tail_args,
-            BLOCK_A=tblock,
-            **flags,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            num_warps=warps,
-            num_stages=stages,
-        )
+        # A config this card's shared memory could not hold was shrunk once (shrink); the fitted
+        # one is kept for the process, so a step graph's capture launches it with no retry.
+        fit_key = (kind, config, self.fp32, flags.get("PACK", 1), self.cu.device)
+        config = _FITTED.get(fit_key, config)
+        while True:
+            bm, bn, warps, stages = config
+            tblock = bn if key_blocks else bm
+            ta, na = self.tables(table_kind, tblock)
+            try:
+                plain[(heads, max(na, 1))](
+                    *head_args,
+                    ta,
+                    ta,
+                    *tail_args,
+                    BLOCK_A=tblock,
+                    **flags,
+                    BLOCK_M=bm,
+                    BLOCK_N=bn,
+                    num_warps=warps,
+                    num_stages=stages,
+                )
+                return
+            except OutOfResources:  # raised before anything is launched
+                smaller = shrink(kind, config)
+                if smaller is None:
+                    raise
+                count("attention:shrunk_tiles")  # still this kernel, smaller tiles: not a fallback
+                config = _FITTED[fit_key] = smaller
 
 
 def _forward(q, k, v, L: _Launch, sinks: Optional[torch.Tensor] = None):

@@ -256,6 +256,28 @@ _LONG_DEFAULTS = {
 }
 
 
+def shrink(kind: str, config: tuple[int, int, int, int]) -> Optional[tuple[int, int, int, int]]:
+    """The next smaller fixed config after `config` (BLOCK_M, BLOCK_N, num_warps, num_stages) did
+    not fit the card's shared memory, or None at the smallest.
+
+    The fixed configs are sized for Hopper's 227 KiB a block; an RTX card (sm_86, sm_89, sm_120)
+    gives 99 KiB, where head dim 256's and 512's do not fit (`python -m bench.attention_regs
+    --fixed --arch 89`). One pipeline stage first, then the step block halved, then the table
+    block (BLOCK_M for fwd/dq, BLOCK_N for dK/dV), each down to 16 rows (tl.dot's least)."""
+    bm, bn, warps, stages = config
+    if stages > 1:
+        return bm, bn, warps, 1
+    table_is_n = kind in _KEY_BLOCK_KINDS
+    step, table = (bm, bn) if table_is_n else (bn, bm)
+    if step > 16:
+        step //= 2
+    elif table > 16:
+        table //= 2
+    else:
+        return None
+    return (step, table, warps, 1) if table_is_n else (table, step, warps, 1)
+
+
 def _use_autotune() -> bool:
     return not INTERPRET and os.environ.get("TUNESMITH_ATTN_AUTOTUNE", "1") != "0"
 

@@ -219,3 +219,17 @@ def test_tiles_walked_are_exactly_the_needed_ones(bm, bn, causal, window):
         for s, t in zip(bounds[:-1], bounds[1:]):
             need[s:t, s:t] = _visible(everything[s:t], everything[s:t], s, t, causal, window)
         assert torch.equal(seen, need.to(torch.int32)), "a visible pair is missed or visited twice"
+
+
+def test_a_fixed_config_too_big_for_the_card_shrinks_to_the_least_tile():
+    # One stage first, then the step block, then the table block (dK/dV's is BLOCK_N), to 16 rows.
+    from engine.kernels.varlen_attention_configs import shrink
+
+    steps, config = [], (64, 64, 8, 2)
+    while config is not None:
+        steps.append(config)
+        config = shrink("fwd", config)
+    assert steps == [(64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 8, 1), (64, 16, 8, 1), (32, 16, 8, 1), (16, 16, 8, 1)]
+    assert shrink("dkdv", (32, 16, 8, 1)) == (16, 16, 8, 1)
+    assert shrink("dkdv", (16, 32, 8, 1)) == (16, 16, 8, 1)
+    assert shrink("dq", (16, 16, 4, 1)) is None
