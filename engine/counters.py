@@ -58,7 +58,9 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
 - ``attention:<backend>``: packed attention calls by backend (varlen_triton, torch_flash,
   flash_attn, reference) and ``attention:dense``, the dense path of the packed attention
   function for a KV cache or an explicit mask; ``attention:padded_head_dim``: Triton calls whose
-  head dims were padded to one the kernel tiles (MLA's 192-wide keys over 128-wide values).
+  head dims were padded to one the kernel tiles (MLA's 192-wide keys over 128-wide values);
+  ``attention:shrunk_tiles``: a fixed launch config shrunk to fit the card's shared memory (an
+  RTX card's 99 KiB at head dims 256 and 512), once per config and process.
 - ``nf4_dequant:<path>`` / ``nf4_matmul:<path>``: a 4-bit (NF4) base weight decoded whole
   (Triton kernel or torch reference), or multiplied with the weight decoded inside the matmul
   (``nf4_matmul:triton``) or by dequantize + torch matmul (``nf4_matmul:torch``); on CUDA a
@@ -105,6 +107,7 @@ CALL_KEYS = (
     "attention:reference",
     "attention:dense",
     "attention:padded_head_dim",
+    "attention:shrunk_tiles",
     "moe:grouped_mm",
     "moe:loop",
     "nf4_dequant:triton",
