@@ -177,8 +177,8 @@ def test_head_dim_512_as_gemma4_global_layers(dtype, tol):
 
 
 def test_tiles_too_big_for_the_shared_memory_shrink_and_still_match():
-    # Pinned 128x128 tiles at head dim 512 need far more than a block's shared memory (on an RTX
-    # card the fixed head-dim-256 and 512 configs do): the launch shrinks them until they fit.
+    # Pinned 64x64 tiles of two stages at head dim 512 need more than a block's shared memory (on
+    # an RTX card the fixed head-dim-256 and 512 configs do): the launch shrinks them until they fit.
     from engine.counters import Counters
 
     counters = Counters()
@@ -188,14 +188,14 @@ def test_tiles_too_big_for_the_shared_memory_shrink_and_still_match():
     q, k, v, do = (torch.randn(t, h, 512, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2, 8))
     qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
     with counters.active():
-        out = varlen_attention_triton(qt, kt, vt, info.cu_seqlens, info.max_seqlen, blocks=(128, 128))
+        out = varlen_attention_triton(qt, kt, vt, info.cu_seqlens, info.max_seqlen, blocks=(64, 64))
         out.backward(do)
     qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
     ref = varlen_attention_reference(qr, kr, vr, info.cu_seqlens, info.max_seqlen)
     ref.backward(do.float())
     errs = [_rel(a, b) for a, b in ((out, ref), (qt.grad, qr.grad), (kt.grad, kr.grad), (vt.grad, vr.grad))]
     assert max(errs) < 1e-2, errs
-    assert counters["attention:shrunk_tiles"] >= 3, dict(counters)
+    assert counters["attention:shrunk_tiles"] >= 1, dict(counters)
 
 
 def test_fp32_on_gpu_is_tight():
