@@ -17,6 +17,7 @@ import triton.language as tl
 from engine.fastpath.packed import PackedSeqInfo
 from engine.kernels import varlen_attention as va
 from engine.kernels import varlen_attention_configs as va_configs
+from engine.kernels import varlen_attention_launch as va_launch
 from engine.kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
 
 
@@ -54,7 +55,7 @@ def test_rebuilt_addresses_match_carried_ones_bit_for_bit(monkeypatch, dtype, le
 
 def test_long_documents_run_the_long_launch_path(monkeypatch):
     # LONG_DOCUMENT lowered so an interpreter-sized document takes the long bucket end to end.
-    monkeypatch.setattr(va, "LONG_DOCUMENT", 48)
+    monkeypatch.setattr(va_launch, "LONG_DOCUMENT", 48)
     got, (q, k, v, do, info) = _grads([50, 20], 4, 2, 16, torch.float32)
     launch = va._Launch(q, k, info.cu_seqlens, info.block_table, None, True, None, None, None, True, 50)
     assert launch.long_docs == 1 and launch.rebuild_addr
@@ -80,7 +81,7 @@ def test_every_long_candidate_is_exact_at_its_own_tiles(monkeypatch, d, i):
     # _fixed's exact-check tiles).
     monkeypatch.setattr(va_configs, "INTERPRET", False)
     monkeypatch.setenv("TUNESMITH_ATTN_AUTOTUNE", "0")
-    monkeypatch.setattr(va, "LONG_DOCUMENT", 64)
+    monkeypatch.setattr(va_launch, "LONG_DOCUMENT", 64)
     for kind, table in _LONG_LISTS.items():
         c = table[d][min(i, len(table[d]) - 1)]
         monkeypatch.setitem(va._LONG_DEFAULTS[kind], d, (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], 4, 1))
