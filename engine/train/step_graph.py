@@ -206,7 +206,8 @@ class SyncWatch:
 
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
-        warnings.simplefilter("always")
+        # Every time, not once per place: a later run's capture in this process must see it too.
+        warnings.filterwarnings("always", message=".*synchronizing")
         shown = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
