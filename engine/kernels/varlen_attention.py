@@ -1164,7 +1164,8 @@ def varlen_attention_triton(
     longest = max_seqlen if isinstance(max_seqlen, int) else None
     bwd = resolve_backward(backward, longest, q.shape[0] * q.shape[1] * q.shape[2] * 4)
     if bwd == "onepass" and q.shape[2] > AUTOTUNED_MAX_HEAD_DIM:
-        count_fallback("attention_backward", f"head dim {q.shape[2]}: the one-pass backward tiles up to 256")
+        widest = AUTOTUNED_MAX_HEAD_DIM
+        count_fallback("attention_backward", f"head dim {q.shape[2]}: the one-pass backward tiles up to {widest}")
         bwd = "split"
     if tables is None:
         t = q.shape[0]

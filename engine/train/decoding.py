@@ -554,7 +554,7 @@ class _Step:
         """Record the step as a CUDA graph (its buffers hold a real step's inputs; capturing
         runs nothing); None, or why it stays eager. Call after one eager step (Triton's
         compiles, cuBLAS's workspaces)."""
-        from engine.train.step_graph import SyncWatch, failed_at
+        from engine.train.step_graph import SyncWatch
 
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -565,8 +565,7 @@ class _Step:
                 out = self.eager()
         except RuntimeError as exc:  # an op that syncs or is not capturable: the eager step
             torch.cuda.synchronize()
-            where = f" (read back{watch.place})" if watch.place else failed_at(exc)
-            return f"capture failed: {str(exc).splitlines()[0][:160]}{where}"
+            return f"capture failed: {str(exc).splitlines()[0][:160]}{watch.where(exc)}"
         self.graph, self.out = graph, out
         return None
 

@@ -201,6 +201,11 @@ class SyncWatch:
     def __init__(self):
         self.place = ""
 
+    def where(self, exc: BaseException) -> str:
+        """The place of a capture that failed with `exc`: the read back seen, which is the cause
+        wherever the failure surfaced, else where `exc` was raised (failed_at)."""
+        return f" (read back{self.place})" if self.place else failed_at(exc)
+
     def __enter__(self):
         import warnings
 
@@ -386,9 +391,8 @@ class StepGraphs:
 
                 if is_oom(exc):
                     raise  # the step's memory recovery handles it (and calls reset)
-                # A read back made during the capture is the cause wherever the failure surfaced.
-                where = f" (read back{watch.place})" if watch.place else failed_at(exc)
-                self.broken = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}){where}"
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                self.broken = f"capture failed ({why}){watch.where(exc)}"
                 self.reset()
                 count_fallback("cuda_graphs", self.broken)
                 return self._eager(batch, normalizer)
