@@ -202,9 +202,10 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _launch(q, k, dq_out, dk_out, q_out, k_out, wq, wk, cos, sin, eps_q, eps_k, offset, backward: bool) -> None:
+def _launch(q, k, dq_out, dk_out, q_out, k_out, wq, wk, cos, sin, eps_q, eps_k, offset, backward: bool, warps=None):
     """Forward: q_out/k_out = rotate(norm(q/k)). Backward: q_out/k_out = the inputs' gradients
-    from dq_out/dk_out (the gradients of the rotated outputs)."""
+    from dq_out/dk_out (the gradients of the rotated outputs). `warps` overrides the warp count
+    (bench.bandwidth times each)."""
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
     if B * T == 0:
@@ -247,7 +248,7 @@ def _launch(q, k, dq_out, dk_out, q_out, k_out, wq, wk, cos, sin, eps_q, eps_k, 
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         BACKWARD=backward,
-        num_warps=4 if tile >= 1024 else 2,
+        num_warps=warps or (4 if tile >= 1024 else 2),
     )
 
 

@@ -295,3 +295,22 @@ def test_fused_ce_trained_head_bias_softcap(dtype):
     for a, b in zip(out[1:], ref[1:]):
         assert a.dtype == dtype
         assert rel(a, b) < REL[dtype]
+
+
+@pytest.mark.parametrize("out", [1024, 2048, 6144, 12288 * 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lora_db_at_real_shapes(out, dtype):
+    """dB = s dy^T xa over 16,384 tokens, dy a column slice of a wider buffer as the side-by-side
+    gradients are: the split kernel against the fp64 product (bf16 tl.dot is only right on a GPU)."""
+    from engine.kernels.lora_db import lora_db, lora_db_reference
+
+    g = torch.Generator(device="cuda").manual_seed(out)
+    wide = torch.randn(16384, out + 128, device="cuda", dtype=dtype, generator=g)
+    dy = wide[:, 128:]
+    xa = torch.randn(16384, 48, device="cuda", dtype=dtype, generator=g)[:, 16:32]
+    got = lora_db(dy, xa, 2.0, torch.float32)
+    want = 2.0 * dy.double().t() @ xa.double()
+    err = rel(got.double(), want)
+    ref_err = rel(lora_db_reference(dy, xa, 2.0, torch.float32).double(), want)
+    print(f"lora_db out={out} {dtype}: rel err {err:.2e} (cuBLAS {ref_err:.2e})")
+    assert err < 5e-5 and got.dtype == torch.float32

@@ -1,0 +1,123 @@
+"""How close the memory-bound passes of a step come to the card's bandwidth: `python -m bench.bandwidth` (GPU).
+
+A W1 step is 0.168 s where 100k tok/s needs 0.164, and what is left outside the big GEMMs is passes
+bound by memory: LoRA's B gradients (dB = s dy^T xa, reading every projection's output gradient),
+the fused q/k norm + RoPE, the gated activation. For each at a workload's shapes (one decoder layer,
+16,384 tokens, r = 16) this times the pass, counts the bytes it must move, and prints the achieved
+GB/s beside a plain device copy's (what the card gives a simple stream of reads and writes). dB is
+timed both ways: cuBLAS (`lora_db_reference`, what the engine ran before) and the token-split kernel
+(`engine.kernels.lora_db`). The q/k norm + RoPE is also timed at each warp count. One JSON line per
+(workload, pass) goes to --results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.attention_micro import _time
+from bench.workloads import get_workload
+
+HERE = Path(__file__).resolve().parent
+
+
+def _passes(c: dict, tokens: int, r: int, dev) -> dict:
+    """{name: (fn, bytes moved)} for one layer of the config `c`."""
+    from engine.kernels import activations as act
+    from engine.kernels import lora_db, qk_norm_rope
+
+    bf = torch.bfloat16
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    hq, hkv = c["num_attention_heads"], c["num_key_value_heads"]
+    el = 2
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=dev, dtype=bf)
+
+    out: dict = {}
+    big = rnd(tokens, 4096)
+    out["copy"] = (lambda: big.clone(), 2 * big.numel() * el)
+    xa = rnd(tokens, 4 * r)
+    for name, width in (("q", hq * hd), ("kv", hkv * hd), ("o", h), ("gate_up", 2 * inter), ("down", h)):
+        dy = rnd(tokens, width)
+        moved = (dy.numel() + tokens * r) * el
+        out[f"dB_{name}_cublas"] = (
+            lambda dy=dy: lora_db.lora_db_reference(dy, xa[:, :r], 2.0, torch.float32),
+            moved,
+        )
+        out[f"dB_{name}_split"] = (lambda dy=dy: lora_db.lora_db_triton(dy, xa[:, :r], 2.0, torch.float32), moved)
+    # The q/k norm + RoPE, forward and backward, at every warp count.
+    q, k = rnd(1, tokens, hq, hd), rnd(1, tokens, hkv, hd)
+    wq, wk = torch.ones(hd, device=dev, dtype=bf), torch.ones(hd, device=dev, dtype=bf)
+    cos, sin = rnd(1, tokens, hd), rnd(1, tokens, hd)
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    dq, dk = rnd(1, tokens, hq, hd), rnd(1, tokens, hkv, hd)
+    qk = (q.numel() + k.numel()) * el
+    for warps in (None, 1, 2, 4, 8):
+        tag = "default" if warps is None else f"w{warps}"
+        out[f"qk_norm_rope_fwd_{tag}"] = (
+            lambda w=warps: qk_norm_rope._launch(q, k, qo, ko, qo, ko, wq, wk, cos, sin, 1e-6, 1e-6, 0.0, False, w),
+            2 * qk,
+        )
+        out[f"qk_norm_rope_bwd_{tag}"] = (
+            lambda w=warps: qk_norm_rope._launch(q, k, dq, dk, qo, ko, wq, wk, cos, sin, 1e-6, 1e-6, 0.0, True, w),
+            3 * qk,
+        )
+    gate, up, dh = rnd(tokens, inter), rnd(tokens, inter), rnd(tokens, inter)
+    g2, u2 = gate.clone(), up.clone()
+    out["gated_fwd"] = (lambda: act.gated_act_forward(gate, up, "silu"), 3 * gate.numel() * el)
+
+    def gated_bwd():
+        # In place over its inputs (as the MLP runs it): fresh copies each time are not timed apart.
+        act.gated_act_backward_and_output(dh, g2, u2, "silu")
+
+    out["gated_bwd"] = (gated_bwd, 6 * gate.numel() * el)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default="W1,W2,W3")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--results", type=Path, default=HERE / "results" / "bandwidth.jsonl")
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(0)
+    for wid in args.workloads.split(","):
+        wl = get_workload(wid.strip())
+        passes = _passes(wl.config, args.tokens, args.rank, dev)
+        copy_gbs = None
+        for name, (fn, moved) in passes.items():
+            ms = _time(fn, args.reps)
+            gbs = moved / ms / 1e6
+            copy_gbs = gbs if name == "copy" else copy_gbs
+            rec = dict(
+                date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                gpu=gpu,
+                torch=torch.__version__,
+                workload=wl.id,
+                product=name,
+                tokens=args.tokens,
+                rank=args.rank,
+                ms=round(ms, 4),
+                gb_s=round(gbs, 1),
+                of_copy=round(gbs / copy_gbs, 3),
+            )
+            print(json.dumps(rec), flush=True)
+            args.results.parent.mkdir(parents=True, exist_ok=True)
+            with args.results.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+        del passes
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

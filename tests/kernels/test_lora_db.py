@@ -1,0 +1,51 @@
+"""LoRA's B gradient through the token-split kernel (the interpreter on a CPU; bf16 dots only on the
+GPU, see tests/gpu/test_kernels_gpu.py) against the GEMM it replaces: several splits and a ragged
+last one, column slices of wider buffers, ranks below the dot's 16, and no tokens at all."""
+
+import pytest
+import torch
+
+from engine.kernels import lora_db as L
+
+
+@pytest.mark.parametrize(
+    "tokens,out,rank,dtype",
+    [
+        (300, 96, 8, torch.float32),  # rank below 16, out below one block, a ragged last step
+        (1000, 160, 16, torch.float16),  # two out blocks, the second ragged
+        (129, 64, 24, torch.float32),  # rank padded to 32
+    ],
+)
+def test_matches_the_gemm_on_column_slices(monkeypatch, tokens, out, rank, dtype):
+    monkeypatch.setattr(L, "_TARGET_PROGRAMS", 6)  # several splits even at these sizes
+    g = torch.Generator().manual_seed(tokens)
+    wide_dy = torch.randn(tokens, out + 40, generator=g).to(dtype)
+    wide_xa = torch.randn(tokens, 3 * rank, generator=g).to(dtype)
+    dy, xa = wide_dy[:, 40:], wide_xa[:, rank : 2 * rank]
+    splits, per = L._splits(tokens, -(-out // L.BLOCK_N))
+    assert splits > 1 and per % L.BLOCK_T == 0
+    got = L.lora_db_triton(dy, xa, 0.5, torch.float32)
+    want = 0.5 * dy.double().t() @ xa.double()
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * tokens**0.5)
+    assert got.dtype == torch.float32 and got.shape == (out, rank)
+    ref = L.lora_db_reference(dy, xa, 0.5, torch.float32)
+    assert ref.shape == got.shape
+
+
+def test_output_dtype_and_no_tokens():
+    dy = torch.zeros(0, 32)
+    xa = torch.zeros(0, 16)
+    got = L.lora_db_triton(dy, xa, 2.0, torch.float16)
+    assert got.dtype == torch.float16 and got.shape == (32, 16) and not got.any()
+
+
+def test_mismatched_tokens_are_refused_by_name():
+    with pytest.raises(ValueError, match="lora_db"):
+        L.lora_db_triton(torch.zeros(5, 32), torch.zeros(4, 16), 1.0, torch.float32)
+
+
+def test_off_cuda_the_dispatcher_runs_the_gemm():
+    g = torch.Generator().manual_seed(0)
+    dy, xa = torch.randn(50, 40, generator=g), torch.randn(50, 16, generator=g)
+    torch.testing.assert_close(L.lora_db(dy, xa, 3.0, torch.float32), 3.0 * dy.t() @ xa)
