@@ -6,20 +6,23 @@ the fused q/k norm + RoPE, the gated activation. For each at a workload's shapes
 16,384 tokens, r = 16) this times the pass, counts the bytes it must move, and prints the achieved
 GB/s beside a plain device copy's (what the card gives a simple stream of reads and writes). dB is
 timed both ways: cuBLAS (`lora_db_reference`, what the engine ran before) and the token-split kernel
-(`engine.kernels.lora_db`). The q/k norm + RoPE is also timed at each warp count. One JSON line per
-(workload, pass) goes to --results.
+(`engine.kernels.lora_db`, at several program counts and token steps). The q/k norm + RoPE is timed
+at every program share (tokens a program, q and k apart or together, warps). Each pass is timed as a
+CUDA graph of 20 calls, as a step graph replays it: a small kernel's host launch cost (a Triton
+launch's Python is tens of microseconds) is not counted. One JSON line per (workload, pass) goes to
+--results.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from bench.attention_micro import _time
 from bench.workloads import get_workload
 
 HERE = Path(__file__).resolve().parent
@@ -50,22 +53,30 @@ def _passes(c: dict, tokens: int, r: int, dev) -> dict:
             lambda dy=dy: lora_db.lora_db_reference(dy, xa[:, :r], 2.0, torch.float32),
             moved,
         )
-        out[f"dB_{name}_split"] = (lambda dy=dy: lora_db.lora_db_triton(dy, xa[:, :r], 2.0, torch.float32), moved)
-    # The q/k norm + RoPE, forward and backward, at every warp count.
+        for programs in (132, 264, 528):
+            for step in (64, 128):
+
+                def split(dy=dy, programs=programs, step=step):
+                    lora_db._TARGET_PROGRAMS, lora_db.BLOCK_T = programs, step
+                    return lora_db.lora_db_triton(dy, xa[:, :r], 2.0, torch.float32)
+
+                out[f"dB_{name}_split_p{programs}_t{step}"] = (split, moved)
+    # The q/k norm + RoPE, forward and backward, at every program share.
     q, k = rnd(1, tokens, hq, hd), rnd(1, tokens, hkv, hd)
     wq, wk = torch.ones(hd, device=dev, dtype=bf), torch.ones(hd, device=dev, dtype=bf)
     cos, sin = rnd(1, tokens, hd), rnd(1, tokens, hd)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     dq, dk = rnd(1, tokens, hq, hd), rnd(1, tokens, hkv, hd)
     qk = (q.numel() + k.numel()) * el
-    for warps in (None, 1, 2, 4, 8):
-        tag = "default" if warps is None else f"w{warps}"
+    shares = [{}] + [dict(tokens=t, split=sp, warps=w) for t in (1, 2, 4) for sp in (False, True) for w in (1, 2, 4)]
+    for share in shares:
+        tag = "_".join(f"{k}{int(v)}" for k, v in share.items()) or "default"
         out[f"qk_norm_rope_fwd_{tag}"] = (
-            lambda w=warps: qk_norm_rope._launch(q, k, qo, ko, qo, ko, wq, wk, cos, sin, 1e-6, 1e-6, 0.0, False, w),
+            lambda o=share: qk_norm_rope._launch(q, k, qo, ko, qo, ko, wq, wk, cos, sin, 1e-6, 1e-6, 0.0, False, **o),
             2 * qk,
         )
         out[f"qk_norm_rope_bwd_{tag}"] = (
-            lambda w=warps: qk_norm_rope._launch(q, k, dq, dk, qo, ko, wq, wk, cos, sin, 1e-6, 1e-6, 0.0, True, w),
+            lambda o=share: qk_norm_rope._launch(q, k, dq, dk, qo, ko, wq, wk, cos, sin, 1e-6, 1e-6, 0.0, True, **o),
             3 * qk,
         )
     gate, up, dh = rnd(tokens, inter), rnd(tokens, inter), rnd(tokens, inter)
@@ -80,12 +91,38 @@ def _passes(c: dict, tokens: int, r: int, dev) -> dict:
     return out
 
 
+def _graph_ms(fn, calls: int = 20, reps: int = 10) -> float:
+    """Milliseconds a call of fn() takes on the device, from replays of a CUDA graph of `calls` calls
+    (median of `reps` replays). Compiles and warms up outside the graph first."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--reps", type=int, default=30)
     p.add_argument("--results", type=Path, default=HERE / "results" / "bandwidth.jsonl")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
@@ -95,7 +132,7 @@ def main(argv=None) -> int:
         passes = _passes(wl.config, args.tokens, args.rank, dev)
         copy_gbs = None
         for name, (fn, moved) in passes.items():
-            ms = _time(fn, args.reps)
+            ms = _graph_ms(fn)
             gbs = moved / ms / 1e6
             copy_gbs = gbs if name == "copy" else copy_gbs
             rec = dict(

@@ -297,6 +297,7 @@ def test_fused_ce_trained_head_bias_softcap(dtype):
         assert rel(a, b) < REL[dtype]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("out", [1024, 2048, 6144, 12288 * 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_lora_db_at_real_shapes(out, dtype):

@@ -90,3 +90,20 @@ def test_qk_norm_rope(hq, hk, d, offset, dtype):
             f"[qk_norm_rope] {TOKENS} tokens, {hq}/{hk} heads x {d}: forward fused {fwd['fused']:.3f} ms against "
             f"unfused {fwd['unfused']:.3f} ms; forward + backward {both['fused']:.3f} against {both['unfused']:.3f} ms"
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hk,d", [(16, 8, 128), (32, 8, 128), (8, 4, 256)])
+@pytest.mark.parametrize("share", [dict(tokens=4, split=False, warps=1), dict(tokens=2, split=True, warps=2)])
+def test_every_program_share_is_bit_identical(monkeypatch, hq, hk, d, share):
+    """Tokens a program, q and k apart, warps: where the work is cut changes no bit of any output."""
+    import engine.kernels.qk_norm_rope as m
+
+    q, k, wq, wk, gq, gk = _inputs(hq, hk, d, torch.bfloat16, 0.0)
+    cos, sin = _cos_sin(d, torch.bfloat16)
+    monkeypatch.setattr(m, "LAUNCH", dict(tokens=1, split=False, warps=None))
+    want = _run(qk_norm_rope, q, k, wq, wk, cos, sin, gq, gk, 0.0, hq, hk, d)
+    monkeypatch.setattr(m, "LAUNCH", share)
+    got = _run(qk_norm_rope, q, k, wq, wk, cos, sin, gq, gk, 0.0, hq, hk, d)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -70,6 +70,34 @@ def test_matches_the_unfused_references_forward_and_backward(B, T, Hq, Hk, D, dt
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "launch", [dict(tokens=4, split=False), dict(tokens=1, split=True), dict(tokens=2, split=True)]
+)
+def test_every_program_share_matches(monkeypatch, launch):
+    """Several tokens a program (the last program's tokens past the end masked), and q and k in
+    programs of their own: the same results as one token a program."""
+    import engine.kernels.qk_norm_rope as m
+
+    g = torch.Generator().manual_seed(7)
+    B, T, Hq, Hk, D = 1, 11, 4, 2, 16
+    cos, sin = _cos_sin(B, T, Hq, D, torch.float32, True, 7)
+    q, k = torch.randn(B, T, Hq, D, generator=g), torch.randn(B, T, Hk, D, generator=g)
+    w = torch.rand(D, generator=g) + 0.5
+    dq, dk = torch.randn(B, T, Hq, D, generator=g), torch.randn(B, T, Hk, D, generator=g)
+
+    def both():
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
+        m._launch(q, k, qo, ko, qo, ko, w, w, cos, sin, 1e-6, 1e-6, 0.0, False)
+        gq, gk = torch.empty_like(q), torch.empty_like(k)
+        m._launch(q, k, dq, dk, gq, gk, w, w, cos, sin, 1e-6, 1e-6, 0.0, True)
+        return qo, ko, gq, gk
+
+    want = both()
+    monkeypatch.setattr(m, "LAUNCH", {**m.LAUNCH, **launch})
+    for x, y in zip(both(), want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
 def test_one_output_unused_and_inputs_left_alone():
     """k's output takes no part in the loss: its gradient arrives as None and dk is zero; the
     inputs are not rotated in place (unlike the plain RoPE kernel)."""
