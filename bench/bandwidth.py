@@ -5,8 +5,8 @@ bound by memory: LoRA's B gradients (dB = s dy^T xa, reading every projection's 
 the fused q/k norm + RoPE, the gated activation. For each at a workload's shapes (one decoder layer,
 16,384 tokens, r = 16) this times the pass, counts the bytes it must move, and prints the achieved
 GB/s beside a plain device copy's (what the card gives a simple stream of reads and writes). dB is
-timed both ways: cuBLAS (`lora_db_reference`, what the engine ran before) and the token-split kernel
-(`engine.kernels.lora_db`, at several program counts and token steps). The q/k norm + RoPE is timed
+timed both ways: cuBLAS (`rank_grad_reference`, what the engine ran before) and the token-split kernel
+(`engine.kernels.rank_grad`, at several program counts and token steps). The q/k norm + RoPE is timed
 at every program share (tokens a program, q and k apart or together, warps). Each pass is timed as a
 CUDA graph of 20 calls, as a step graph replays it: a small kernel's host launch cost (a Triton
 launch's Python is tens of microseconds) is not counted. One JSON line per (workload, pass) goes to
@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 def _passes(c: dict, tokens: int, r: int, dev) -> dict:
     """{name: (fn, bytes moved)} for one layer of the config `c`."""
     from engine.kernels import activations as act
-    from engine.kernels import lora_db, qk_norm_rope
+    from engine.kernels import qk_norm_rope, rank_grad
 
     bf = torch.bfloat16
     h, inter = c["hidden_size"], c["intermediate_size"]
@@ -50,15 +50,15 @@ def _passes(c: dict, tokens: int, r: int, dev) -> dict:
         dy = rnd(tokens, width)
         moved = (dy.numel() + tokens * r) * el
         out[f"dB_{name}_cublas"] = (
-            lambda dy=dy: lora_db.lora_db_reference(dy, xa[:, :r], 2.0, torch.float32),
+            lambda dy=dy: rank_grad.rank_grad_reference(dy, xa[:, :r], 2.0, torch.float32),
             moved,
         )
         for programs in (132, 264, 528):
             for step in (64, 128):
 
                 def split(dy=dy, programs=programs, step=step):
-                    lora_db._TARGET_PROGRAMS, lora_db.BLOCK_T = programs, step
-                    return lora_db.lora_db_triton(dy, xa[:, :r], 2.0, torch.float32)
+                    rank_grad._TARGET_PROGRAMS, rank_grad.BLOCK_T = programs, step
+                    return rank_grad.rank_grad_triton(dy, xa[:, :r], 2.0, torch.float32)
 
                 out[f"dB_{name}_split_p{programs}_t{step}"] = (split, moved)
     # The q/k norm + RoPE, forward and backward, at every program share.

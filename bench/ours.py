@@ -69,7 +69,11 @@ TRAINING_FIELDS = ("offload",)
 
 # Variant fields that are the engine's before/after switches read from the environment (no setting
 # of their own): every variant sets each one, to "0" where it asks for false, else to "1".
-ENV_FIELDS = {"fold_backward": "TUNESMITH_FOLD_BACKWARD", "attn_pack": "TUNESMITH_ATTN_PACK"}
+ENV_FIELDS = {
+    "fold_backward": "TUNESMITH_FOLD_BACKWARD",
+    "attn_pack": "TUNESMITH_ATTN_PACK",
+    "rank_grad": "TUNESMITH_RANK_GRAD",
+}
 
 
 def split_fields(fields: dict) -> tuple[dict, dict]:

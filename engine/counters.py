@@ -114,6 +114,7 @@ CALL_KEYS = (
     "nf4_dequant:torch",
     "nf4_matmul:triton",
     "nf4_matmul:torch",
+    "rank_grad:triton",
 )
 
 FALLBACK = "fallback:"

@@ -25,6 +25,9 @@ Gradients (``dy`` = upstream gradient, ``xa = x A^T``):
 
     dx = dy W + s (dy B) A        dA = s (dy B)^T x        dB = s dy^T xa
 
+dA and dB reduce over the tokens into r-wide results (engine.kernels.rank_grad: a token-split
+kernel on CUDA that reads x or dy once at the card's bandwidth, fp32 out).
+
 Compute dtype: everything runs in the activation dtype (x.dtype); fp32 adapter weights (PEFT
 casts adapters to fp32 for bf16 models) are cast down for the matmuls and their gradients are
 returned in the adapter's dtype. PEFT instead runs the low-rank branch in the adapter dtype;
@@ -49,16 +52,9 @@ from engine.fastpath.lora_group import (
     lora_linear_out,
 )
 from engine.kernels import activations as K
+from engine.kernels.rank_grad import rank_grad
 
 # -- the math shared by the Functions (plain tensors, no autograd) ----------------------------
-
-
-def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype) -> torch.Tensor:
-    """s * (a @ b) in `dtype`: the scale rides on the GEMM's alpha (beta=0 ignores the
-    uninitialized buffer), so the only extra kernel is the cast when `dtype` differs."""
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-    out.addmm_(a, b, beta=0, alpha=s)
-    return out if out.dtype == dtype else out.to(dtype)
 
 
 def _group_forward(x, group: LoRAGroup, w, spare: int = 0):
@@ -177,7 +173,7 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
             continue
         dy = dys[i]
         if need_ab[2 * i + 1]:
-            dab[2 * i + 1] = _scaled_mm(dy.t(), xa[:, col : col + r], group.scales[i], ab[2 * i + 1].dtype)
+            dab[2 * i + 1] = rank_grad(dy, xa[:, col : col + r], group.scales[i], ab[2 * i + 1].dtype)
         if folded is None:
             g_parts.append(torch.mm(dy, B))
         col += r
@@ -203,7 +199,7 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
                 del wt  # a dequantized 4-bit weight goes before the next one is made
     if g is not None:
         if any(need_ab[0::2]):
-            da_all = torch.mm(g.t(), x)  # [R, in]: every dA of the group in one matmul
+            da_all = rank_grad(x, g, 1.0, torch.float32, transposed=True)  # [R, in]: every dA of the group
             row = 0
             for i, r in enumerate(group.ranks):
                 if not r:
@@ -302,7 +298,7 @@ def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
     g = None
     if B is not None:
         if need_ab[1]:
-            dab[1] = _scaled_mm(dy.t(), ha, down.scales[0], ab[1].dtype)
+            dab[1] = rank_grad(dy, ha, down.scales[0], ab[1].dtype)
         g = torch.mm(dy, B)  # dy (s B): [N, r]
     da = None
     for s, e in slices:
@@ -314,9 +310,8 @@ def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
         dgate, dup, h = act.backward_raw(gate[s:e], up[s:e], dh)
         del dh
         if g is not None and need_ab[0]:
-            part = torch.mm(g[s:e].t(), h)  # [r, inter]
-            # Slices are summed in fp32 (a single slice is used as the GEMM returns it).
-            da = part if da is None else (da.float() if da.dtype != torch.float32 else da).add_(part)
+            part = rank_grad(h, g[s:e], 1.0, torch.float32, transposed=True)  # [r, inter]
+            da = part if da is None else da.add_(part)  # slices are summed in fp32
         del h
         if dgate.data_ptr() != gate[s:e].data_ptr():  # the torch fallback returns new tensors
             gate[s:e].copy_(dgate)
@@ -481,10 +476,10 @@ class LoRAMLPUnread(torch.autograd.Function):
                 del dh
                 if g is not None:
                     if need_ab[4]:
-                        acc[4] = _add_f32(acc[4], torch.mm(g.t(), h))  # dA_down: [r, inter]
+                        acc[4] = _add_f32(acc[4], rank_grad(h, g, 1.0, torch.float32, transposed=True))  # dA_down
                     if need_ab[5]:
                         ha = torch.mm(h, a_down.t())
-                        acc[5] = _add_f32(acc[5], _scaled_mm(dyt.t(), ha, down.scales[0], torch.float32))
+                        acc[5] = _add_f32(acc[5], rank_grad(dyt, ha, down.scales[0], torch.float32))
                         del ha
                 del h
                 need_x = d_res is not None or xn.requires_grad

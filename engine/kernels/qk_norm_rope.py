@@ -308,15 +308,22 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-# A program's share: tokens per program, q and k in programs of their own (SPLIT), warps (None: by
-# the tile). bench.bandwidth times the choices.
-LAUNCH = dict(tokens=1, split=False, warps=None)
+# A program's share each way: tokens per program, q and k in programs of their own (split), warps
+# (None: 4 for tiles of 1,024 values or more, else 2). Graph-timed on an H100 (`python -m
+# bench.bandwidth`, every share at W1's 16/8 and W3's 32/8 heads of 128 over 16,384 tokens): one token
+# of q and k per program everywhere; one warp forward (W1 80.8 against 91.4 us, 84% of a device
+# copy's bandwidth against 74%; W3 128.7 against 134.5), the tile's warps backward (one warp is slower
+# there: W1 136.7 against 127.1).
+LAUNCH = {
+    "forward": dict(tokens=1, split=False, warps=1),
+    "backward": dict(tokens=1, split=False, warps=None),
+}
 
 
 def _launch(q, k, dq_out, dk_out, q_out, k_out, wq, wk, cos, sin, eps_q, eps_k, offset, backward: bool, **over):
     """Forward: q_out/k_out = rotate(norm(q/k)). Backward: q_out/k_out = the inputs' gradients
     from dq_out/dk_out (the gradients of the rotated outputs). `over` overrides LAUNCH's keys."""
-    cfg = {**LAUNCH, **over}
+    cfg = {**LAUNCH["backward" if backward else "forward"], **over}
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
     if B * T == 0:

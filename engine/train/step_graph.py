@@ -187,6 +187,13 @@ def failed_at(exc: BaseException) -> str:
     return _place(traceback.extract_tb(exc.__traceback__))
 
 
+# What torch's sync debug mode warns at a synchronizing op (c10's warn_or_error_on_sync). The
+# whole text: the mode's first setting in a process also warns, once, that it "does not yet detect
+# all synchronizing operations", and that notice is no read back (LongCat-Flash's capture was
+# named by it: the watch's own line).
+_SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 class SyncWatch:
     """Within it, the first read back to the host (a synchronizing CUDA op) is recorded with its
     place: `place` is ' at <file>:<line>', or "" while none was seen.
@@ -212,11 +219,11 @@ class SyncWatch:
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
         # Every time, not once per place: a later run's capture in this process must see it too.
-        warnings.filterwarnings("always", message=".*synchronizing")
+        warnings.filterwarnings("always", message=_SYNC_WARNING)
         shown = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if "synchronizing" in str(message):  # the mode's own warning: kept, not shown
+            if str(message) == _SYNC_WARNING:  # the mode's own warning: kept, not shown
                 if not self.place:
                     import traceback
 

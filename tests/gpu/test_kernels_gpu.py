@@ -298,20 +298,23 @@ def test_fused_ce_trained_head_bias_softcap(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True], ids=["dB", "dA"])
 @pytest.mark.parametrize("out", [1024, 2048, 6144, 12288 * 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_lora_db_at_real_shapes(out, dtype):
-    """dB = s dy^T xa over 16,384 tokens, dy a column slice of a wider buffer as the side-by-side
-    gradients are: the split kernel against the fp64 product (bf16 tl.dot is only right on a GPU)."""
-    from engine.kernels.lora_db import lora_db, lora_db_reference
+def test_rank_grad_at_real_shapes(out, dtype, transposed):
+    """s a^T b over 16,384 tokens, a a column slice of a wider buffer (side-by-side gradients, an input
+    with spare columns): the split kernel against the fp64 product (bf16 tl.dot is only right on a
+    GPU), as dB ([out, r]) and as dA ([r, in], transposed)."""
+    from engine.kernels.rank_grad import rank_grad, rank_grad_reference
 
     g = torch.Generator(device="cuda").manual_seed(out)
     wide = torch.randn(16384, out + 128, device="cuda", dtype=dtype, generator=g)
-    dy = wide[:, 128:]
-    xa = torch.randn(16384, 48, device="cuda", dtype=dtype, generator=g)[:, 16:32]
-    got = lora_db(dy, xa, 2.0, torch.float32)
-    want = 2.0 * dy.double().t() @ xa.double()
+    a = wide[:, 128:]
+    b = torch.randn(16384, 48, device="cuda", dtype=dtype, generator=g)[:, 16:32]
+    got = rank_grad(a, b, 2.0, torch.float32, transposed=transposed)
+    want = 2.0 * a.double().t() @ b.double()
+    want = want.t() if transposed else want
     err = rel(got.double(), want)
-    ref_err = rel(lora_db_reference(dy, xa, 2.0, torch.float32).double(), want)
-    print(f"lora_db out={out} {dtype}: rel err {err:.2e} (cuBLAS {ref_err:.2e})")
-    assert err < 5e-5 and got.dtype == torch.float32
+    ref_err = rel(rank_grad_reference(a, b, 2.0, torch.float32, transposed=transposed).double(), want)
+    print(f"rank_grad out={out} {dtype} transposed={transposed}: rel err {err:.2e} (cuBLAS {ref_err:.2e})")
+    assert err < 5e-5 and got.dtype == torch.float32 and got.is_contiguous() and got.shape == want.shape

@@ -101,9 +101,10 @@ def test_every_program_share_is_bit_identical(monkeypatch, hq, hk, d, share):
 
     q, k, wq, wk, gq, gk = _inputs(hq, hk, d, torch.bfloat16, 0.0)
     cos, sin = _cos_sin(d, torch.bfloat16)
-    monkeypatch.setattr(m, "LAUNCH", dict(tokens=1, split=False, warps=None))
+    one = dict(tokens=1, split=False, warps=None)
+    monkeypatch.setattr(m, "LAUNCH", {"forward": one, "backward": one})
     want = _run(qk_norm_rope, q, k, wq, wk, cos, sin, gq, gk, 0.0, hq, hk, d)
-    monkeypatch.setattr(m, "LAUNCH", share)
+    monkeypatch.setattr(m, "LAUNCH", {"forward": share, "backward": share})
     got = _run(qk_norm_rope, q, k, wq, wk, cos, sin, gq, gk, 0.0, hq, hk, d)
     for a, b in zip(got, want):
         assert torch.equal(a, b)

@@ -71,7 +71,8 @@ def test_matches_the_unfused_references_forward_and_backward(B, T, Hq, Hk, D, dt
 
 
 @pytest.mark.parametrize(
-    "launch", [dict(tokens=4, split=False), dict(tokens=1, split=True), dict(tokens=2, split=True)]
+    "launch",
+    [dict(tokens=4, split=False, warps=None), dict(tokens=1, split=True, warps=1), dict(tokens=2, split=True, warps=2)],
 )
 def test_every_program_share_matches(monkeypatch, launch):
     """Several tokens a program (the last program's tokens past the end masked), and q and k in
@@ -93,7 +94,7 @@ def test_every_program_share_matches(monkeypatch, launch):
         return qo, ko, gq, gk
 
     want = both()
-    monkeypatch.setattr(m, "LAUNCH", {**m.LAUNCH, **launch})
+    monkeypatch.setattr(m, "LAUNCH", {"forward": launch, "backward": launch})
     for x, y in zip(both(), want):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 

@@ -232,6 +232,9 @@ def test_a_failed_capture_names_the_model_code_that_stopped_it():
     assert failed_at(RuntimeError("no traceback")) == ""
 
 
+NOTICE = "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+
+
 def test_a_read_back_during_capture_is_named_by_the_code_that_made_it():
     # torch's sync debug mode warns from the op's own call; the watch keeps the first such
     # warning's place (the model file here) and lets every other warning through.
@@ -251,8 +254,11 @@ def test_a_read_back_during_capture_is_named_by_the_code_that_made_it():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with SyncWatch() as watch:
+            # torch's one-time notice when the mode is first set (seen as the place on an H100): not
+            # a read back, so it passes through and names nothing.
+            warnings.warn(NOTICE)
             scope["forward"](1)
             warnings.warn("something else")
     assert watch.place == " at transformers/models/longcat_flash/modeling.py:3"
-    assert [str(w.message) for w in seen] == ["something else"]
+    assert [str(w.message) for w in seen] == [NOTICE, "something else"]
     assert SyncWatch().place == ""

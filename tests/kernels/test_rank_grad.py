@@ -1,11 +1,12 @@
-"""LoRA's B gradient through the token-split kernel (the interpreter on a CPU; bf16 dots only on the
-GPU, see tests/gpu/test_kernels_gpu.py) against the GEMM it replaces: several splits and a ragged
-last one, column slices of wider buffers, ranks below the dot's 16, and no tokens at all."""
+"""LoRA's rank-wide gradients (dB, and dA transposed) through the token-split kernel (the interpreter
+on a CPU; bf16 dots only on the GPU, see tests/gpu/test_kernels_gpu.py) against the GEMM it replaces:
+several splits and a ragged last one, column slices of wider buffers, ranks below the dot's 16, and
+no tokens at all."""
 
 import pytest
 import torch
 
-from engine.kernels import lora_db as L
+from engine.kernels import rank_grad as L
 
 
 @pytest.mark.parametrize(
@@ -22,30 +23,39 @@ def test_matches_the_gemm_on_column_slices(monkeypatch, tokens, out, rank, dtype
     wide_dy = torch.randn(tokens, out + 40, generator=g).to(dtype)
     wide_xa = torch.randn(tokens, 3 * rank, generator=g).to(dtype)
     dy, xa = wide_dy[:, 40:], wide_xa[:, rank : 2 * rank]
-    splits, per = L._splits(tokens, -(-out // L.BLOCK_N))
+    splits, per = L._splits(tokens, -(-out // L.BLOCK_N), 6)
     assert splits > 1 and per % L.BLOCK_T == 0
-    got = L.lora_db_triton(dy, xa, 0.5, torch.float32)
+    got = L.rank_grad_triton(dy, xa, 0.5, torch.float32)
     want = 0.5 * dy.double().t() @ xa.double()
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * tokens**0.5)
     assert got.dtype == torch.float32 and got.shape == (out, rank)
-    ref = L.lora_db_reference(dy, xa, 0.5, torch.float32)
+    ref = L.rank_grad_reference(dy, xa, 0.5, torch.float32)
     assert ref.shape == got.shape
 
 
 def test_output_dtype_and_no_tokens():
     dy = torch.zeros(0, 32)
     xa = torch.zeros(0, 16)
-    got = L.lora_db_triton(dy, xa, 2.0, torch.float16)
+    got = L.rank_grad_triton(dy, xa, 2.0, torch.float16)
     assert got.dtype == torch.float16 and got.shape == (32, 16) and not got.any()
 
 
 def test_mismatched_tokens_are_refused_by_name():
-    with pytest.raises(ValueError, match="lora_db"):
-        L.lora_db_triton(torch.zeros(5, 32), torch.zeros(4, 16), 1.0, torch.float32)
+    with pytest.raises(ValueError, match="rank_grad"):
+        L.rank_grad_triton(torch.zeros(5, 32), torch.zeros(4, 16), 1.0, torch.float32)
 
 
 def test_off_cuda_the_dispatcher_runs_the_gemm():
     g = torch.Generator().manual_seed(0)
     dy, xa = torch.randn(50, 40, generator=g), torch.randn(50, 16, generator=g)
-    torch.testing.assert_close(L.lora_db(dy, xa, 3.0, torch.float32), 3.0 * dy.t() @ xa)
+    torch.testing.assert_close(L.rank_grad(dy, xa, 3.0, torch.float32), 3.0 * dy.t() @ xa)
+
+
+def test_transposed_is_the_contiguous_transpose():
+    g = torch.Generator().manual_seed(3)
+    x, grad = torch.randn(200, 72, generator=g), torch.randn(200, 16, generator=g)
+    got = L.rank_grad_triton(x, grad, 1.0, torch.float32, transposed=True)
+    assert got.shape == (16, 72) and got.is_contiguous()
+    torch.testing.assert_close(got, grad.t() @ x, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(L.rank_grad_reference(x, grad, 1.0, torch.float32, transposed=True), grad.t() @ x)
