@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -137,6 +138,7 @@ def main(argv=None) -> int:
             copy_gbs = gbs if name == "copy" else copy_gbs
             rec = dict(
                 date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                commit=os.environ.get("TUNESMITH_COMMIT"),
                 gpu=gpu,
                 torch=torch.__version__,
                 workload=wl.id,
