@@ -68,11 +68,12 @@ def variant_fields(variant: str) -> dict:
 TRAINING_FIELDS = ("offload",)
 
 # Variant fields that are the engine's before/after switches read from the environment (no setting
-# of their own): every variant sets each one, to "0" where it asks for false, else to "1".
+# of their own): every variant sets each one, to "1" where it asks for true, "0" for false, and to
+# the engine's own default where it says nothing ({field: (variable, default)}).
 ENV_FIELDS = {
-    "fold_backward": "TUNESMITH_FOLD_BACKWARD",
-    "attn_pack": "TUNESMITH_ATTN_PACK",
-    "rank_grad": "TUNESMITH_RANK_GRAD",
+    "fold_backward": ("TUNESMITH_FOLD_BACKWARD", True),
+    "attn_pack": ("TUNESMITH_ATTN_PACK", True),
+    "rank_grad": ("TUNESMITH_RANK_GRAD", False),
 }
 
 
@@ -87,8 +88,8 @@ def set_env_fields(fields: dict) -> None:
     import os
 
     changed = False
-    for field, name in ENV_FIELDS.items():
-        value = "0" if fields.get(field, True) is False else "1"
+    for field, (name, default) in ENV_FIELDS.items():
+        value = "1" if fields.get(field, default) else "0"
         changed |= name == "TUNESMITH_ATTN_PACK" and os.environ.get(name, "1") != value
         os.environ[name] = value
     if changed:  # the attention autotuners' picks were made under the other packing

@@ -25,8 +25,8 @@ Gradients (``dy`` = upstream gradient, ``xa = x A^T``):
 
     dx = dy W + s (dy B) A        dA = s (dy B)^T x        dB = s dy^T xa
 
-dA and dB reduce over the tokens into r-wide results (engine.kernels.rank_grad: a token-split
-kernel on CUDA that reads x or dy once at the card's bandwidth, fp32 out).
+dA and dB reduce over the tokens into r-wide results, in engine.kernels.rank_grad (one GEMM each,
+or with TUNESMITH_RANK_GRAD=1 a token-split kernel that reads x or dy once at the card's bandwidth).
 
 Compute dtype: everything runs in the activation dtype (x.dtype); fp32 adapter weights (PEFT
 casts adapters to fp32 for bf16 models) are cast down for the matmuls and their gradients are
