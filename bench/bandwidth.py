@@ -7,7 +7,8 @@ the fused q/k norm + RoPE, the gated activation. For each at a workload's shapes
 GB/s beside a plain device copy's (what the card gives a simple stream of reads and writes). dB is
 timed both ways: cuBLAS (`rank_grad_reference`, what the engine ran before) and the token-split kernel
 (`engine.kernels.rank_grad`, at several program counts and token steps). The q/k norm + RoPE is timed
-at every program share (tokens a program, q and k apart or together, warps). Each pass is timed as a
+at every warp count (its other program shares, tokens a program and q and k apart, were timed at
+dc92e8b and dropped: bench/results/bandwidth.jsonl). Each pass is timed as a
 CUDA graph of 20 calls, as a step graph replays it: a small kernel's host launch cost (a Triton
 launch's Python is tens of microseconds) is not counted. One JSON line per (workload, pass) goes to
 --results.
@@ -62,22 +63,21 @@ def _passes(c: dict, tokens: int, r: int, dev) -> dict:
                     return rank_grad.rank_grad_triton(dy, xa[:, :r], 2.0, torch.float32)
 
                 out[f"dB_{name}_split_p{programs}_t{step}"] = (split, moved)
-    # The q/k norm + RoPE, forward and backward, at every program share.
+    # The q/k norm + RoPE, forward and backward, at every warp count.
     q, k = rnd(1, tokens, hq, hd), rnd(1, tokens, hkv, hd)
     wq, wk = torch.ones(hd, device=dev, dtype=bf), torch.ones(hd, device=dev, dtype=bf)
     cos, sin = rnd(1, tokens, hd), rnd(1, tokens, hd)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     dq, dk = rnd(1, tokens, hq, hd), rnd(1, tokens, hkv, hd)
     qk = (q.numel() + k.numel()) * el
-    shares = [{}] + [dict(tokens=t, split=sp, warps=w) for t in (1, 2, 4) for sp in (False, True) for w in (1, 2, 4)]
-    for share in shares:
-        tag = "_".join(f"{k}{int(v)}" for k, v in share.items()) or "default"
+    for warps in (None, 1, 2, 4, 8):
+        tag = "default" if warps is None else f"w{warps}"
         out[f"qk_norm_rope_fwd_{tag}"] = (
-            lambda o=share: qk_norm_rope._launch(q, k, qo, ko, qo, ko, wq, wk, cos, sin, 1e-6, 1e-6, 0.0, False, **o),
+            lambda w=warps: qk_norm_rope._launch(q, k, qo, ko, qo, ko, wq, wk, cos, sin, 1e-6, 1e-6, 0.0, False, w),
             2 * qk,
         )
         out[f"qk_norm_rope_bwd_{tag}"] = (
-            lambda o=share: qk_norm_rope._launch(q, k, dq, dk, qo, ko, wq, wk, cos, sin, 1e-6, 1e-6, 0.0, True, **o),
+            lambda w=warps: qk_norm_rope._launch(q, k, dq, dk, qo, ko, wq, wk, cos, sin, 1e-6, 1e-6, 0.0, True, w),
             3 * qk,
         )
     gate, up, dh = rnd(tokens, inter), rnd(tokens, inter), rnd(tokens, inter)

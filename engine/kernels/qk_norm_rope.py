@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.counters import count
-from engine.kernels._common import jit, next_pow2, tl, triton
+from engine.kernels._common import jit, next_pow2, tl
 from engine.kernels.rmsnorm import rms_norm_reference
 from engine.kernels.rope import _as_btd, _head_block, rope_reference
 
@@ -131,116 +131,13 @@ def _qk_norm_rope_kernel(
     sc_t,
     ss_b,
     ss_t,
-    n_tokens,
     BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BACKWARD: tl.constexpr,
-    TOKENS: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
-    # TOKENS tokens per program, each token's cos/sin loaded once for its heads: all of its q and k
-    # heads, or (SPLIT) q's on axis-1 program 0 and k's on program 1.
-    for i in tl.static_range(TOKENS):
-        tok = tl.program_id(0) * TOKENS + i
-        if tok < n_tokens:
-            _token(
-                Q,
-                K,
-                DQO,
-                DKO,
-                QO,
-                KO,
-                WQ,
-                WK,
-                COS,
-                SIN,
-                tok,
-                seq_len,
-                n_q_heads,
-                n_k_heads,
-                half,
-                eps_q,
-                eps_k,
-                offset,
-                sq_b,
-                sq_t,
-                sq_h,
-                sk_b,
-                sk_t,
-                sk_h,
-                sdq_b,
-                sdq_t,
-                sdq_h,
-                sdk_b,
-                sdk_t,
-                sdk_h,
-                sqo_b,
-                sqo_t,
-                sqo_h,
-                sko_b,
-                sko_t,
-                sko_h,
-                sc_b,
-                sc_t,
-                ss_b,
-                ss_t,
-                BLOCK_D,
-                BLOCK_HQ,
-                BLOCK_HK,
-                BACKWARD,
-                SPLIT,
-            )
-
-
-@jit
-def _token(
-    Q,
-    K,
-    DQO,
-    DKO,
-    QO,
-    KO,
-    WQ,
-    WK,
-    COS,
-    SIN,
-    tok,
-    seq_len,
-    n_q_heads,
-    n_k_heads,
-    half,
-    eps_q,
-    eps_k,
-    offset,
-    sq_b,
-    sq_t,
-    sq_h,
-    sk_b,
-    sk_t,
-    sk_h,
-    sdq_b,
-    sdq_t,
-    sdq_h,
-    sdk_b,
-    sdk_t,
-    sdk_h,
-    sqo_b,
-    sqo_t,
-    sqo_h,
-    sko_b,
-    sko_t,
-    sko_h,
-    sc_b,
-    sc_t,
-    ss_b,
-    ss_t,
-    BLOCK_D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    BACKWARD: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
+    # One program per token: its cos/sin are loaded once for all of its q and k heads.
+    tok = tl.program_id(0)
     b = (tok // seq_len).to(tl.int64)
     t = (tok % seq_len).to(tl.int64)
     d_offs = tl.arange(0, BLOCK_D)
@@ -251,79 +148,73 @@ def _token(
     c2 = tl.load(cos_ptr + half, mask=d_mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr, mask=d_mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + half, mask=d_mask, other=0.0).to(tl.float32)
-    which = tl.program_id(1)
-    if not SPLIT or which == 0:
-        _heads(
-            Q,
-            DQO,
-            QO,
-            sq_h,
-            sdq_h,
-            sqo_h,
-            n_q_heads,
-            b * sq_b + t * sq_t,
-            b * sdq_b + t * sdq_t,
-            b * sqo_b + t * sqo_t,
-            WQ,
-            eps_q,
-            offset,
-            c1,
-            c2,
-            s1,
-            s2,
-            d_offs,
-            d_mask,
-            half,
-            BLOCK_H=BLOCK_HQ,
-            BACKWARD=BACKWARD,
-        )
-    if not SPLIT or which == 1:
-        _heads(
-            K,
-            DKO,
-            KO,
-            sk_h,
-            sdk_h,
-            sko_h,
-            n_k_heads,
-            b * sk_b + t * sk_t,
-            b * sdk_b + t * sdk_t,
-            b * sko_b + t * sko_t,
-            WK,
-            eps_k,
-            offset,
-            c1,
-            c2,
-            s1,
-            s2,
-            d_offs,
-            d_mask,
-            half,
-            BLOCK_H=BLOCK_HK,
-            BACKWARD=BACKWARD,
-        )
+    _heads(
+        Q,
+        DQO,
+        QO,
+        sq_h,
+        sdq_h,
+        sqo_h,
+        n_q_heads,
+        b * sq_b + t * sq_t,
+        b * sdq_b + t * sdq_t,
+        b * sqo_b + t * sqo_t,
+        WQ,
+        eps_q,
+        offset,
+        c1,
+        c2,
+        s1,
+        s2,
+        d_offs,
+        d_mask,
+        half,
+        BLOCK_H=BLOCK_HQ,
+        BACKWARD=BACKWARD,
+    )
+    _heads(
+        K,
+        DKO,
+        KO,
+        sk_h,
+        sdk_h,
+        sko_h,
+        n_k_heads,
+        b * sk_b + t * sk_t,
+        b * sdk_b + t * sdk_t,
+        b * sko_b + t * sko_t,
+        WK,
+        eps_k,
+        offset,
+        c1,
+        c2,
+        s1,
+        s2,
+        d_offs,
+        d_mask,
+        half,
+        BLOCK_H=BLOCK_HK,
+        BACKWARD=BACKWARD,
+    )
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-# A program's share each way: tokens per program, q and k in programs of their own (split), warps
-# (None: 4 for tiles of 1,024 values or more, else 2). Graph-timed on an H100 (`python -m
-# bench.bandwidth`, every share at W1's 16/8 and W3's 32/8 heads of 128 over 16,384 tokens), one token
-# of q and k per program was best both ways, and one warp forward was faster (W1 80.8 against 91.4 us;
-# W3 128.7 against 134.5) but is not the default yet: its outputs have not been checked on a GPU
-# (tests/gpu/test_qk_norm_rope_gpu.py::test_every_program_share_is_bit_identical waits for a run).
-LAUNCH = {
-    "forward": dict(tokens=1, split=False, warps=None),
-    "backward": dict(tokens=1, split=False, warps=None),
-}
+# Warps a program each way (None: 4 for tiles of 1,024 values or more, else 2). Graph-timed on an H100
+# (`python -m bench.bandwidth`, W1's 16/8 and W3's 32/8 heads of 128 over 16,384 tokens), one warp
+# forward was faster (W1 80.8 against 91.4 us; W3 128.7 against 134.5) but is not the default yet:
+# its outputs have not been checked on a GPU (tests/gpu/test_qk_norm_rope_gpu.py::
+# test_every_warp_count_is_bit_identical waits for a run). Several tokens a program, and q and k in
+# programs of their own, were slower or no faster at every warp count (levers.md), so neither exists.
+WARPS = {"forward": None, "backward": None}
 
 
-def _launch(q, k, dq_out, dk_out, q_out, k_out, wq, wk, cos, sin, eps_q, eps_k, offset, backward: bool, **over):
+def _launch(q, k, dq_out, dk_out, q_out, k_out, wq, wk, cos, sin, eps_q, eps_k, offset, backward: bool, warps=None):
     """Forward: q_out/k_out = rotate(norm(q/k)). Backward: q_out/k_out = the inputs' gradients
-    from dq_out/dk_out (the gradients of the rotated outputs). `over` overrides LAUNCH's keys."""
-    cfg = {**LAUNCH["backward" if backward else "forward"], **over}
+    from dq_out/dk_out (the gradients of the rotated outputs). `warps` overrides WARPS."""
+    warps = warps or WARPS["backward" if backward else "forward"]
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
     if B * T == 0:
@@ -334,8 +225,7 @@ def _launch(q, k, dq_out, dk_out, q_out, k_out, wq, wk, cos, sin, eps_q, eps_k, 
     sb = sin.stride(0) if sin.shape[0] > 1 else 0
     block_hq, block_hk = _head_block(Hq, block_d), _head_block(Hk, block_d)
     tile = max(block_hq, block_hk) * block_d
-    grid = (triton.cdiv(B * T, cfg["tokens"]), 2 if cfg["split"] else 1)
-    _qk_norm_rope_kernel[grid](
+    _qk_norm_rope_kernel[(B * T,)](
         q,
         k,
         dq_out,
@@ -363,14 +253,11 @@ def _launch(q, k, dq_out, dk_out, q_out, k_out, wq, wk, cos, sin, eps_q, eps_k, 
         cos.stride(1),
         sb,
         sin.stride(1),
-        B * T,
         BLOCK_D=block_d,
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         BACKWARD=backward,
-        TOKENS=cfg["tokens"],
-        SPLIT=cfg["split"],
-        num_warps=cfg["warps"] or (4 if tile >= 1024 else 2),
+        num_warps=warps or (4 if tile >= 1024 else 2),
     )
 
 
