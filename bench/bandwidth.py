@@ -55,12 +55,17 @@ def _passes(c: dict, tokens: int, r: int, dev) -> dict:
             lambda dy=dy: rank_grad.rank_grad_reference(dy, xa[:, :r], 2.0, torch.float32),
             moved,
         )
-        for programs in (132, 264, 528):
+        sms = rank_grad._sm_count(dy.device)
+        for programs in (sms, 2 * sms, 4 * sms):  # one, two and four programs per SM
             for step in (64, 128):
 
                 def split(dy=dy, programs=programs, step=step):
+                    kept = rank_grad._TARGET_PROGRAMS, rank_grad.BLOCK_T
                     rank_grad._TARGET_PROGRAMS, rank_grad.BLOCK_T = programs, step
-                    return rank_grad.rank_grad_triton(dy, xa[:, :r], 2.0, torch.float32)
+                    try:
+                        return rank_grad.rank_grad_triton(dy, xa[:, :r], 2.0, torch.float32)
+                    finally:
+                        rank_grad._TARGET_PROGRAMS, rank_grad.BLOCK_T = kept
 
                 out[f"dB_{name}_split_p{programs}_t{step}"] = (split, moved)
     # The q/k norm + RoPE, forward and backward, at every warp count.

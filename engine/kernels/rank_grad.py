@@ -2,19 +2,20 @@
 
 Both adapter gradients of a LoRA projection are such a product over the tokens:
 
-    dB = s a^T b    (a = a, the output gradient [tokens, out]; b = b = x A^T [tokens, r])
-    dA^T = x^T g      (a = x, the input [tokens, in];             b = g = a sB [tokens, r])
+    dB   = s dy^T xa    (a = dy, the output gradient [tokens, out]; b = xa = x A^T [tokens, r])
+    dA^T = x^T g        (a = x, the input [tokens, in];             b = g = dy sB  [tokens, r])
 
 [out or in, r]: a GEMM of depth tokens (16,384 in the workloads) and width r (16), with almost no
-arithmetic, bound by reading a. cuBLAS runs these tall, thin products at 73-75% of a device copy's
+arithmetic, bound by reading a. cuBLAS runs these tall, thin products at 73-76% of a device copy's
 bandwidth on W1's 1,024-wide tensors (H100, graph-timed, `python -m bench.bandwidth`). Here the
 tokens are cut into splits, about one program per SM (out block, split), each reducing its rows on
 the tensor cores in fp32, and the splits' partial sums are added in a fixed order afterwards (no
-atomics: the result is the same on every run): 95-105% of the copy's bandwidth there. The result is
-fp32, so an fp32 adapter's gradient needs no cast and keeps fp32's precision.
+atomics: the result is the same on every run): 97-102% of the copy's bandwidth there (80% against
+75% at 2,048 wide). The result is fp32, so an fp32 adapter's gradient needs no cast and keeps fp32's
+precision.
 
 a and b may be column slices of wider buffers (side-by-side gradients, an input with spare columns,
-a group's stacked b): any row stride is taken; the columns must be unit-strided.
+a group's stacked xa): any row stride is taken; the columns must be unit-strided.
 
 Public: `rank_grad` (the kernel on CUDA when TUNESMITH_RANK_GRAD=1, bench.ours's `rank_grad=true`;
 the reference otherwise: see `_enabled`), `rank_grad_triton` (any device; the CPU

@@ -223,7 +223,8 @@ class SyncWatch:
         shown = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if str(message) == _SYNC_WARNING:  # the mode's own warning: kept, not shown
+            # The mode's own warning (torch may add " (Triggered internally at ...)"): kept, not shown.
+            if str(message).startswith(_SYNC_WARNING):
                 if not self.place:
                     import traceback
 

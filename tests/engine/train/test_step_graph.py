@@ -245,7 +245,7 @@ def test_a_read_back_during_capture_is_named_by_the_code_that_made_it():
     source = (
         "import warnings\n"
         "def forward(x):\n"
-        "    warnings.warn('called a synchronizing CUDA operation')\n"
+        "    warnings.warn('called a synchronizing CUDA operation (Triggered internally at c10/cuda/x.cpp:1.)')\n"
         "    warnings.warn('called a synchronizing CUDA operation')\n"
         "    return x\n"
     )
