@@ -8,7 +8,8 @@ GB/s beside a plain device copy's (what the card gives a simple stream of reads 
 timed both ways: cuBLAS (`rank_grad_reference`, what the engine ran before) and the token-split kernel
 (`engine.kernels.rank_grad`, at several program counts and token steps). The q/k norm + RoPE is timed
 at every warp count (its other program shares, tokens a program and q and k apart, were timed at
-dc92e8b and dropped: bench/results/bandwidth.jsonl). Each pass is timed as a
+dc92e8b and dropped: bench/results/bandwidth.jsonl). The loss's row pass (engine.kernels.fused_ce) is
+timed over one chunk of logits, one program a row or a few programs per SM walking the rows. Each pass is timed as a
 CUDA graph of 20 calls, as a step graph replays it: a small kernel's host launch cost (a Triton
 launch's Python is tens of microseconds) is not counted. One JSON line per (workload, pass) goes to
 --results.
@@ -94,6 +95,30 @@ def _passes(c: dict, tokens: int, r: int, dev) -> dict:
         act.gated_act_backward_and_output(dh, g2, u2, "silu")
 
     out["gated_bwd"] = (gated_bwd, 6 * gate.numel() * el)
+    # The loss's row pass over one chunk of bf16 logits: read for the logsumexp, read again and
+    # written as the gradient (3 row-lengths moved; a second read found in L2 shows as more than the copy).
+    from engine.kernels import fused_ce
+
+    vocab = c["vocab_size"]
+    rows = fused_ce.default_chunk_tokens(vocab, el)
+    logits = rnd(rows, vocab)
+    targets = torch.randint(0, vocab, (rows,), device=dev)
+    loss_rows = torch.empty(rows, device=dev, dtype=torch.float32)
+    for per_sm in (None, 1, 2, 4):
+        for warps in (None, 8, 32):
+
+            def ce(per_sm=per_sm, warps=warps):
+                kept = fused_ce.CE_PROGRAMS_PER_SM, fused_ce.CE_NUM_WARPS, fused_ce.CE_NUM_WARPS_FIXED
+                fused_ce.CE_PROGRAMS_PER_SM = per_sm
+                if warps is not None:
+                    fused_ce.CE_NUM_WARPS, fused_ce.CE_NUM_WARPS_FIXED = warps, True
+                try:
+                    fused_ce._ce_rows(logits, targets, loss_rows, -100, 1.0, None, True)
+                finally:
+                    fused_ce.CE_PROGRAMS_PER_SM, fused_ce.CE_NUM_WARPS, fused_ce.CE_NUM_WARPS_FIXED = kept
+
+            tag = f"{'rows' if per_sm is None else f'p{per_sm}'}_{'default' if warps is None else f'w{warps}'}"
+            out[f"ce_rows_{tag}"] = (ce, 3 * logits.numel() * el)
     return out
 
 
@@ -129,6 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--only", default="", help="comma-separated name prefixes of the passes to time (and the copy)")
     p.add_argument("--results", type=Path, default=HERE / "results" / "bandwidth.jsonl")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
@@ -137,7 +163,10 @@ def main(argv=None) -> int:
         wl = get_workload(wid.strip())
         passes = _passes(wl.config, args.tokens, args.rank, dev)
         copy_gbs = None
+        prefixes = tuple(x for x in args.only.split(",") if x) + ("copy",)
         for name, (fn, moved) in passes.items():
+            if args.only and not name.startswith(prefixes):
+                continue
             ms = _graph_ms(fn)
             gbs = moved / ms / 1e6
             copy_gbs = gbs if name == "copy" else copy_gbs

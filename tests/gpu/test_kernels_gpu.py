@@ -228,6 +228,29 @@ def _peak_extra():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_sm", [1, 2, 4])
+def test_fused_ce_rows_walked_by_few_programs_are_bit_identical(monkeypatch, per_sm):
+    # fused_ce.CE_PROGRAMS_PER_SM: each row is still one program's two passes in the same order.
+    from engine.kernels import fused_ce
+
+    g = _gen(6)
+    n, hidden_size, vocab = 2048, 1024, 151936
+    hidden = torch.randn(n, hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=g) / hidden_size**0.5 * 2).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    targets[torch.rand(n, device="cuda", generator=g) < 0.25] = -100
+    outs = []
+    for programs in (None, per_sm):
+        monkeypatch.setattr(fused_ce, "CE_PROGRAMS_PER_SM", programs)
+        h = hidden.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(h, weight, targets)
+        loss.backward()
+        outs.append((loss.detach(), h.grad))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hidden_size,vocab", [(1024, 151936), (2048, 128256), (4096, 151936)])
 def test_fused_ce_frozen_head(hidden_size, vocab, dtype):
