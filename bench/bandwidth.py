@@ -9,7 +9,8 @@ timed both ways: cuBLAS (`rank_grad_reference`, what the engine ran before) and 
 (`engine.kernels.rank_grad`, at several program counts and token steps). The q/k norm + RoPE is timed
 at every warp count (its other program shares, tokens a program and q and k apart, were timed at
 dc92e8b and dropped: bench/results/bandwidth.jsonl). The loss's row pass (engine.kernels.fused_ce) is
-timed over one chunk of logits, one program a row or a few programs per SM walking the rows. Each pass is timed as a
+timed over one chunk of logits at several warp counts (a few programs per SM walking the rows was timed
+at e56908d and dropped). Each pass is timed as a
 CUDA graph of 20 calls, as a step graph replays it: a small kernel's host launch cost (a Triton
 launch's Python is tens of microseconds) is not counted. One JSON line per (workload, pass) goes to
 --results.
@@ -104,21 +105,17 @@ def _passes(c: dict, tokens: int, r: int, dev) -> dict:
     logits = rnd(rows, vocab)
     targets = torch.randint(0, vocab, (rows,), device=dev)
     loss_rows = torch.empty(rows, device=dev, dtype=torch.float32)
-    for per_sm in (None, 1, 2, 4):
-        for warps in (None, 8, 32):
+    for warps in (4, 8, 16):
 
-            def ce(per_sm=per_sm, warps=warps):
-                kept = fused_ce.CE_PROGRAMS_PER_SM, fused_ce.CE_NUM_WARPS, fused_ce.CE_NUM_WARPS_FIXED
-                fused_ce.CE_PROGRAMS_PER_SM = per_sm
-                if warps is not None:
-                    fused_ce.CE_NUM_WARPS, fused_ce.CE_NUM_WARPS_FIXED = warps, True
-                try:
-                    fused_ce._ce_rows(logits, targets, loss_rows, -100, 1.0, None, True)
-                finally:
-                    fused_ce.CE_PROGRAMS_PER_SM, fused_ce.CE_NUM_WARPS, fused_ce.CE_NUM_WARPS_FIXED = kept
+        def ce(warps=warps):
+            kept = fused_ce.CE_NUM_WARPS
+            fused_ce.CE_NUM_WARPS = warps
+            try:
+                fused_ce._ce_rows(logits, targets, loss_rows, -100, 1.0, None, True)
+            finally:
+                fused_ce.CE_NUM_WARPS = kept
 
-            tag = f"{'rows' if per_sm is None else f'p{per_sm}'}_{'default' if warps is None else f'w{warps}'}"
-            out[f"ce_rows_{tag}"] = (ce, 3 * logits.numel() * el)
+        out[f"ce_rows_w{warps}"] = (ce, 3 * logits.numel() * el)
     return out
 
 

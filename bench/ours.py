@@ -73,7 +73,7 @@ TRAINING_FIELDS = ("offload",)
 ENV_FIELDS = {
     "fold_backward": ("TUNESMITH_FOLD_BACKWARD", True),
     "attn_pack": ("TUNESMITH_ATTN_PACK", True),
-    "rank_grad": ("TUNESMITH_RANK_GRAD", False),
+    "rank_grad": ("TUNESMITH_RANK_GRAD", True),
 }
 
 

@@ -26,15 +26,13 @@ import triton.language as tl
 from engine.counters import count
 from engine.kernels._common import next_pow2, on_cuda, tanh_f32
 
-# Vocabulary values a program holds per step of its row loop, and its warps: 16 fp32 values per
-# thread keeps the loads 128-bit wide and the registers unspilled. Tune on the GPU host.
+# Vocabulary values a program holds per step of its row loop, and its warps (at most; fewer for a small
+# vocabulary). 8 warps (32 fp32 values a thread) pass a 512-row chunk of a 151,936 vocabulary in 0.187 ms
+# against 0.197 with 16, graph-timed on an H100 (`python -m bench.bandwidth --only ce_rows`, 84% of a
+# device copy for its 3 row-lengths moved). A grid of a few programs per SM walking the rows, so that a
+# row's second read might find it in L2, was no faster at 4 per SM and slower at 1 or 2 (bandwidth.jsonl).
 CE_BLOCK_V = 8192
-CE_NUM_WARPS = 16
-CE_NUM_WARPS_FIXED = False  # bench.bandwidth's sweep: CE_NUM_WARPS as given, not capped by the block
-# Programs per SM that walk the rows in turn, or None for one program a row. A row is read twice
-# (its logsumexp, then its gradient); with few rows in flight at once the second read may still find
-# the row in L2 (bench.bandwidth's `ce_rows` passes measure it).
-CE_PROGRAMS_PER_SM = None
+CE_NUM_WARPS = 8
 # Upper bound on one chunk's logits buffer.
 CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
 # grad_weight is accumulated in fp32; a low-precision chunk product is formed this many vocab
@@ -52,45 +50,12 @@ def _ce_rows_kernel(
     ignore_index,
     logit_scale,
     softcap,
-    n_rows,
     HAS_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # Rows program_id, program_id + grid, ...: one row a program at the default grid (a row each).
-    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        _ce_row(
-            LOGITS,
-            stride_row,
-            TARGETS,
-            LOSS,
-            row,
-            n_cols,
-            ignore_index,
-            logit_scale,
-            softcap,
-            HAS_SOFTCAP,
-            COMPUTE_GRAD,
-            BLOCK,
-        )
-
-
-@triton.jit
-def _ce_row(
-    LOGITS,
-    stride_row,
-    TARGETS,
-    LOSS,
-    row,
-    n_cols,
-    ignore_index,
-    logit_scale,
-    softcap,
-    HAS_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    ptr = LOGITS + tl.cast(row, tl.int64) * stride_row
+    row = tl.program_id(0)
+    ptr = LOGITS + row.to(tl.int64) * stride_row
     target = tl.load(TARGETS + row).to(tl.int32)
     offs = tl.arange(0, BLOCK)
     if target != ignore_index:
@@ -161,11 +126,7 @@ def _ce_rows(
     if n_rows == 0:
         return
     block = min(CE_BLOCK_V, next_pow2(n_cols))
-    grid = n_rows
-    if CE_PROGRAMS_PER_SM:  # on the CPU (the interpreter) the SM count is taken as 1
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 1
-        grid = min(n_rows, CE_PROGRAMS_PER_SM * sms)
-    _ce_rows_kernel[(grid,)](
+    _ce_rows_kernel[(n_rows,)](
         logits,
         logits.stride(0),
         targets,
@@ -174,11 +135,10 @@ def _ce_rows(
         int(ignore_index),
         float(logit_scale),
         float(softcap) if softcap else 1.0,
-        n_rows,
         HAS_SOFTCAP=bool(softcap),
         COMPUTE_GRAD=compute_grad,
         BLOCK=block,
-        num_warps=CE_NUM_WARPS if CE_NUM_WARPS_FIXED else min(CE_NUM_WARPS, max(2, block // 512)),
+        num_warps=min(CE_NUM_WARPS, max(2, block // 512)),
     )
 
 

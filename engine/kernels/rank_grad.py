@@ -17,8 +17,8 @@ precision.
 a and b may be column slices of wider buffers (side-by-side gradients, an input with spare columns,
 a group's stacked xa): any row stride is taken; the columns must be unit-strided.
 
-Public: `rank_grad` (the kernel on CUDA when TUNESMITH_RANK_GRAD=1, bench.ours's `rank_grad=true`;
-the reference otherwise: see `_enabled`), `rank_grad_triton` (any device; the CPU
+Public: `rank_grad` (the kernel on CUDA in 16-bit unless TUNESMITH_RANK_GRAD=0, bench.ours's
+`rank_grad=false`; the reference otherwise: see `_enabled`), `rank_grad_triton` (any device; the CPU
 needs TRITON_INTERPRET=1, for tests) and `rank_grad_reference` (the cuBLAS GEMM it replaces).
 """
 
@@ -153,11 +153,11 @@ def rank_grad_triton(a, b, scale: float, dtype: torch.dtype, transposed: bool = 
 
 
 def _enabled() -> bool:
-    """TUNESMITH_RANK_GRAD=1 turns the kernel on (bench.ours's `rank_grad=true`), read at each call so
-    one process can time both ways. Off by default: its speed is measured on an H100, but its bf16
-    results have not yet been checked there (tests/gpu/test_kernels_gpu.py::test_rank_grad_at_real_shapes
-    is written and waits for a GPU run), and the interpreter cannot check bf16 dots."""
-    return os.environ.get("TUNESMITH_RANK_GRAD", "0") == "1"
+    """On unless TUNESMITH_RANK_GRAD=0 (bench.ours's `rank_grad=false`, the cuBLAS before), read at each
+    call so one process can time both ways. Its bf16 and fp16 results were checked on an H100 against the
+    fp64 product (tests/gpu/test_kernels_gpu.py::test_rank_grad_at_real_shapes); the interpreter cannot
+    check bf16 dots."""
+    return os.environ.get("TUNESMITH_RANK_GRAD", "1") != "0"
 
 
 def rank_grad(a, b, scale: float, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:

@@ -228,29 +228,6 @@ def _peak_extra():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("per_sm", [1, 2, 4])
-def test_fused_ce_rows_walked_by_few_programs_are_bit_identical(monkeypatch, per_sm):
-    # fused_ce.CE_PROGRAMS_PER_SM: each row is still one program's two passes in the same order.
-    from engine.kernels import fused_ce
-
-    g = _gen(6)
-    n, hidden_size, vocab = 2048, 1024, 151936
-    hidden = torch.randn(n, hidden_size, device="cuda", generator=g).to(torch.bfloat16)
-    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=g) / hidden_size**0.5 * 2).to(torch.bfloat16)
-    targets = torch.randint(0, vocab, (n,), device="cuda", generator=g)
-    targets[torch.rand(n, device="cuda", generator=g) < 0.25] = -100
-    outs = []
-    for programs in (None, per_sm):
-        monkeypatch.setattr(fused_ce, "CE_PROGRAMS_PER_SM", programs)
-        h = hidden.clone().requires_grad_()
-        loss = fused_linear_cross_entropy(h, weight, targets)
-        loss.backward()
-        outs.append((loss.detach(), h.grad))
-    assert torch.equal(outs[0][0], outs[1][0])
-    assert torch.equal(outs[0][1], outs[1][1])
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hidden_size,vocab", [(1024, 151936), (2048, 128256), (4096, 151936)])
 def test_fused_ce_frozen_head(hidden_size, vocab, dtype):
@@ -328,13 +305,16 @@ def test_rank_grad_at_real_shapes(out, dtype, transposed):
     """s a^T b over 16,384 tokens, a a column slice of a wider buffer (side-by-side gradients, an input
     with spare columns): the split kernel against the fp64 product (bf16 tl.dot is only right on a
     GPU), as dB ([out, r]) and as dA ([r, in], transposed)."""
-    from engine.kernels.rank_grad import rank_grad, rank_grad_reference
+    from engine.kernels.rank_grad import rank_grad_reference, rank_grad_triton
 
     g = torch.Generator(device="cuda").manual_seed(out)
     wide = torch.randn(16384, out + 128, device="cuda", dtype=dtype, generator=g)
     a = wide[:, 128:]
     b = torch.randn(16384, 48, device="cuda", dtype=dtype, generator=g)[:, 16:32]
-    got = rank_grad(a, b, 2.0, torch.float32, transposed=transposed)
+    # The kernel itself (rank_grad dispatches to it only when it is switched on). cuBLAS's reference
+    # rounds the product to the inputs' dtype before the fp32 cast (1.7e-3 in bf16, 2.1e-4 in fp16 on
+    # an H100): the kernel's fp32 sums are held to fp32 accuracy.
+    got = rank_grad_triton(a, b, 2.0, torch.float32, transposed=transposed)
     want = 2.0 * a.double().t() @ b.double()
     want = want.t() if transposed else want
     err = rel(got.double(), want)

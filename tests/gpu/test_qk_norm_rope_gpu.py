@@ -93,18 +93,25 @@ def test_qk_norm_rope(hq, hk, d, offset, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hq,hk,d", [(16, 8, 128), (32, 8, 128), (8, 4, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hq,hk,d,offset", [(16, 8, 128, 0.0), (32, 8, 128, 0.0), (8, 4, 256, 1.0)])
 @pytest.mark.parametrize("warps", [1, 2, 8])
-def test_every_warp_count_is_bit_identical(monkeypatch, hq, hk, d, warps):
-    """The warp count (WARPS; one warp forward was the fastest in bench.bandwidth) changes no bit of any
-    output: the check that must pass before one warp becomes the forward's default."""
+def test_every_warp_count_is_as_accurate_as_the_default(monkeypatch, hq, hk, d, offset, dtype, warps):
+    """The warp count (WARPS; one warp forward was the fastest in bench.bandwidth) against the fp32
+    reference: no worse than the default launch's error. Not bit for bit: the warp count changes the
+    order of the per-row sum of squares (the twenty-third session's first GPU run: bits differed)."""
     import engine.kernels.qk_norm_rope as m
 
-    q, k, wq, wk, gq, gk = _inputs(hq, hk, d, torch.bfloat16, 0.0)
-    cos, sin = _cos_sin(d, torch.bfloat16)
-    monkeypatch.setattr(m, "WARPS", {"forward": None, "backward": None})
-    want = _run(qk_norm_rope, q, k, wq, wk, cos, sin, gq, gk, 0.0, hq, hk, d)
+    q, k, wq, wk, gq, gk = _inputs(hq, hk, d, dtype, offset)
+    cos, sin = _cos_sin(d, dtype)
+    up = [t.float() for t in (q, k, wq, wk, cos, sin, gq, gk)]
+    ref = _run(qk_norm_rope_reference, *up[:6], *up[6:], offset, hq, hk, d)
+    monkeypatch.setattr(m, "WARPS", {"forward": None, "backward": None})  # the launch's own choice
+    default = _run(qk_norm_rope, q, k, wq, wk, cos, sin, gq, gk, offset, hq, hk, d)
     monkeypatch.setattr(m, "WARPS", {"forward": warps, "backward": warps})
-    got = _run(qk_norm_rope, q, k, wq, wk, cos, sin, gq, gk, 0.0, hq, hk, d)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    got = _run(qk_norm_rope, q, k, wq, wk, cos, sin, gq, gk, offset, hq, hk, d)
+    limit = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, b, r in zip(("q out", "k out", "dq", "dk"), got, default, ref):
+        err, default_err = rel(a, r), rel(b, r)
+        print(f"[qk_norm_rope warps={warps}] {hq}/{hk}x{d} {dtype} {name}: {err:.3e} (default {default_err:.3e})")
+        assert err < limit and err <= 1.02 * default_err + 1e-7, (name, err, default_err)

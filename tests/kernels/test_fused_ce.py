@@ -86,14 +86,6 @@ def test_rows_span_several_vocab_blocks(monkeypatch):
     _compare(hidden, weight, bias, targets, torch.float32, chunk_tokens=7)
 
 
-def test_rows_walked_by_fewer_programs_than_rows(monkeypatch):
-    # CE_PROGRAMS_PER_SM: a grid smaller than the chunk's rows, each program walking rows
-    # program_id, program_id + grid, ... (the interpreter counts one SM), every third row ignored (_inputs).
-    monkeypatch.setattr(fused_ce, "CE_PROGRAMS_PER_SM", 3)
-    hidden, weight, bias, targets = _inputs(23, 16, 300, torch.float32, 8)
-    _compare(hidden, weight, bias, targets, torch.float32, chunk_tokens=10)  # chunks of 10, 10 and 3 rows
-
-
 def test_frozen_weight_no_bias_and_tensor_normalizer():
     # The LoRA case: lm_head frozen, only grad_hidden; normalizer from the whole accumulated step.
     hidden, weight, _, targets = _inputs(33, 24, 257, torch.float32, 7, bias=False)

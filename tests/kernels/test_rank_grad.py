@@ -61,23 +61,23 @@ def test_transposed_is_the_contiguous_transpose():
     torch.testing.assert_close(L.rank_grad_reference(x, grad, 1.0, torch.float32, transposed=True), grad.t() @ x)
 
 
-def test_the_kernel_is_asked_for_by_name_only(monkeypatch):
-    # Off unless TUNESMITH_RANK_GRAD=1 (its bf16 results wait for a GPU check); the bench's variants
-    # set the switch to the engine's default where they say nothing about it.
+def test_the_switch_and_the_bench_variants(monkeypatch):
+    # On unless TUNESMITH_RANK_GRAD=0; the bench's variants set the switch to the engine's default
+    # where they say nothing about it, so `rank_grad=false` is the cuBLAS before.
     import os
 
     from bench.ours import ENV_FIELDS, set_env_fields
 
     for name, _ in ENV_FIELDS.values():  # restored after the test: set_env_fields writes os.environ
-        monkeypatch.setenv(name, "1")
+        monkeypatch.setenv(name, "0")
     monkeypatch.delenv("TUNESMITH_RANK_GRAD")
+    assert L._enabled()
+    set_env_fields({"rank_grad": False})
     assert not L._enabled()
     set_env_fields({})
-    assert not L._enabled()
-    set_env_fields({"rank_grad": True})
     assert L._enabled()
-    set_env_fields({"rank_grad": False, "attn_pack": False})
-    assert not L._enabled()
+    set_env_fields({"rank_grad": True, "attn_pack": False})
+    assert L._enabled()
     assert os.environ["TUNESMITH_ATTN_PACK"] == "0" and os.environ["TUNESMITH_FOLD_BACKWARD"] == "1"
     set_env_fields({})
     assert os.environ["TUNESMITH_ATTN_PACK"] == "1"
