@@ -17,8 +17,8 @@ precision.
 a and b may be column slices of wider buffers (side-by-side gradients, an input with spare columns,
 a group's stacked xa): any row stride is taken; the columns must be unit-strided.
 
-Public: `rank_grad` (the kernel on CUDA in 16-bit unless TUNESMITH_RANK_GRAD=0, bench.ours's
-`rank_grad=false`; the reference otherwise: see `_enabled`), `rank_grad_triton` (any device; the CPU
+Public: `rank_grad` (the kernel on CUDA in 16-bit for ranks up to MAX_RANK unless TUNESMITH_RANK_GRAD=0,
+bench.ours's `rank_grad=false`; the reference otherwise: see `_kernel_takes`), `rank_grad_triton` (any device; the CPU
 needs TRITON_INTERPRET=1, for tests) and `rank_grad_reference` (the cuBLAS GEMM it replaces).
 """
 
@@ -152,18 +152,36 @@ def rank_grad_triton(a, b, scale: float, dtype: torch.dtype, transposed: bool = 
     return out if out.dtype == dtype else out.to(dtype)
 
 
+# The widest b the kernel takes (LoRA's rank). Its tiles grow with the rank ([BLOCK_N, rank] of fp32 sums,
+# [BLOCK_T, rank] of b each stage): up to 32 they fit the registers and a Turing card's 64 KiB of shared
+# memory, and the speed was measured at 16. Wider ranks are less bound by reading a: cuBLAS takes them.
+MAX_RANK = 32
+
+
+def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        on_cuda(a, b)
+        and a.dtype in (torch.float16, torch.bfloat16)
+        and b.dtype == a.dtype
+        and b.shape[-1] <= MAX_RANK
+        and _enabled()
+    )
+
+
 def _enabled() -> bool:
     """On unless TUNESMITH_RANK_GRAD=0 (bench.ours's `rank_grad=false`, the cuBLAS before), read at each
-    call so one process can time both ways. Its bf16 and fp16 results were checked on an H100 against the
-    fp64 product (tests/gpu/test_kernels_gpu.py::test_rank_grad_at_real_shapes); the interpreter cannot
-    check bf16 dots."""
+    call so one process can time both ways. On the GPU (H100, W1, run 20261207T005208-844) a bf16 run
+    with it followed the cuBLAS run's loss within 2e-5 nats at each of 11 steps, across a 1.26-nat fall:
+    every LoRA site's dB and dA went through it (widths 1,024 to 6,144). Its own test at real shapes
+    against the fp64 product (tests/gpu/test_kernels_gpu.py::test_rank_grad_at_real_shapes) is still to
+    run: its first run called cuBLAS by mistake. The interpreter checks fp32 and fp16, not bf16 dots."""
     return os.environ.get("TUNESMITH_RANK_GRAD", "1") != "0"
 
 
 def rank_grad(a, b, scale: float, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
     """s a^T b ([n, r]; [r, n] when `transposed`) in `dtype`: the split kernel on CUDA in 16-bit
     (counted rank_grad:triton), the GEMM elsewhere."""
-    if on_cuda(a, b) and a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype and _enabled():
+    if _kernel_takes(a, b):
         count("rank_grad:triton")
         return rank_grad_triton(a, b, scale, dtype, transposed)
     return rank_grad_reference(a, b, scale, dtype, transposed)

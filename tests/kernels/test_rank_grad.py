@@ -81,3 +81,16 @@ def test_the_switch_and_the_bench_variants(monkeypatch):
     assert os.environ["TUNESMITH_ATTN_PACK"] == "0" and os.environ["TUNESMITH_FOLD_BACKWARD"] == "1"
     set_env_fields({})
     assert os.environ["TUNESMITH_ATTN_PACK"] == "1"
+
+
+def test_ranks_past_max_rank_go_to_cublas(monkeypatch):
+    # Which calls the kernel takes, as on a CUDA device: 16-bit, the same dtype, rank <= MAX_RANK.
+    monkeypatch.setattr(L, "on_cuda", lambda *t: True)
+    monkeypatch.delenv("TUNESMITH_RANK_GRAD", raising=False)
+    a = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert L._kernel_takes(a, torch.zeros(4, L.MAX_RANK, dtype=torch.bfloat16))
+    assert not L._kernel_takes(a, torch.zeros(4, L.MAX_RANK + 1, dtype=torch.bfloat16))
+    assert not L._kernel_takes(a, torch.zeros(4, 16, dtype=torch.float16))
+    assert not L._kernel_takes(a.float(), torch.zeros(4, 16))
+    monkeypatch.setenv("TUNESMITH_RANK_GRAD", "0")
+    assert not L._kernel_takes(a, torch.zeros(4, 16, dtype=torch.bfloat16))
