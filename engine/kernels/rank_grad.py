@@ -15,7 +15,8 @@ atomics: the result is the same on every run): 97-102% of the copy's bandwidth t
 precision.
 
 a and b may be column slices of wider buffers (side-by-side gradients, an input with spare columns,
-a group's stacked xa): any row stride is taken; the columns must be unit-strided.
+a group's stacked xa): any row stride is taken; the columns must be unit-strided. A card whose shared
+memory cannot hold the kernel's three pipeline stages gets fewer, found at its first launch and kept.
 
 Public: `rank_grad` (the kernel on CUDA in 16-bit for ranks up to MAX_RANK unless TUNESMITH_RANK_GRAD=0,
 bench.ours's `rank_grad=false`; the reference otherwise: see `_kernel_takes`), `rank_grad_triton` (any device; the CPU
@@ -30,13 +31,23 @@ import os
 import torch
 
 from engine.counters import count
-from engine.kernels._common import jit, next_pow2, on_cuda, tl, triton
+from engine.kernels._common import TRITON_AVAILABLE, jit, next_pow2, on_cuda, tl, triton
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # no Triton: the kernel is never launched
+
+    class OutOfResources(Exception):
+        pass
+
 
 # Tile of one program: BLOCK_N output rows, BLOCK_T tokens a step of its loop. About one program per
 # SM was the fastest of 1, 2 and 4 per SM, with steps of 64 tokens rather than 128 (bench.bandwidth).
 BLOCK_N = 128
 BLOCK_T = 64
 _TARGET_PROGRAMS = None  # None: the device's SM count (bench.bandwidth sets it to time others)
+# Pipeline stages fitted to a card's shared memory, {(device, BLOCK_R): stages}; 3 where nothing is said.
+_STAGES: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,26 +139,27 @@ def rank_grad_triton(a, b, scale: float, dtype: torch.dtype, transposed: bool = 
     if n_tokens == 0:
         part.zero_()
     else:
-        _rank_grad_kernel[(n_blocks, splits)](
-            a,
-            b,
-            part,
-            n_tokens,
-            n_out,
-            rank,
-            per,
-            a.stride(0),
-            b.stride(0),
-            part.stride(0),
-            s_pn,
-            s_pr,
-            float(scale),
-            BLOCK_N=BLOCK_N,
-            BLOCK_T=BLOCK_T,
-            BLOCK_R=max(16, next_pow2(rank)),
-            num_warps=4,
-            num_stages=3,
-        )
+        args = (a, b, part, n_tokens, n_out, rank, per, a.stride(0), b.stride(0), part.stride(0), s_pn, s_pr)
+        block_r = max(16, next_pow2(rank))
+        while True:
+            stages = _STAGES.get((a.device, block_r), 3)
+            try:
+                _rank_grad_kernel[(n_blocks, splits)](
+                    *args,
+                    float(scale),
+                    BLOCK_N=BLOCK_N,
+                    BLOCK_T=BLOCK_T,
+                    BLOCK_R=block_r,
+                    num_warps=4,
+                    num_stages=stages,
+                )
+                break
+            except OutOfResources:  # raised when the kernel is loaded, before anything runs
+                if stages == 1:
+                    raise
+                # A card with less shared memory than Hopper's (a Turing card's 64 KiB): fewer stages, kept
+                # for the process so a step graph's capture launches the fitted one with no retry.
+                _STAGES[(a.device, block_r)] = stages - 1
     out = part[0] if splits == 1 else part.sum(0)
     return out if out.dtype == dtype else out.to(dtype)
 
@@ -158,6 +170,14 @@ def rank_grad_triton(a, b, scale: float, dtype: torch.dtype, transposed: bool = 
 MAX_RANK = 32
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_runs_on(device: torch.device) -> bool:
+    # Triton compiles for Turing (sm_75) and newer (engine.hardware.profile.MIN_FAST_PATH_CAPABILITY). The
+    # LoRA Functions that call rank_grad run wherever lora_autograd is on, which a user may force on an
+    # older card or without Triton: there cuBLAS computes these products as before.
+    return TRITON_AVAILABLE and torch.cuda.get_device_capability(device) >= (7, 5)
+
+
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         on_cuda(a, b)
@@ -165,6 +185,7 @@ def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
         and b.dtype == a.dtype
         and b.shape[-1] <= MAX_RANK
         and _enabled()
+        and _triton_runs_on(a.device)
     )
 
 

@@ -83,9 +83,10 @@ def test_the_switch_and_the_bench_variants(monkeypatch):
     assert os.environ["TUNESMITH_ATTN_PACK"] == "1"
 
 
-def test_ranks_past_max_rank_go_to_cublas(monkeypatch):
+def test_which_calls_the_kernel_takes(monkeypatch):
     # Which calls the kernel takes, as on a CUDA device: 16-bit, the same dtype, rank <= MAX_RANK.
     monkeypatch.setattr(L, "on_cuda", lambda *t: True)
+    monkeypatch.setattr(L, "_triton_runs_on", lambda device: True)
     monkeypatch.delenv("TUNESMITH_RANK_GRAD", raising=False)
     a = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert L._kernel_takes(a, torch.zeros(4, L.MAX_RANK, dtype=torch.bfloat16))
@@ -94,3 +95,34 @@ def test_ranks_past_max_rank_go_to_cublas(monkeypatch):
     assert not L._kernel_takes(a.float(), torch.zeros(4, 16))
     monkeypatch.setenv("TUNESMITH_RANK_GRAD", "0")
     assert not L._kernel_takes(a, torch.zeros(4, 16, dtype=torch.bfloat16))
+    # A card Triton does not compile for (or no Triton): cuBLAS, even with lora_autograd forced on.
+    monkeypatch.delenv("TUNESMITH_RANK_GRAD")
+    monkeypatch.setattr(L, "_triton_runs_on", lambda device: False)
+    assert not L._kernel_takes(a, torch.zeros(4, 16, dtype=torch.bfloat16))
+
+
+def test_a_card_short_of_shared_memory_gets_fewer_stages(monkeypatch):
+    # Triton raises OutOfResources when it loads a kernel whose stages do not fit the card (before anything
+    # runs); the launch retries with fewer and keeps the fitted count, so the next call goes straight to it.
+    # The stand-in raises only that load-time error; the kernel that then runs is the real one.
+    real = L._rank_grad_kernel
+    seen = []
+
+    class ShortCard:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["num_stages"])
+                if kw["num_stages"] > 1:
+                    raise L.OutOfResources(100_000, 65_536, "shared memory")
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(L, "_rank_grad_kernel", ShortCard())
+    monkeypatch.setattr(L, "_STAGES", {})
+    g = torch.Generator().manual_seed(5)
+    dy, xa = torch.randn(100, 40, generator=g), torch.randn(100, 16, generator=g)
+    for _ in range(2):
+        got = L.rank_grad_triton(dy, xa, 2.0, torch.float32)
+        torch.testing.assert_close(got, 2.0 * dy.t() @ xa, rtol=1e-4, atol=1e-4)
+    assert seen == [3, 2, 1, 1]
