@@ -18,9 +18,10 @@ a and b may be column slices of wider buffers (side-by-side gradients, an input 
 a group's stacked xa): any row stride is taken; the columns must be unit-strided. A card whose shared
 memory cannot hold the kernel's three pipeline stages gets fewer, found at its first launch and kept.
 
-Public: `rank_grad` (the kernel on CUDA in 16-bit for ranks up to MAX_RANK unless TUNESMITH_RANK_GRAD=0,
-bench.ours's `rank_grad=false`; the reference otherwise: see `_kernel_takes`), `rank_grad_triton` (any device; the CPU
-needs TRITON_INTERPRET=1, for tests) and `rank_grad_reference` (the cuBLAS GEMM it replaces).
+Public: `rank_grad` (the kernel on CUDA in 16-bit for ranks up to MAX_RANK unless
+TUNESMITH_RANK_GRAD=0, bench.ours's `rank_grad=false`; the reference otherwise: see `_kernel_takes`),
+`rank_grad_triton` (any device; the CPU needs TRITON_INTERPRET=1, for tests) and `rank_grad_reference`
+(the cuBLAS GEMM it replaces).
 """
 
 from __future__ import annotations
