@@ -166,8 +166,9 @@ def rank_grad_triton(a, b, scale: float, dtype: torch.dtype, transposed: bool = 
 
 
 # The widest b the kernel takes (LoRA's rank). Its tiles grow with the rank ([BLOCK_N, rank] of fp32 sums,
-# [BLOCK_T, rank] of b each stage): up to 32 they fit the registers and a Turing card's 64 KiB of shared
-# memory, and the speed was measured at 16. Wider ranks are less bound by reading a: cuBLAS takes them.
+# [BLOCK_T, rank] of b each stage): up to 32 the sums take at most 32 registers a thread (a card short of
+# shared memory gets fewer stages, above), and the speed was measured at 16. Wider ranks are less bound
+# by reading a: cuBLAS takes them.
 MAX_RANK = 32
 
 
