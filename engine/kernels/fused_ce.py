@@ -27,13 +27,12 @@ from engine.counters import count
 from engine.kernels._common import next_pow2, on_cuda, tanh_f32
 
 # Vocabulary values a program holds per step of its row loop, and its warps (at most; fewer for a small
-# vocabulary): 16 fp32 values a thread keeps the loads 128-bit wide and the registers unspilled. 8 warps
-# passed a 512-row chunk of a 151,936 vocabulary in 0.187 ms against 0.197 with 16, graph-timed on an
-# H100 (`python -m bench.bandwidth --only ce_rows`), about 0.3 ms a W1 step; not the default until the
-# GPU's CE tests pass with it (tests/gpu/test_kernels_gpu.py -k fused_ce). A grid of a few programs per SM
-# walking the rows, so that a row's second read might find it in L2, was no faster (bandwidth.jsonl).
+# vocabulary). 8 warps passed a 512-row chunk of a 151,936 vocabulary in 0.187 ms against 0.197 with 16,
+# graph-timed on an H100 (`python -m bench.bandwidth --only ce_rows`), about 0.3 ms a W1 step. A grid of a
+# few programs per SM walking the rows, so that a row's second read might find it in L2, was no faster
+# (bandwidth.jsonl).
 CE_BLOCK_V = 8192
-CE_NUM_WARPS = 16
+CE_NUM_WARPS = 8
 # Upper bound on one chunk's logits buffer.
 CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
 # grad_weight is accumulated in fp32; a low-precision chunk product is formed this many vocab

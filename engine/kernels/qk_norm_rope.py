@@ -204,13 +204,12 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
 
 # Warps a program each way (None: 4 for tiles of 1,024 values or more, else 2). Graph-timed on an H100
 # (`python -m bench.bandwidth`, W1's 16/8 and W3's 32/8 heads of 128 over 16,384 tokens), one warp
-# forward is faster (W1 80.6-80.8 against 90.9-91.4 us in two sessions; W3 128.7 against 134.5), but
-# stays off until its outputs are checked on a GPU: its bits differ from the default launch's (the
-# per-row sum of squares in another order), and by how much was not seen before the device time ran out
-# (tests/gpu/test_qk_norm_rope_gpu.py::test_every_warp_count_is_as_accurate_as_the_default is the check).
+# forward is faster (W1 80.6-80.8 against 90.9-91.4 us in two sessions; W3 128.7 against 134.5). Its bits
+# differ from the 4-warp launch's (the per-row sum of squares in another order); its error against fp32
+# is checked by tests/gpu/test_qk_norm_rope_gpu.py::test_every_warp_count_is_as_accurate_as_the_default.
 # The backward gained from no warp count. Several tokens a program, and q and k in programs of their
 # own, were slower or no faster at every warp count (levers.md), so neither exists.
-WARPS = {"forward": None, "backward": None}
+WARPS = {"forward": 1, "backward": None}
 
 
 def _launch(q, k, dq_out, dk_out, q_out, k_out, wq, wk, cos, sin, eps_q, eps_k, offset, backward: bool, warps=None):
