@@ -10,8 +10,7 @@ timed both ways: cuBLAS (`rank_grad_reference`, what the engine ran before) and 
 at every warp count (its other program shares, tokens a program and q and k apart, were timed at
 dc92e8b and dropped: bench/results/bandwidth.jsonl). The loss's row pass (engine.kernels.fused_ce) is
 timed over one chunk of logits at several warp counts (a few programs per SM walking the rows was timed
-at e56908d and dropped), and the whole loss over the step's tokens with its row passes on one stream or
-beside the GEMMs. Each pass is timed as a
+at e56908d and dropped). Each pass is timed as a
 CUDA graph of 20 calls, as a step graph replays it: a small kernel's host launch cost (a Triton
 launch's Python is tens of microseconds) is not counted. One JSON line per (workload, pass) goes to
 --results.
@@ -117,27 +116,6 @@ def _passes(c: dict, tokens: int, r: int, dev) -> dict:
                 fused_ce.CE_NUM_WARPS = kept
 
         out[f"ce_rows_w{warps}"] = (ce, 3 * logits.numel() * el)
-    # The whole loss over the step's tokens (a frozen head: logits GEMM, row pass, gradient GEMM per
-    # chunk), its row passes on one stream or beside the GEMMs (fused_ce.overlap_rows), at the default
-    # chunk and at half of it (two half buffers hold what one default buffer does). Bytes: the row passes'.
-    hid = rnd(tokens, h)
-    head = rnd(vocab, h) / h**0.5
-    all_targets = torch.randint(0, vocab, (tokens,), device=dev)
-    for mode, flag in (("one", "0"), ("overlap", "1")):
-        for chunk in (rows, rows // 2):
-
-            def loop(flag=flag, chunk=chunk):
-                kept = os.environ.get("TUNESMITH_CE_OVERLAP")
-                os.environ["TUNESMITH_CE_OVERLAP"] = flag
-                try:
-                    fused_ce._chunked_forward(hid, head, all_targets, None, -100, None, 1.0, chunk, True, False, False)
-                finally:
-                    if kept is None:
-                        del os.environ["TUNESMITH_CE_OVERLAP"]
-                    else:
-                        os.environ["TUNESMITH_CE_OVERLAP"] = kept
-
-            out[f"ce_loop_{mode}_c{chunk}"] = (loop, 3 * tokens * vocab * el)
     return out
 
 

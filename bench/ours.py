@@ -74,7 +74,6 @@ ENV_FIELDS = {
     "fold_backward": ("TUNESMITH_FOLD_BACKWARD", True),
     "attn_pack": ("TUNESMITH_ATTN_PACK", True),
     "rank_grad": ("TUNESMITH_RANK_GRAD", True),
-    "ce_overlap": ("TUNESMITH_CE_OVERLAP", True),
 }
 
 

@@ -37,7 +37,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from engine.kernels.streams import side_stream
+from engine.fastpath.streams import side_stream
 
 # Bytes of one fp32 [tokens x slice] temporary: the slice's logits. The slice's device buffer
 # is bounded too (generation has few tokens: the weight, not the logits, sets the size).

@@ -64,7 +64,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.fastpath import recompute
-from engine.kernels.streams import side_stream
+from engine.fastpath.streams import side_stream
 from engine.kernels.varlen_attention import KEPT_KWARG, KeptAttention
 
 MODES = ("single", "double")

@@ -8,12 +8,6 @@ turns that gradient into the chunk's grad_hidden (and grad_weight / grad_bias wh
 So the forward already holds every gradient, the chunk buffer is reused, and the backward only
 scales the stored grad_hidden by grad_output / normalizer (Liger-style).
 
-The row pass is bound by memory and the GEMMs by compute, so on CUDA (`overlap_rows`) the row passes
-run on a side stream beside the GEMMs: two chunk buffers, and chunk i+1's logits GEMM is issued
-before chunk i's gradient GEMM, so that one chunk's row pass runs while another chunk's GEMM does.
-Every chunk goes through the same kernels on the same operands either way, so the results are the
-same bits.
-
 Per-row math (x = raw logit, s = logit_scale, c = softcap):
     z = s * x;  z = c * tanh(z / c) if softcapped;  loss = logsumexp(z) - z[target]
     dloss/dx = (softmax(z) - onehot(target)) * (1 - tanh^2) * s
@@ -24,8 +18,6 @@ Public: `fused_linear_cross_entropy` (dispatcher), `fused_linear_cross_entropy_t
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -110,21 +102,6 @@ def _ce_rows_kernel(
                 tl.store(ptr + cols, zeros, mask=cols < n_cols)
 
 
-def overlap_rows() -> bool:
-    """Whether the row pass runs on a side stream beside the GEMMs (TUNESMITH_CE_OVERLAP, default on)."""
-    return os.environ.get("TUNESMITH_CE_OVERLAP", "1") != "0"
-
-
-def _rows_stream(device: torch.device, compute_grad: bool, chunks: int):
-    """The side stream for the row passes, or None for the one-stream loop: off CUDA, without
-    gradients (nothing for the row pass to overlap), for a single chunk, or when switched off."""
-    if device.type != "cuda" or not compute_grad or chunks < 2 or not overlap_rows():
-        return None
-    from engine.kernels.streams import side_stream
-
-    return side_stream(device, "loss_rows")
-
-
 def default_chunk_tokens(vocab_size: int, element_size: int) -> int:
     """Tokens per chunk: a power of two whose logits fit CHUNK_BUDGET_BYTES, within [256, 8192].
 
@@ -187,44 +164,15 @@ def _chunked_forward(
     logits_buf = torch.empty((chunk, v), dtype=dtype, device=device)
     w_t = weight.t()
     bias_c = None if bias is None else bias.to(dtype)
-    starts = list(range(0, n, chunk))
-    rows_stream = _rows_stream(device, compute_grad, len(starts))
-    # Overlapped (see overlap_rows): two logits buffers, chunk i+1's logits GEMM issued before chunk
-    # i's gradient GEMM, so the side stream's row pass of one chunk runs beside a GEMM of another.
-    bufs = [logits_buf] if rows_stream is None else [logits_buf, torch.empty_like(logits_buf)]
-    main = torch.cuda.current_stream(device) if rows_stream is not None else None
-    rows_done = []
-
-    def logits_of(i):
-        s, e = starts[i], min(starts[i] + chunk, n)
-        logits = bufs[i % len(bufs)][: e - s]
-        if bias is None:
-            torch.mm(hidden[s:e], w_t, out=logits)
-        else:
-            torch.addmm(bias_c, hidden[s:e], w_t, out=logits)
-        if main is None:
-            _ce_rows(logits, targets[s:e], loss_rows[s:e], ignore_index, logit_scale, softcap, compute_grad)
-            return logits
-        rows_stream.wait_stream(main)  # the logits (and, the first time, hidden and targets) are ready
-        with torch.cuda.stream(rows_stream):
-            _ce_rows(logits, targets[s:e], loss_rows[s:e], ignore_index, logit_scale, softcap, compute_grad)
-            done = torch.cuda.Event()
-            done.record(rows_stream)
-        rows_done.append(done)
-        return logits
-
-    ahead = logits_of(0) if main is not None else None
-    for i, s in enumerate(starts):
+    for s in range(0, n, chunk):
         e = min(s + chunk, n)
         h_c = hidden[s:e]
-        if main is None:
-            logits = logits_of(i)
+        logits = logits_buf[: e - s]
+        if bias is None:
+            torch.mm(h_c, w_t, out=logits)
         else:
-            logits = ahead
-            if i + 1 < len(starts):
-                # Its buffer's last reader, chunk i-1's gradient GEMM, came before it on this stream.
-                ahead = logits_of(i + 1)
-            main.wait_event(rows_done[i])
+            torch.addmm(bias_c, h_c, w_t, out=logits)
+        _ce_rows(logits, targets[s:e], loss_rows[s:e], ignore_index, logit_scale, softcap, compute_grad)
         if need_h:
             torch.mm(logits, weight, out=grad_h[s:e])
         if need_w:
@@ -238,8 +186,6 @@ def _chunked_forward(
                     grad_w[vs:ve] += part
         if need_b:
             grad_b += logits.sum(0, dtype=torch.float32)
-    if main is not None:
-        main.wait_stream(rows_stream)  # loss_rows, and the buffers before the allocator reuses them
     return loss_rows.sum(), grad_h, grad_w, grad_b
 
 

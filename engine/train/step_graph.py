@@ -51,7 +51,7 @@ from engine.config import AUTO
 from engine.counters import count_fallback, current
 from engine.data.collate import IGNORE_INDEX, PackedBatch
 from engine.fastpath.packed import PackedSeqInfo
-from engine.kernels.streams import side_stream
+from engine.fastpath.streams import side_stream
 
 MIN_DOC_BUCKET = 8  # fewer distinct buckets for batches of a few documents
 # fast_paths.cuda_graphs "auto": on below this hidden size, where steps are launch-bound (W1's,
@@ -355,7 +355,7 @@ class StepGraphs:
         # (tokens, long documents) whose shapes an eager warm-up has run: a bucket of the same
         # shapes with another document count (its tables' length alone differs) is captured at once.
         self.warmed: set[tuple[int, bool]] = set()
-        self.stream = side_stream(self.device, "graphs")  # the process's: see engine.kernels.streams
+        self.stream = side_stream(self.device, "graphs")  # the process's: see engine.fastpath.streams
         self.pool = None
         self.grads: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
         self.inv_norm = torch.ones((), dtype=torch.float32, device=self.device)

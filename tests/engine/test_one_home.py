@@ -244,9 +244,9 @@ def test_the_cli_lists_a_new_kind_and_its_options(tmp_path, monkeypatch, capsys)
 
 def test_cuda_streams_are_made_in_one_place():
     """A stream made per run leaves its cuBLAS workspace allocated when the run ends (64 MiB a run
-    on an H100): the engine's side streams come from engine.kernels.streams, which makes each
+    on an H100): the engine's side streams come from engine.fastpath.streams, which makes each
     (device, role) once per process."""
-    home = ROOT / "engine" / "kernels" / "streams.py"
+    home = ROOT / "engine" / "fastpath" / "streams.py"
     makers = []
     for path in sorted((ROOT / "engine").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -4,7 +4,7 @@ times in one process; the bench measures `--repeat` runs in one process).
 On an H100 the bench's W1 peak grew over three repeats in one process (2.01, 2.14, 2.20 GiB,
 thirteenth session). This test found why (fourteenth session): each run left 64 MiB more
 allocated (128, 192, 256 MiB after three runs), the cuBLAS workspace of the new CUDA stream each
-run made for its graphs. Side streams are now the process's (engine.kernels.streams).
+run made for its graphs. Side streams are now the process's (engine.fastpath.streams).
 The first run is a warm-up (the workspaces of the process's streams stay, once, by design); the
 second and third must each end where the first ended. The allocation history that names what is left
 is taken only after a failure: recorded from the start, its Python stacks broke the run with offload

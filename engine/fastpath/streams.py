@@ -8,9 +8,7 @@ stream each run made for its CUDA graphs. The window trains many times in one pr
 so the streams are the process's, not the run's.
 
 Roles in use: "graphs" (engine.train.step_graph captures and replays the step on it), "offload"
-(the offloader's copies to and from the host), "host_head" (the streamed output head's slices),
-"loss_rows" (engine.kernels.fused_ce's row passes beside its GEMMs). It sits with the kernels, the
-engine's lowest layer, so that every layer may use it.
+(the offloader's copies to and from the host), "host_head" (the streamed output head's slices).
 Everything that orders work across them is an event or `wait_stream`, so a stream shared by
 successive runs carries nothing from one run into the next.
 """
