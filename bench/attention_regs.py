@@ -125,6 +125,7 @@ def measure(kind: str, d: int, cfg, tuning: str = "new", group: int = 4, arch: i
         HAS_SINKS=False,
         DOT_PREC=None,
         REBUILD_ADDR=tuning == "new",
+        FUSED_DELTA=False,  # dQ reading delta (a short-document launch makes it: one [rows, D] load more)
         BLOCK_M=bm,
         BLOCK_N=bn,
     )

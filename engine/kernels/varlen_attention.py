@@ -16,7 +16,9 @@ them on the host from the lengths it already knows (heaviest blocks first, for l
 
 Forward keeps the softmax statistics (log-sum-exp, base 2) for backward, which runs three kernels:
 delta = rowsum(dO * O), then dK/dV per key block (looping over the whole query-head group, so GQA
-gradients accumulate in registers with no atomics), then dQ per query block. That split backward
+gradients accumulate in registers with no atomics), then dQ per query block. For packed short
+documents (`fuse_delta`) it runs two: dQ first, making delta for its own rows as it goes, then
+dK/dV reading it. That split backward
 is the reference path; engine.kernels.varlen_attention_bwd holds the one-pass backward (dQ, dK, dV
 in one kernel, dQ by atomic adds), taken when asked for (`backward=` / TUNESMITH_ATTN_BWD).
 
@@ -38,6 +40,7 @@ before 2026-12-02 so a benchmark can time before and after in one process. Head 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -47,11 +50,8 @@ import triton
 import triton.language as tl
 
 from engine.counters import count, count_fallback
-
-# The launch lists (see varlen_attention_configs). Names imported `as` themselves are re-exported:
-# tests and benches read them from this module.
-from engine.kernels.varlen_attention_configs import _DEFAULTS as _DEFAULTS
 from engine.kernels.varlen_attention_configs import (
+    _ALL_KEY,
     _DKDV_CONFIGS,
     _DKDV_LONG_CONFIGS,
     _DQ_CONFIGS,
@@ -62,6 +62,10 @@ from engine.kernels.varlen_attention_configs import (
     AUTOTUNED_MAX_HEAD_DIM,
     _tuned,
 )
+
+# The launch lists (see varlen_attention_configs). Names imported `as` themselves are re-exported:
+# tests and benches read them from this module.
+from engine.kernels.varlen_attention_configs import _DEFAULTS as _DEFAULTS
 from engine.kernels.varlen_attention_configs import _LONG_DEFAULTS as _LONG_DEFAULTS
 from engine.kernels.varlen_attention_configs import LONG_DOCUMENT as LONG_DOCUMENT
 from engine.kernels.varlen_attention_configs import TABLE_BLOCKS as TABLE_BLOCKS
@@ -74,6 +78,9 @@ from engine.kernels.varlen_attention_configs import _prune as _prune
 from engine.kernels.varlen_attention_launch import LOG2E as LOG2E
 from engine.kernels.varlen_attention_launch import TableFn as TableFn
 from engine.kernels.varlen_attention_launch import _Launch as _Launch
+
+# "0" makes every backward launch _bwd_delta (see fuse_delta); read per call.
+FUSED_DELTA_ENV = "TUNESMITH_ATTN_FUSED_DELTA"
 
 # --------------------------------------------------------------------------------------------
 # Reference (also the CPU path of the engine)
@@ -808,6 +815,7 @@ def _attn_bwd_dq(
     DQ,
     LSE,
     DELTA,
+    O,
     CU,
     TBL_A,
     TBL_B,
@@ -821,6 +829,8 @@ def _attn_bwd_dq(
     sdo_h,
     sdq_t,
     sdq_h,
+    so_t,
+    so_h,
     s_lse,
     sm_scale,
     mul_a,
@@ -834,11 +844,15 @@ def _attn_bwd_dq(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    FUSED_DELTA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PACK: tl.constexpr,
 ):
-    # Programs own BLOCK_M positions of PACK heads, as in the forward.
+    # Programs own BLOCK_M positions of PACK heads, as in the forward. FUSED_DELTA: this kernel
+    # runs first and makes delta = rowsum(dO * O) for its own rows (O may share DQ's memory: each
+    # program reads its rows of O before it writes their dQ) and stores it for dK/dV, which runs
+    # after it; else delta comes from _bwd_delta.
     head0 = tl.program_id(0) * PACK
     pid = tl.program_id(1)
     if BLOCK_M == BLOCK_A:
@@ -860,7 +874,12 @@ def _attn_bwd_dq(
     q = tl.load(Q + heads[:, None] * sq_h + rows[:, None] * sq_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
     do = tl.load(DO + heads[:, None] * sdo_h + rows[:, None] * sdo_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
     lse = tl.load(LSE + heads * s_lse + offs_m, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + heads * s_lse + offs_m, mask=m_ok, other=0.0)
+    if FUSED_DELTA:
+        o = tl.load(O + heads[:, None] * so_h + rows[:, None] * so_t + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + heads * s_lse + offs_m, delta, mask=m_ok)
+    else:
+        delta = tl.load(DELTA + heads * s_lse + offs_m, mask=m_ok, other=0.0)
     dq = tl.zeros([PACK * BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_base = K + kvh * sk_h
     v_base = V + kvh * sv_h
@@ -932,6 +951,9 @@ _attn_bwd_dkdv_tuned = _tuned(
     _attn_bwd_dkdv, _DKDV_CONFIGS, key=_LONG_KEY + ["REBUILD_ADDR"], long_table=_DKDV_LONG_CONFIGS
 )
 _attn_bwd_dq_tuned = _tuned(_attn_bwd_dq, _DQ_CONFIGS, key=_LONG_KEY, long_table=_DQ_LONG_CONFIGS)
+# dQ making delta itself (short documents only, see fuse_delta). O is put back after every timed
+# candidate: a candidate that wrote dQ over O would hand the next one dQ as O.
+_attn_bwd_dq_delta_tuned = _tuned(_attn_bwd_dq, _DQ_CONFIGS, key=_ALL_KEY, restore_value=["O"])
 
 
 def tuned_kernels() -> dict:
@@ -942,6 +964,7 @@ def tuned_kernels() -> dict:
         "fwd": _attn_fwd_tuned,
         "dkdv": _attn_bwd_dkdv_tuned,
         "dq": _attn_bwd_dq_tuned,
+        "dq_delta": _attn_bwd_dq_delta_tuned,
         "onepass": _attn_bwd_onepass_tuned,
     }
 
@@ -992,6 +1015,18 @@ def _sink_grad(do, o, lse, sinks, L: _Launch) -> torch.Tensor:
     return -torch.where(covered, p * delta, 0.0).sum(0).to(sinks.dtype)
 
 
+def fuse_delta(L: _Launch) -> bool:
+    """Whether this call's dQ kernel makes delta = rowsum(dO * O) itself (and runs before dK/dV)
+    instead of a _bwd_delta launch: for packed short documents, whose longest the caller knows to
+    be under LONG_DOCUMENT. It saves a pass over dO and one launch per layer (W1: 28 x ~45 us of
+    a separate kernel that reads O and dO). Long documents keep _bwd_delta: there delta is a sliver
+    of the backward, and the fused kernel's autotuning copies O once per candidate (restore_value),
+    a long row's largest activation. FUSED_DELTA_ENV=0 turns it off (the before of an A/B)."""
+    if os.environ.get(FUSED_DELTA_ENV, "1").strip() == "0":
+        return False
+    return L.longest is not None and L.longest < LONG_DOCUMENT
+
+
 def _backward(do, q, k, v, o, lse, L: _Launch, o_private: bool = False):
     # o_private: O belongs to this backward alone (an offloader's recompute made it, or took it back
     # from the layer's KeptAttention: no caller holds it). Then dQ goes into O's memory: after the delta kernel (the
@@ -1006,20 +1041,22 @@ def _backward(do, q, k, v, o, lse, L: _Launch, o_private: bool = False):
     if L.t == 0:
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)
-    block = 64 if L.d <= AUTOTUNED_MAX_HEAD_DIM else 16  # [block, D] of O and dO per program
-    _bwd_delta[(L.hq, triton.cdiv(L.t, block))](
-        o,
-        do,
-        delta,
-        L.t,
-        o.stride(0),
-        o.stride(1),
-        do.stride(0),
-        do.stride(1),
-        delta.stride(0),
-        HEAD_DIM=L.d,
-        BLOCK=block,
-    )
+    fused = fuse_delta(L)
+    if not fused:
+        block = 64 if L.d <= AUTOTUNED_MAX_HEAD_DIM else 16  # [block, D] of O and dO per program
+        _bwd_delta[(L.hq, triton.cdiv(L.t, block))](
+            o,
+            do,
+            delta,
+            L.t,
+            o.stride(0),
+            o.stride(1),
+            do.stride(0),
+            do.stride(1),
+            delta.stride(0),
+            HEAD_DIM=L.d,
+            BLOCK=block,
+        )
     if not L.covers_all:
         # Tokens no document covers get no dK/dV program; zero them (skipped when the caller
         # knows cu_seqlens spans the whole stream, which saves two memsets per layer).
@@ -1039,10 +1076,16 @@ def _backward(do, q, k, v, o, lse, L: _Launch, o_private: bool = False):
         L.long_docs,
     )
     dkdv_args = (q, k, v, do, dk, dv, lse, delta, L.cu)
+    dq_args = (q, k, v, do, dq, lse, delta, o, L.cu)
+    dq_rest = common + (dq.stride(0), dq.stride(1), o.stride(0), o.stride(1), lse.stride(0))
+    dq_rest += (L.scale, L.mul_a, L.mul_b, L.window, L.long_docs)
+    if fused:  # dQ first: it makes the delta dK/dV reads
+        dq_tuned = _attn_bwd_dq_delta_tuned
+        L.run("dq", dq_tuned, _attn_bwd_dq, L.hq, dq_args, dq_rest, extra=dict(FUSED_DELTA=True))
     extra = dict(REBUILD_ADDR=L.rebuild_addr)
     L.run("dkdv", _attn_bwd_dkdv_tuned, _attn_bwd_dkdv, L.hkv, dkdv_args, dkdv_rest, extra=extra)
-    dq_rest = common + (dq.stride(0), dq.stride(1), lse.stride(0), L.scale, L.mul_a, L.mul_b, L.window, L.long_docs)
-    L.run("dq", _attn_bwd_dq_tuned, _attn_bwd_dq, L.hq, (q, k, v, do, dq, lse, delta, L.cu), dq_rest)
+    if not fused:
+        L.run("dq", _attn_bwd_dq_tuned, _attn_bwd_dq, L.hq, dq_args, dq_rest, extra=dict(FUSED_DELTA=False))
     if reuse_o:
         torch.autograd.graph.increment_version(o)
     return dq, dk, dv

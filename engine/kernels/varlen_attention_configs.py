@@ -212,8 +212,9 @@ def _short_bench(kernel_call, quantiles):
     return [float(x) for x in torch.quantile(t, torch.tensor(list(quantiles), dtype=torch.float64))]
 
 
-def _tuned(kernel, table, key=_ALL_KEY, reset_to_zero=None, long_table=None):
+def _tuned(kernel, table, key=_ALL_KEY, reset_to_zero=None, long_table=None, restore_value=None):
     # reset_to_zero: buffers a kernel adds into (atomics), zeroed before each timed config.
+    # restore_value: inputs a kernel may overwrite, copied before and put back after each timed config.
     # long_table: candidates when the kernel's `long_docs` argument (part of `key`) is set.
     every = [c for cs in table.values() for c in cs]
     if long_table is not None:
@@ -221,6 +222,8 @@ def _tuned(kernel, table, key=_ALL_KEY, reset_to_zero=None, long_table=None):
     opts = dict(configs=every, key=key, prune_configs_by={"early_config_prune": _prune(table, long_table)})
     if reset_to_zero:
         opts["reset_to_zero"] = reset_to_zero
+    if restore_value:
+        opts["restore_value"] = restore_value
     try:
         return triton.autotune(**opts, do_bench=_short_bench)(kernel)
     except TypeError:  # a Triton without the do_bench hook

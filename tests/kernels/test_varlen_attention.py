@@ -281,3 +281,59 @@ def test_a_kept_output_takes_dq_and_a_retained_graph_cannot_read_it_twice():
         torch.testing.assert_close(got, exp, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="inplace operation"):
         out.backward(do)
+
+
+def _grads(lengths, hq, hkv, d, max_seqlen, seed=3, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    info = PackedSeqInfo.from_lengths(lengths)
+    t = info.total_tokens
+    q, k, v, do = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv, hq))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = varlen_attention_triton(*leaves, info.cu_seqlens, max_seqlen, tables=info.block_table, **kw)
+    out.backward(do)
+    return [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 5, "softcap": 2.0}], ids=["causal", "window-softcap"])
+def test_dq_makes_delta_for_short_documents_with_the_same_gradients(monkeypatch, kw):
+    # Packed short documents: the dQ kernel runs first and makes delta itself, so _bwd_delta never
+    # launches; the gradients are those of the three-kernel backward (TUNESMITH_ATTN_FUSED_DELTA=0).
+    import engine.kernels.varlen_attention as va
+
+    launched = []
+
+    class Recorder:  # stands in for the _bwd_delta kernel: notes each launch and runs it
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return self.kernel[grid]
+
+    lengths, shape = [5, 1, 40, 37, 16], (4, 2, 16)
+    monkeypatch.setattr(va, "_bwd_delta", Recorder(va._bwd_delta))
+    monkeypatch.setenv(va.FUSED_DELTA_ENV, "0")
+    separate = _grads(lengths, *shape, max(lengths), **kw)
+    assert len(launched) == 1  # the switch off: one _bwd_delta launch
+    monkeypatch.delenv(va.FUSED_DELTA_ENV)
+    fused = _grads(lengths, *shape, max(lengths), **kw)
+    assert len(launched) == 1  # fused: none more
+    for name, a, b in zip("qkv", separate, fused):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"d{name}: fused delta against _bwd_delta")
+
+
+def test_long_or_unknown_documents_keep_the_separate_delta(monkeypatch):
+    # The fused kernel's autotuning copies O per candidate, a long row's largest activation: long
+    # documents, and calls whose longest document is not a host int, launch _bwd_delta.
+    from engine.kernels.varlen_attention import FUSED_DELTA_ENV, LONG_DOCUMENT, _Launch, fuse_delta
+
+    q = torch.zeros(8, 2, 16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+
+    def launch(longest):
+        return _Launch(q, q, cu, None, None, True, None, None, None, True, longest)
+
+    assert fuse_delta(launch(8)) and fuse_delta(launch(LONG_DOCUMENT - 1))
+    assert not fuse_delta(launch(LONG_DOCUMENT)) and not fuse_delta(launch(None))
+    monkeypatch.setenv(FUSED_DELTA_ENV, "0")
+    assert not fuse_delta(launch(8))
