@@ -75,6 +75,7 @@ ENV_FIELDS = {
     "attn_pack": ("TUNESMITH_ATTN_PACK", True),
     "rank_grad": ("TUNESMITH_RANK_GRAD", True),
     "fused_delta": ("TUNESMITH_ATTN_FUSED_DELTA", True),
+    "fold_rows": ("TUNESMITH_FOLD_ROWS", True),
 }
 
 

@@ -46,7 +46,10 @@ Keys (all counts are per optimizer step, gradient-checkpointing recomputes inclu
   GEMMs (engine.fastpath.lora_fold: [x | xA^T] against [W | sB]); ``folded_gemm:copied``: those
   whose input was copied into a wide buffer (its producer, a patched norm, left no spare columns);
   ``folded_gemm:dx``: input gradients of such a group made through the same folded weight (dy [W | sB]
-  gives dx's base part and dy sB in one GEMM).
+  gives dx's base part and dy sB in one GEMM); ``folded_gemm:rows``: input gradients of an o or down
+  projection through its weight folded by rows ([dy | dy sB] against [W; A], one GEMM).
+- ``rank_grad:triton`` / ``wide_rows:triton``: LoRA's rank-wide gradients and the row-folded input
+  gradient's wide operand made by their Triton kernels (engine.kernels.rank_grad, .wide_rows).
 - ``<op>:triton`` / ``<op>:torch`` for op in rmsnorm, rope, activations, fused_ce, token_logp: forward
   computations of each kernel op by the path that ran (the Triton kernel or its torch
   reference; on a CPU the reference is the engine's path); ``add_rmsnorm:<path>``: those of the
@@ -87,6 +90,7 @@ CALL_KEYS = (
     "folded_gemm",
     "folded_gemm:copied",
     "folded_gemm:dx",
+    "folded_gemm:rows",
     "rmsnorm:triton",
     "rmsnorm:torch",
     "add_rmsnorm:triton",
@@ -115,6 +119,7 @@ CALL_KEYS = (
     "nf4_matmul:triton",
     "nf4_matmul:torch",
     "rank_grad:triton",
+    "wide_rows:triton",
 )
 
 FALLBACK = "fallback:"

@@ -166,6 +166,8 @@ def _group_backward(dys, x, xa, group: LoRAGroup, w, ab, need_dx: bool, need_ab:
     folded = None
     if dy_all is not None and dx_out is None and group.fold is not None and a_all is not None:
         folded = lora_fold.backward_dx(group, a_all, bs, dy_all)
+    elif need_dx and group.row_fold is not None:  # o_proj: [dy | dy sB] [W; A] (lora_fold.fold_rows)
+        folded = lora_fold.backward_dx_rows(group, dys[0], bs[0], out=dx_out)
     g_parts = []  # dy_i (s_i B_i), stacked to [N, R] to pair with the stacked A
     col = 0
     for i, (B, r) in enumerate(zip(bs, group.ranks)):
@@ -282,6 +284,19 @@ def _down_forward(gate, up, act, down: LoRAGroup, w_out):
     return y, ha
 
 
+def _down_dx(dy: torch.Tensor, W, a_all, B, down: LoRAGroup):
+    """(dh, g) for these rows of the down projection: dh = dy W + (dy sB) A and g = dy sB (None
+    without LoRA). One GEMM through the weight folded by rows where it can (lora_fold.fold_rows), else
+    the rank-r term first and the base GEMM adding onto it (see lora_linear_out)."""
+    if B is None:
+        return base_mm(dy, W, False), None
+    folded = lora_fold.backward_dx_rows(down, dy, B)
+    if folded is not None:
+        return folded
+    g = torch.mm(dy, B)  # dy (s B): [rows, r]
+    return base_mm(dy, W, False, out=torch.mm(g, a_all), accumulate=True), g
+
+
 def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
     """Gradients of the down projection and the activation, one row slice at a time.
 
@@ -295,24 +310,18 @@ def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
     slices = _row_slices(n, gate.shape[1], gate.element_size())
     W = base_operand(base, dy, False, down.nf4)
     dab: list[Optional[torch.Tensor]] = [None, None]
-    g = None
-    if B is not None:
-        if need_ab[1]:
-            dab[1] = rank_grad(dy, ha, down.scales[0], ab[1].dtype)
-        g = torch.mm(dy, B)  # dy (s B): [N, r]
+    if B is not None and need_ab[1]:
+        dab[1] = rank_grad(dy, ha, down.scales[0], ab[1].dtype)
     da = None
     for s, e in slices:
-        if g is None:
-            dh = base_mm(dy[s:e], W, False)
-        else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
-            dh = base_mm(dy[s:e], W, False, out=torch.mm(g[s:e], a_all), accumulate=True)
+        dh, g = _down_dx(dy[s:e], W, a_all, B, down)
         # dh first, then d_gate, d_up and h from one pass over gate and up (h over dh's memory).
         dgate, dup, h = act.backward_raw(gate[s:e], up[s:e], dh)
         del dh
         if g is not None and need_ab[0]:
-            part = rank_grad(h, g[s:e], 1.0, torch.float32, transposed=True)  # [r, inter]
+            part = rank_grad(h, g, 1.0, torch.float32, transposed=True)  # [r, inter]
             da = part if da is None else da.add_(part)  # slices are summed in fp32
-        del h
+        del h, g
         if dgate.data_ptr() != gate[s:e].data_ptr():  # the torch fallback returns new tensors
             gate[s:e].copy_(dgate)
             up[s:e].copy_(dup)
@@ -466,11 +475,7 @@ class LoRAMLPUnread(torch.autograd.Function):
                 x = xn.detach()
                 (gate, up), xa = _group_forward(x, gate_up, w_in)
                 dyt = dy[s:e]
-                g = None if b_down is None else torch.mm(dyt, b_down)  # dy (s B): [rows, r]
-                if g is None:
-                    dh = base_mm(dyt, w_down, False)
-                else:  # the rank-r term first, the base GEMM adds onto it (see lora_linear_out)
-                    dh = base_mm(dyt, w_down, False, out=torch.mm(g, a_down), accumulate=True)
+                dh, g = _down_dx(dyt, w_down, a_down, b_down, down)
                 # dh first, then d_gate, d_up and h from one pass over gate and up (h over dh's memory).
                 dgate, dup, h = ctx.act.backward_raw(gate, up, dh)
                 del dh
@@ -481,7 +486,7 @@ class LoRAMLPUnread(torch.autograd.Function):
                         ha = torch.mm(h, a_down.t())
                         acc[5] = _add_f32(acc[5], rank_grad(dyt, ha, down.scales[0], torch.float32))
                         del ha
-                del h
+                del h, g
                 need_x = d_res is not None or xn.requires_grad
                 dx, dab = _group_backward((dgate, dup), x, xa, gate_up, w_in, ab[:4], need_x, need_ab[:4])
                 del dgate, dup, gate, up

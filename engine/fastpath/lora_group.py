@@ -330,7 +330,20 @@ class LoRAGroup:
     with its forward.
     """
 
-    __slots__ = ("parts", "bases", "scales", "ranks", "nf4", "fold", "_lora", "_owner", "_key", "_value", "_stack")
+    __slots__ = (
+        "parts",
+        "bases",
+        "scales",
+        "ranks",
+        "nf4",
+        "fold",
+        "row_fold",
+        "_lora",
+        "_owner",
+        "_key",
+        "_value",
+        "_stack",
+    )
 
     def __init__(self, parts: Sequence[LoRAParts], nf4: str = "auto"):
         self.parts = tuple(parts)
@@ -350,6 +363,8 @@ class LoRAGroup:
         self._stack = (None, None)  # (the bases' data pointers, their stacked weight or None)
         # How engine.fastpath.lora_fold.fold_bases laid the bases out (a lora_fold.Fold), or None.
         self.fold = None
+        # A single projection's weight with A's rows below it (lora_fold.fold_rows: a RowFold), or None.
+        self.row_fold = None
 
     def ab(self) -> list[Optional[torch.Tensor]]:
         """[A_1, B_1, A_2, B_2, ...] (the trainable inputs of the Functions), None without LoRA."""
@@ -390,8 +405,7 @@ class LoRAGroup:
         if _UNCACHED:  # inside a CUDA graph's capture: built in the graph, read by it only
             count("lora_cache_builds")
             value = _build_weights(ab, self.scales, dtype)
-            if self.fold is not None:
-                self.fold.write_tails(self.bases, value[1])
+            self._write_folds(value)
             return value
         clock = None if self._owner is None else self._owner.__dict__.get(_CLOCK)
         key = [dtype, clock, 0 if clock is None else clock.generation]
@@ -402,11 +416,17 @@ class LoRAGroup:
         if key != self._key:
             count("lora_cache_builds")
             self._value = _build_weights(ab, self.scales, dtype)
-            if self.fold is not None:  # the folded bases' spare columns carry s*B (lora_fold)
-                self.fold.write_tails(self.bases, self._value[1])
+            self._write_folds(self._value)
             # Holding the tensors (in _value's sources) keeps their ids from being reused.
             self._key = key
         return self._value
+
+    def _write_folds(self, value) -> None:
+        """The folded bases' spare columns carry s*B, a row-folded base's spare rows A (lora_fold)."""
+        if self.fold is not None:
+            self.fold.write_tails(self.bases, value[1])
+        if self.row_fold is not None:
+            self.row_fold.write_rows(self.bases[0], value[0])
 
 
 # True while a CUDA graph captures a micro-batch (engine.train.step_graph): each forward, recompute

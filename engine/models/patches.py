@@ -56,7 +56,7 @@ from torch import nn
 from engine.counters import count_fallback
 from engine.fastpath import patching, recompute
 from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp, lora_mlp_unread, mlp_can_skip_output
-from engine.fastpath.lora_fold import fold_bases, mark_spare
+from engine.fastpath.lora_fold import fold_bases, fold_rows, mark_spare
 from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason, stack_bases
 from engine.fastpath.tiled_mlp import KIND as TILED_KIND
 from engine.kernels.rope import rope_reference
@@ -604,6 +604,15 @@ def _qkv_group(attn: nn.Module, nf4: str, fold) -> LoRAGroup:
     return group
 
 
+def _o_group(attn: nn.Module, nf4: str, fold) -> LoRAGroup:
+    """o_proj's group, its base folded by rows for the input gradient (lora_fold.fold_rows) as `fold`
+    (fast_paths.fold_lora) says."""
+    group = LoRAGroup([lora_parts(attn.o_proj)], nf4)
+    if fold is not False:
+        fold_rows(group, fold)
+    return group
+
+
 def remove_fast_paths(model: nn.Module) -> int:
     """Restore every stock forward `apply_fast_paths` replaced; returns how many."""
     return sum(patching.uninstall(module, _KIND) for module in list(model.modules()))
@@ -702,6 +711,8 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                 if groups is not None and not (fold_off is None and fold_bases(groups[0], stack_off is None, fold)):
                     if stack_off is None:
                         stack_bases(groups[0].bases)
+                if groups is not None and fold_off is None:
+                    fold_rows(groups[1], fold)  # down's input gradient: [dy | dy sB] [W; A]
                 _install(module, _mlp_forward, _MLPPlan(module.forward, act, groups, act_reason is None))
 
         elif cls == attn_cls:
@@ -727,7 +738,7 @@ def apply_fast_paths(model: nn.Module, fast, device, *, kernel_impl: str = "auto
                     qk_norm=arch.qk_norm,
                     qk_norm_projection=arch.qk_norm and arch.qk_norm_width == "projection",
                     qkv=_qkv_group(module, nf4, fold if fold_off is None else False) if qkv_reason is None else None,
-                    o=LoRAGroup([lora_parts(module.o_proj)], nf4) if o_reason is None else None,
+                    o=_o_group(module, nf4, fold if fold_off is None else False) if o_reason is None else None,
                     rope=k.apply_rope if rope_reason is None else None,
                     rope_always_inplace=kernel_impl == "triton",
                     use_rope=arch.uses_rope(module),

@@ -321,3 +321,59 @@ def test_rank_grad_at_real_shapes(out, dtype, transposed):
     ref_err = rel(rank_grad_reference(a, b, 2.0, torch.float32, transposed=transposed).double(), want)
     print(f"rank_grad out={out} {dtype} transposed={transposed}: rel err {err:.2e} (cuBLAS {ref_err:.2e})")
     assert err < 5e-5 and got.dtype == torch.float32 and got.is_contiguous() and got.shape == want.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out,rank,width", [(1024, 16, 16), (2048, 16, 16), (1024, 12, 16), (4096, 64, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wide_rows_at_real_shapes(out, rank, width, dtype):
+    """[dy | dy sB | 0] over 16,384 rows (o's and down's input gradient folded by rows): dy copied bit
+    for bit, dy sB no further from the fp64 product than cuBLAS's own bf16/fp16 GEMM (bf16 tl.dot is
+    only right on a GPU), the alignment columns zero."""
+    from engine.kernels.wide_rows import wide_rows, wide_rows_reference
+
+    g = torch.Generator(device="cuda").manual_seed(out + rank)
+    dy = torch.randn(16384, out, device="cuda", dtype=dtype, generator=g)
+    b = torch.randn(out, rank, device="cuda", dtype=dtype, generator=g) / out**0.5
+    got = wide_rows(dy, b, width)
+    assert torch.equal(got[:, :out], dy) and not got[:, out + rank :].any()
+    want = dy.double() @ b.double()
+    err = rel(got[:, out : out + rank].double(), want)
+    ref_err = rel(wide_rows_reference(dy, b, width)[:, out : out + rank].double(), want)
+    print(f"wide_rows out={out} r={rank} {dtype}: rel err {err:.2e} (cuBLAS {ref_err:.2e})")
+    assert err <= 1.25 * ref_err + 1e-6
+
+
+@pytest.mark.gpu
+def test_row_folded_input_gradient_at_w1_shapes():
+    """o_proj (2,048 -> 1,024) and down_proj (3,072 -> 1,024) of Qwen3-0.6B in bf16, a PEFT adapter of
+    rank 16, 16,384 tokens: [dy | dy sB] [W; A] in one GEMM against (dy sB) A then dy W, each against
+    the fp64 truth; g = dy sB as the two-pass path makes it."""
+    from peft import LoraConfig, get_peft_model
+
+    from engine.fastpath import lora_fold
+    from engine.fastpath.lora_group import LoRAGroup, lora_parts
+
+    class Proj(torch.nn.Module):
+        def __init__(self, k_in):
+            super().__init__()
+            self.proj = torch.nn.Linear(k_in, 1024, bias=False)
+
+    torch.manual_seed(0)
+    for k_in in (2048, 3072):
+        model = get_peft_model(Proj(k_in), LoraConfig(r=16, lora_alpha=32, target_modules=["proj"]))
+        model = model.to("cuda", torch.bfloat16)
+        torch.nn.init.normal_(model.base_model.model.proj.lora_B["default"].weight, std=0.1)
+        group = LoRAGroup([lora_parts(model.base_model.model.proj)])
+        assert lora_fold.fold_rows(group, True)
+        a_all, (sb,), _ = group.weights(group.ab(), torch.bfloat16)  # writes A below W
+        w = group.bases[0].weight
+        dy = torch.randn(16384, 1024, device="cuda", dtype=torch.bfloat16)
+        truth = dy.double() @ w.double() + (dy.double() @ sb.double()) @ a_all.double()
+        g_two = torch.mm(dy, sb)
+        two_pass = torch.mm(g_two, a_all).addmm_(dy, w)
+        dx, g = lora_fold.backward_dx_rows(group, dy, sb)
+        err, ref_err = rel(dx.double(), truth), rel(two_pass.double(), truth)
+        print(f"row-folded dx k_in={k_in}: rel err {err:.2e} (two passes {ref_err:.2e})")
+        assert err <= 1.25 * ref_err + 1e-6
+        assert rel(g.double(), g_two.double()) < 1e-2

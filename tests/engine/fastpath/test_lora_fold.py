@@ -229,7 +229,8 @@ def _prepared(fold: bool, seed: int = 0):
 
 def test_a_prepared_model_folds_and_learns_the_same_over_steps():
     """fold_lora on and off, three AdamW steps each: the same losses and gradients at every step,
-    so the spare columns follow every update of B (the weight cache rewrites them)."""
+    so the spare columns follow every update of B and the rows below o's and down's W every update
+    of A (the weight cache rewrites them)."""
     on, off = _prepared(True), _prepared(False)
     off.load_state_dict(on.state_dict())
     attn = on.base_model.model.model.layers[0].self_attn
@@ -247,6 +248,7 @@ def test_a_prepared_model_folds_and_learns_the_same_over_steps():
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
             assert (counts["folded_gemm"] > 0) == (name == "on")
+            assert (counts["folded_gemm:rows"] > 0) == (name == "on")  # A's rows below W follow each update
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
             results[name] = (loss.detach(), grads)
             opts[name].step()
@@ -331,6 +333,7 @@ def test_the_lean_recompute_takes_inputs_with_spare_columns(offload, monkeypatch
         with Counters().active() as counts:
             forward_loss(prepared, b, normalizer=b.num_trained_tokens).backward()
         assert (counts["folded_gemm"] > 0) == fold
+        assert (counts["folded_gemm:rows"] > 0) == fold  # o's and down's input gradients (the lean MLP's tiles)
         # Each layer's recompute freed its normed input, with spare columns exactly when folded.
         freed = [spare for spare, done in released if done]
         assert len(freed) == 2 and all(spare == fold for spare in freed), released
@@ -338,3 +341,85 @@ def test_the_lean_recompute_takes_inputs_with_spare_columns(offload, monkeypatch
         results[fold] = grads
     for n, want in results[False].items():
         torch.testing.assert_close(results[True][n], want, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def _row_groups(block):
+    down = LoRAGroup([lora_parts(block.down_proj)])
+    o = LoRAGroup([lora_parts(block.o_proj)])
+    gate_up = LoRAGroup([lora_parts(block.gate_proj), lora_parts(block.up_proj)])
+    assert lora_fold.fold_rows(down) and lora_fold.fold_rows(o)
+    return gate_up, down, o
+
+
+def test_fold_rows_keeps_parameters_and_puts_a_below_w():
+    """o's and down's bases move into buffers `width` rows taller: the same Parameters and values,
+    contiguous, with A (cast, unscaled) written below W when the weight cache builds, zeros under it."""
+    model = make_block(ALL)
+    b = inner(model)
+    layers = [b.o_proj.get_base_layer(), b.down_proj.get_base_layer()]
+    params = [m.weight for m in layers]
+    before = [p.detach().clone() for p in params]
+    _, down, o = _row_groups(b)
+    for p, v in zip(params, before):
+        assert torch.equal(p, v) and p.is_contiguous() and not p.requires_grad
+    assert [m.weight for m in layers] == params
+    ptrs = [p.data_ptr() for p in params]
+    assert lora_fold.fold_rows(down) and [p.data_ptr() for p in params] == ptrs  # a second call copies nothing
+    for group, proj in ((o, b.o_proj), (down, b.down_proj)):
+        fold = group.row_fold
+        assert fold.width == 8 and fold.rank == 4
+        assert not fold.operand(group.bases[0])[fold.out_features :].any()  # before the first build
+        group.weights(group.ab(), torch.float32)
+        op = fold.operand(group.bases[0])
+        torch.testing.assert_close(op[fold.out_features : fold.out_features + 4], proj.lora_A["default"].weight)
+        assert not op[fold.out_features + 4 :].any()
+
+
+def test_row_folded_input_gradients_match_the_two_pass_ones(monkeypatch):
+    """o's input gradient (LoRALinears) and down's (LoRAMLP) as [dy | dy sB] [W; A] in one GEMM
+    against (dy sB) A then dy W: the same dx and adapter gradients, and PEFT's; TUNESMITH_FOLD_ROWS=0
+    keeps the two passes; a weight moved after folding runs unfolded."""
+    model = make_block(ALL, bias=True)
+    ref = copy.deepcopy(model)
+    gate_up, down, o = _row_groups(inner(model))
+    x = _inputs(shape=(2, 90)).requires_grad_(True)
+    got = {}
+    for folded in (True, False):
+        monkeypatch.setenv("TUNESMITH_FOLD_ROWS", "1" if folded else "0")
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with Counters().active() as counts:
+            outs = (lora_mlp(x, gate_up, down, act=GatedAct("silu")),) + lora_linears(x, o)
+            torch.autograd.backward(outs, _upstream(outs))
+        assert counts["folded_gemm:rows"] == (2 if folded else 0)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        got[folded] = (x.grad.clone(), grads)
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
+    for n in got[False][1]:
+        torch.testing.assert_close(got[True][1][n], got[False][1][n], rtol=1e-5, atol=1e-5, msg=n)
+    monkeypatch.setenv("TUNESMITH_FOLD_ROWS", "1")
+    xr = x.detach().clone().requires_grad_(True)
+    want = run(ref, mlp_stock_for("silu"), xr, _upstream([xr]))
+    model.zero_grad(set_to_none=True)
+    mlp = lambda blk, x: (lora_mlp(x, gate_up, down, act=GatedAct("silu")),)  # noqa: E731
+    assert_close_all(*run(model, mlp, xr, _upstream([xr])), *want, 1e-5)
+    b = inner(model)
+    b.down_proj.base_layer.weight.data = b.down_proj.base_layer.weight.detach().clone()  # what .to() does
+    assert not down.row_fold.folded(down.bases[0])
+    with Counters().active() as counts:
+        y = lora_mlp(x, gate_up, down, act=GatedAct("silu"))
+        y.backward(torch.ones_like(y))
+    assert counts["folded_gemm:rows"] == 0
+
+
+def test_auto_folds_rows_of_narrow_models_only(monkeypatch):
+    """fold_rows: auto up to AUTO_MAX_IN wide outputs (the model's width, the GEMM's depth); true at
+    any width; false never; a projection without LoRA or a trainable base never."""
+    monkeypatch.setattr(lora_fold, "AUTO_MAX_IN", HIDDEN - 1)
+    b = inner(make_block(["q_proj", "o_proj"]))
+    o = LoRAGroup([lora_parts(b.o_proj)])
+    assert not lora_fold.fold_rows(o, "auto") and o.row_fold is None
+    assert not lora_fold.fold_rows(o, False)
+    assert lora_fold.fold_rows(o, True) and o.row_fold is not None
+    down = LoRAGroup([lora_parts(b.down_proj)])  # no adapter on it
+    assert not lora_fold.fold_rows(down, True) and down.row_fold is None
