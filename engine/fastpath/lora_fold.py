@@ -22,7 +22,8 @@ dy [W | sB] makes dx's base part and dy sB in one GEMM).
 
 o_proj and down_proj fold the other way, for their input gradient only (`fold_rows`, `RowFold`):
 W sits in a buffer R rows taller with A below it, and dx = [dy | dy sB] [W; A] is one GEMM
-(`backward_dx_rows`; the left operand made in one pass over dy by engine.kernels.wide_rows).
+(`backward_dx_rows`; the left operand made in one pass over dy by engine.kernels.wide_rows). Off by
+default until its GPU checks run (`fold_rows_on`).
 
 Inputs with spare columns: a norm patched for a folded consumer (engine.models.patches) writes its
 output into a buffer with the consumer's spare width (engine.kernels.rmsnorm.spare_empty) and
@@ -357,9 +358,12 @@ class RowFold:
 def fold_rows(group, setting="auto") -> bool:
     """Move a single-projection group's frozen weight (o_proj, down_proj) into a buffer with the rows
     its input gradient folds through; sets `group.row_fold`. `setting`: fast_paths.fold_lora (auto
-    folds models up to AUTO_MAX_IN wide, where it was measured). True when done, or already so."""
+    folds models up to AUTO_MAX_IN wide, where it was measured). Only with TUNESMITH_FOLD_ROWS=1 (off
+    by default, see fold_rows_on). True when done, or already so."""
     bases, ranks = group.bases, group.ranks
-    if len(bases) != 1 or setting not in ("auto", True) or fold_reason(bases, ranks, True) is not None:
+    if not fold_rows_on() or len(bases) != 1 or setting not in ("auto", True):
+        return False
+    if fold_reason(bases, ranks, True) is not None:
         return False
     base = bases[0]
     if setting == "auto" and base.out_features > AUTO_MAX_IN:  # the dx GEMM's depth: the model's width
@@ -377,10 +381,14 @@ def fold_rows(group, setting="auto") -> bool:
     return True
 
 
-def _fold_rows_on() -> bool:
-    """TUNESMITH_FOLD_ROWS=0 keeps o's and down's input gradients as two passes: a before/after switch for
-    measurements (bench.ours's `fold_rows=false`), read at each call so one process can time both."""
-    return os.environ.get("TUNESMITH_FOLD_ROWS", "1") != "0"
+def fold_rows_on() -> bool:
+    """TUNESMITH_FOLD_ROWS=1 (bench.ours's `fold_rows=true`) folds o's and down's bases by rows when the
+    model is patched and runs their input gradients through the fold; read at patching and at each
+    call, so one process can time both ways. Off by default until its GPU checks run (the wide_rows
+    kernel's bf16 dots and the folded dx at real shapes in tests/gpu/test_kernels_gpu.py, W1's A/B
+    beside its learning check): built in the twenty-fifth session, whose device time went to machines
+    that never started."""
+    return os.environ.get("TUNESMITH_FOLD_ROWS", "0") == "1"
 
 
 def backward_dx_rows(group, dy: torch.Tensor, b: Optional[torch.Tensor], out=None):
@@ -388,7 +396,7 @@ def backward_dx_rows(group, dy: torch.Tensor, b: Optional[torch.Tensor], out=Non
     given), and g = dy sB, a column view of the wide operand; or None when this call cannot fold (the
     caller then runs dx = (dy sB) A, dx += dy W)."""
     fold: Optional[RowFold] = group.row_fold
-    if fold is None or b is None or not _fold_rows_on() or dy.shape[0] < FOLD_MIN_ROWS:
+    if fold is None or b is None or not fold_rows_on() or dy.shape[0] < FOLD_MIN_ROWS:
         return None
     base = group.bases[0]
     if dy.dtype != base.weight.dtype or b.dtype != dy.dtype or not fold.folded(base):

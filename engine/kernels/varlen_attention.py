@@ -17,8 +17,8 @@ them on the host from the lengths it already knows (heaviest blocks first, for l
 Forward keeps the softmax statistics (log-sum-exp, base 2) for backward, which runs three kernels:
 delta = rowsum(dO * O), then dK/dV per key block (looping over the whole query-head group, so GQA
 gradients accumulate in registers with no atomics), then dQ per query block. For packed short
-documents (`fuse_delta`) it runs two: dQ first, making delta for its own rows as it goes, then
-dK/dV reading it. That split backward
+documents it can run two (`fuse_delta`, off by default until checked on a GPU): dQ first, making
+delta for its own rows as it goes, then dK/dV reading it. That split backward
 is the reference path; engine.kernels.varlen_attention_bwd holds the one-pass backward (dQ, dK, dV
 in one kernel, dQ by atomic adds), taken when asked for (`backward=` / TUNESMITH_ATTN_BWD).
 
@@ -79,8 +79,17 @@ from engine.kernels.varlen_attention_launch import LOG2E as LOG2E
 from engine.kernels.varlen_attention_launch import TableFn as TableFn
 from engine.kernels.varlen_attention_launch import _Launch as _Launch
 
-# "0" makes every backward launch _bwd_delta (see fuse_delta); read per call.
+# "1" lets short documents' dQ make delta itself (see fuse_delta); read per call. Off by default until
+# its GPU checks run (tests/gpu/test_attention_gpu.py's bf16 cases with it on, W1's A/B beside its
+# learning check): built in the twenty-fifth session, whose device time went to machines that never
+# started.
 FUSED_DELTA_ENV = "TUNESMITH_ATTN_FUSED_DELTA"
+
+
+def fused_delta_on() -> bool:
+    """TUNESMITH_ATTN_FUSED_DELTA=1 (bench.ours's `fused_delta=true`); off by default (see above)."""
+    return os.environ.get(FUSED_DELTA_ENV, "0").strip() == "1"
+
 
 # --------------------------------------------------------------------------------------------
 # Reference (also the CPU path of the engine)
@@ -1021,10 +1030,8 @@ def fuse_delta(L: _Launch) -> bool:
     be under LONG_DOCUMENT. It saves a pass over dO and one launch per layer (W1: 28 x ~45 us of
     a separate kernel that reads O and dO). Long documents keep _bwd_delta: there delta is a sliver
     of the backward, and the fused kernel's autotuning copies O once per candidate (restore_value),
-    a long row's largest activation. FUSED_DELTA_ENV=0 turns it off (the before of an A/B)."""
-    if os.environ.get(FUSED_DELTA_ENV, "1").strip() == "0":
-        return False
-    return L.longest is not None and L.longest < LONG_DOCUMENT
+    a long row's largest activation. Only with FUSED_DELTA_ENV=1 (off by default: fused_delta_on)."""
+    return fused_delta_on() and L.longest is not None and L.longest < LONG_DOCUMENT
 
 
 def _backward(do, q, k, v, o, lse, L: _Launch, o_private: bool = False):

@@ -71,6 +71,19 @@ def test_real_shapes_bf16(hq, hkv, d, seed):
 
 
 @pytest.mark.parametrize(
+    "hq,hkv,d", [(16, 8, 128), (32, 8, 64), (32, 8, 128)], ids=["W1-16/8x128", "W2-32/8x64", "W3-32/8x128"]
+)
+def test_fused_delta_at_real_shapes_bf16(monkeypatch, hq, hkv, d):
+    # TUNESMITH_ATTN_FUSED_DELTA=1 (off by default until this passes): short documents' dQ runs first
+    # and makes delta = rowsum(dO * O) itself, autotuned with O put back after each candidate.
+    from engine.kernels import varlen_attention as va
+
+    monkeypatch.setenv(va.FUSED_DELTA_ENV, "1")
+    print(_check(doc_lengths(seed=3), hq, hkv, d, torch.bfloat16, seed=3))
+    assert va._attn_bwd_dq_delta_tuned.best_config is not None  # the fused launch ran (autotuned)
+
+
+@pytest.mark.parametrize(
     "hq,hkv,d,pack",
     [(16, 8, 128, 2), (32, 8, 64, 2), (32, 8, 64, 4), (32, 8, 128, 2)],
     ids=["W1-pack2", "W2-pack2", "W2-pack4", "W3-pack2"],
@@ -84,11 +97,12 @@ def test_gqa_packed_query_blocks_at_real_shapes_bf16(monkeypatch, hq, hkv, d, pa
     forget_tuning()
     try:
         print(_check(doc_lengths(seed=2), hq, hkv, d, torch.bfloat16, seed=2))
-        from engine.kernels.varlen_attention import _attn_bwd_dq_delta_tuned, _attn_fwd_tuned
+        from engine.kernels import varlen_attention as va
 
-        assert _attn_fwd_tuned.best_config.kwargs["PACK"] == pack
-        # Short documents: the dQ that makes delta itself (its own autotuner, see fuse_delta).
-        assert _attn_bwd_dq_delta_tuned.best_config.kwargs["PACK"] == pack
+        assert va._attn_fwd_tuned.best_config.kwargs["PACK"] == pack
+        # With TUNESMITH_ATTN_FUSED_DELTA=1 short documents' dQ makes delta itself, ranked by its own autotuner.
+        dq = va._attn_bwd_dq_delta_tuned if va.fused_delta_on() else va._attn_bwd_dq_tuned
+        assert dq.best_config.kwargs["PACK"] == pack
     finally:
         forget_tuning()
 

@@ -296,8 +296,8 @@ def _grads(lengths, hq, hkv, d, max_seqlen, seed=3, **kw):
 
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 5, "softcap": 2.0}], ids=["causal", "window-softcap"])
 def test_dq_makes_delta_for_short_documents_with_the_same_gradients(monkeypatch, kw):
-    # Packed short documents: the dQ kernel runs first and makes delta itself, so _bwd_delta never
-    # launches; the gradients are those of the three-kernel backward (TUNESMITH_ATTN_FUSED_DELTA=0).
+    # Packed short documents with TUNESMITH_ATTN_FUSED_DELTA=1: the dQ kernel runs first and makes
+    # delta itself, so _bwd_delta never launches; the gradients are those of the three-kernel backward.
     import engine.kernels.varlen_attention as va
 
     launched = []
@@ -316,8 +316,11 @@ def test_dq_makes_delta_for_short_documents_with_the_same_gradients(monkeypatch,
     separate = _grads(lengths, *shape, max(lengths), **kw)
     assert len(launched) == 1  # the switch off: one _bwd_delta launch
     monkeypatch.delenv(va.FUSED_DELTA_ENV)
+    _grads(lengths, *shape, max(lengths), **kw)
+    assert len(launched) == 2  # off by default (until its GPU checks run): _bwd_delta again
+    monkeypatch.setenv(va.FUSED_DELTA_ENV, "1")
     fused = _grads(lengths, *shape, max(lengths), **kw)
-    assert len(launched) == 1  # fused: none more
+    assert len(launched) == 2  # fused: none more
     for name, a, b in zip("qkv", separate, fused):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"d{name}: fused delta against _bwd_delta")
 
@@ -333,6 +336,7 @@ def test_long_or_unknown_documents_keep_the_separate_delta(monkeypatch):
     def launch(longest):
         return _Launch(q, q, cu, None, None, True, None, None, None, True, longest)
 
+    monkeypatch.setenv(FUSED_DELTA_ENV, "1")
     assert fuse_delta(launch(8)) and fuse_delta(launch(LONG_DOCUMENT - 1))
     assert not fuse_delta(launch(LONG_DOCUMENT)) and not fuse_delta(launch(None))
     monkeypatch.setenv(FUSED_DELTA_ENV, "0")
