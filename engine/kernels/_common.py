@@ -11,6 +11,8 @@ engine.fastpath and engine.models use) keeps working. Its kernels are never laun
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -31,6 +33,15 @@ def on_cuda(*tensors: torch.Tensor | None) -> bool:
     """The dispatch rule: the Triton path runs only when every tensor given lives on CUDA."""
     present = [t for t in tensors if t is not None]
     return bool(present) and all(t.is_cuda for t in present)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether Triton kernels can launch on this CUDA device. Triton compiles for Turing (sm_75) and
+    newer (engine.hardware.profile.MIN_FAST_PATH_CAPABILITY); the LoRA Functions run wherever
+    lora_autograd is on, which a user may force on an older card or without Triton: there the
+    dispatchers that ask this run their torch references."""
+    return TRITON_AVAILABLE and torch.cuda.get_device_capability(device) >= (7, 5)
 
 
 def next_pow2(n: int) -> int:

@@ -32,7 +32,8 @@ import os
 import torch
 
 from engine.counters import count
-from engine.kernels._common import TRITON_AVAILABLE, jit, next_pow2, on_cuda, tl, triton
+from engine.kernels._common import jit, next_pow2, on_cuda, tl, triton
+from engine.kernels._common import triton_runs_on as _triton_runs_on  # the tests patch it here
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -170,14 +171,6 @@ def rank_grad_triton(a, b, scale: float, dtype: torch.dtype, transposed: bool = 
 # shared memory gets fewer stages, above), and the speed was measured at 16. Wider ranks are less bound
 # by reading a: cuBLAS takes them.
 MAX_RANK = 32
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_runs_on(device: torch.device) -> bool:
-    # Triton compiles for Turing (sm_75) and newer (engine.hardware.profile.MIN_FAST_PATH_CAPABILITY). The
-    # LoRA Functions that call rank_grad run wherever lora_autograd is on, which a user may force on an
-    # older card or without Triton: there cuBLAS computes these products as before.
-    return TRITON_AVAILABLE and torch.cuda.get_device_capability(device) >= (7, 5)
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1024,6 +1024,26 @@ def _sink_grad(do, o, lse, sinks, L: _Launch) -> torch.Tensor:
     return -torch.where(covered, p * delta, 0.0).sum(0).to(sinks.dtype)
 
 
+def backward_delta(o, do, lse, L: _Launch) -> torch.Tensor:
+    """delta = rowsum(dO * O) [Hq, T] (lse's layout), by the _bwd_delta kernel."""
+    delta = torch.empty_like(lse)
+    block = 64 if L.d <= AUTOTUNED_MAX_HEAD_DIM else 16  # [block, D] of O and dO per program
+    _bwd_delta[(L.hq, triton.cdiv(L.t, block))](
+        o,
+        do,
+        delta,
+        L.t,
+        o.stride(0),
+        o.stride(1),
+        do.stride(0),
+        do.stride(1),
+        delta.stride(0),
+        HEAD_DIM=L.d,
+        BLOCK=block,
+    )
+    return delta
+
+
 def fuse_delta(L: _Launch) -> bool:
     """Whether this call's dQ kernel makes delta = rowsum(dO * O) itself (and runs before dK/dV)
     instead of a _bwd_delta launch: for packed short documents, whose longest the caller knows to
@@ -1047,23 +1067,8 @@ def _backward(do, q, k, v, o, lse, L: _Launch, o_private: bool = False):
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if L.t == 0:
         return dq, dk.zero_(), dv.zero_()
-    delta = torch.empty_like(lse)
     fused = fuse_delta(L)
-    if not fused:
-        block = 64 if L.d <= AUTOTUNED_MAX_HEAD_DIM else 16  # [block, D] of O and dO per program
-        _bwd_delta[(L.hq, triton.cdiv(L.t, block))](
-            o,
-            do,
-            delta,
-            L.t,
-            o.stride(0),
-            o.stride(1),
-            do.stride(0),
-            do.stride(1),
-            delta.stride(0),
-            HEAD_DIM=L.d,
-            BLOCK=block,
-        )
+    delta = torch.empty_like(lse) if fused else backward_delta(o, do, lse, L)
     if not L.covers_all:
         # Tokens no document covers get no dK/dV program; zero them (skipped when the caller
         # knows cu_seqlens spans the whole stream, which saves two memsets per layer).

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from engine.counters import count_fallback
-from engine.kernels.varlen_attention import _bwd_delta, _Launch, _query_range, _scores
+from engine.kernels.varlen_attention import _Launch, _query_range, _scores, backward_delta
 from engine.kernels.varlen_attention_configs import _ALL_KEY, LONG_DOCUMENT, _cfg, _tuned
 
 BACKWARD_ENV = "TUNESMITH_ATTN_BWD"
@@ -392,21 +392,7 @@ def onepass_backward(do, q, k, v, o, lse, L: _Launch):
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if L.t == 0:
         return dq, dk.zero_(), dv.zero_()
-    delta = torch.empty_like(lse)
-    block = 64
-    _bwd_delta[(L.hq, triton.cdiv(L.t, block))](
-        o,
-        do,
-        delta,
-        L.t,
-        o.stride(0),
-        o.stride(1),
-        do.stride(0),
-        do.stride(1),
-        delta.stride(0),
-        HEAD_DIM=L.d,
-        BLOCK=block,
-    )
+    delta = backward_delta(o, do, lse, L)
     if not L.covers_all:
         dk.zero_()
         dv.zero_()

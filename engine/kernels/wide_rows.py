@@ -14,12 +14,10 @@ Public: `wide_rows` (the kernel on CUDA in 16-bit with ranks up to MAX_RANK, the
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from engine.counters import count
-from engine.kernels._common import TRITON_AVAILABLE, jit, next_pow2, on_cuda, tl, triton
+from engine.kernels._common import jit, next_pow2, on_cuda, tl, triton, triton_runs_on
 
 # A program's tile: BLOCK_T rows of dy, BLOCK_K columns a step. 64 x 128 in 16-bit is 16 KiB of dy a
 # step; W1's 16,384 rows make 256 programs.
@@ -117,11 +115,6 @@ def wide_rows_triton(dy: torch.Tensor, b: torch.Tensor, width: int) -> torch.Ten
     return wide
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_runs_on(device: torch.device) -> bool:
-    return TRITON_AVAILABLE and torch.cuda.get_device_capability(device) >= (7, 5)
-
-
 def wide_rows(dy: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
     """[dy | dy b | 0] ([rows, out + width], dy's dtype): the kernel on CUDA in 16-bit (counted
     wide_rows:triton), the reference elsewhere."""
@@ -130,7 +123,7 @@ def wide_rows(dy: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
         and dy.dtype in (torch.float16, torch.bfloat16)
         and b.dtype == dy.dtype
         and width <= MAX_RANK
-        and _triton_runs_on(dy.device)
+        and triton_runs_on(dy.device)
     )
     if takes:
         count("wide_rows:triton")
