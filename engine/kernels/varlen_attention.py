@@ -40,7 +40,6 @@ before 2026-12-02 so a benchmark can time before and after in one process. Head 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -67,29 +66,20 @@ from engine.kernels.varlen_attention_configs import (
 # tests and benches read them from this module.
 from engine.kernels.varlen_attention_configs import _DEFAULTS as _DEFAULTS
 from engine.kernels.varlen_attention_configs import _LONG_DEFAULTS as _LONG_DEFAULTS
+from engine.kernels.varlen_attention_configs import FUSED_DELTA_ENV as FUSED_DELTA_ENV
 from engine.kernels.varlen_attention_configs import LONG_DOCUMENT as LONG_DOCUMENT
 from engine.kernels.varlen_attention_configs import TABLE_BLOCKS as TABLE_BLOCKS
 from engine.kernels.varlen_attention_configs import TUNING_ENV as TUNING_ENV
 from engine.kernels.varlen_attention_configs import _cfg as _cfg
 from engine.kernels.varlen_attention_configs import _fixed as _fixed
 from engine.kernels.varlen_attention_configs import _prune as _prune
+from engine.kernels.varlen_attention_configs import fuse_delta as fuse_delta
+from engine.kernels.varlen_attention_configs import fused_delta_on as fused_delta_on
 
 # One call's shared arguments and each kernel's launch (autotuned or fixed): its own module.
 from engine.kernels.varlen_attention_launch import LOG2E as LOG2E
 from engine.kernels.varlen_attention_launch import TableFn as TableFn
 from engine.kernels.varlen_attention_launch import _Launch as _Launch
-
-# "1" lets short documents' dQ make delta itself (see fuse_delta); read per call. Off by default until
-# its GPU checks run (tests/gpu/test_attention_gpu.py's bf16 cases with it on, W1's A/B beside its
-# learning check): built in the twenty-fifth session, whose device time went to machines that never
-# started.
-FUSED_DELTA_ENV = "TUNESMITH_ATTN_FUSED_DELTA"
-
-
-def fused_delta_on() -> bool:
-    """TUNESMITH_ATTN_FUSED_DELTA=1 (bench.ours's `fused_delta=true`); off by default (see above)."""
-    return os.environ.get(FUSED_DELTA_ENV, "0").strip() == "1"
-
 
 # --------------------------------------------------------------------------------------------
 # Reference (also the CPU path of the engine)
@@ -1044,16 +1034,6 @@ def backward_delta(o, do, lse, L: _Launch) -> torch.Tensor:
     return delta
 
 
-def fuse_delta(L: _Launch) -> bool:
-    """Whether this call's dQ kernel makes delta = rowsum(dO * O) itself (and runs before dK/dV)
-    instead of a _bwd_delta launch: for packed short documents, whose longest the caller knows to
-    be under LONG_DOCUMENT. It saves a pass over dO and one launch per layer (W1: 28 x ~45 us of
-    a separate kernel that reads O and dO). Long documents keep _bwd_delta: there delta is a sliver
-    of the backward, and the fused kernel's autotuning copies O once per candidate (restore_value),
-    a long row's largest activation. Only with FUSED_DELTA_ENV=1 (off by default: fused_delta_on)."""
-    return fused_delta_on() and L.longest is not None and L.longest < LONG_DOCUMENT
-
-
 def _backward(do, q, k, v, o, lse, L: _Launch, o_private: bool = False):
     # o_private: O belongs to this backward alone (an offloader's recompute made it, or took it back
     # from the layer's KeptAttention: no caller holds it). Then dQ goes into O's memory: after the delta kernel (the
@@ -1067,7 +1047,7 @@ def _backward(do, q, k, v, o, lse, L: _Launch, o_private: bool = False):
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if L.t == 0:
         return dq, dk.zero_(), dv.zero_()
-    fused = fuse_delta(L)
+    fused = fuse_delta(L.longest)
     delta = torch.empty_like(lse) if fused else backward_delta(o, do, lse, L)
     if not L.covers_all:
         # Tokens no document covers get no dK/dV program; zero them (skipped when the caller

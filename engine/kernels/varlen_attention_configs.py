@@ -129,6 +129,28 @@ _DQ_LONG_CONFIGS = {
     128: [_qcfg(128, 64, 8, 2), _qcfg(128, 64, 8, 3), _qcfg(128, 32, 8, 2), _qcfg(128, 32, 8, 3)],
 }
 
+# "1" lets packed short documents' dQ make delta itself (see fuse_delta); read per call. Off by default
+# until its GPU checks run (tests/gpu/test_attention_gpu.py's bf16 cases with it on, W1's A/B beside its
+# learning check): built in the twenty-fifth session, whose device time went to machines that never
+# started.
+FUSED_DELTA_ENV = "TUNESMITH_ATTN_FUSED_DELTA"
+
+
+def fused_delta_on() -> bool:
+    """TUNESMITH_ATTN_FUSED_DELTA=1 (bench.ours's `fused_delta=true`); off by default (see above)."""
+    return os.environ.get(FUSED_DELTA_ENV, "0").strip() == "1"
+
+
+def fuse_delta(longest: Optional[int]) -> bool:
+    """Whether a call whose longest document is `longest` tokens (None: unknown) has its dQ kernel make
+    delta = rowsum(dO * O) itself (and run before dK/dV) instead of a _bwd_delta launch: packed short
+    documents, under LONG_DOCUMENT. It saves a pass over dO and one launch per layer (W1: 28 x ~45 us
+    of a separate kernel that reads O and dO). Long documents keep _bwd_delta: there delta is a sliver
+    of the backward, and the fused kernel's autotuning copies O once per candidate (restore_value), a
+    long row's largest activation. Only with FUSED_DELTA_ENV=1 (off by default: fused_delta_on)."""
+    return fused_delta_on() and longest is not None and longest < LONG_DOCUMENT
+
+
 # TUNESMITH_ATTN_TUNING=old runs the launch choices of before 2026-12-02 (one candidate list for
 # every document length, the dK/dV kernel's carried addresses) so bench.attention_micro can time
 # before and after in one process; "new" (the default) is this module's choice. Read per call.
