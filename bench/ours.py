@@ -74,8 +74,8 @@ ENV_FIELDS = {
     "fold_backward": ("TUNESMITH_FOLD_BACKWARD", True),
     "attn_pack": ("TUNESMITH_ATTN_PACK", True),
     "rank_grad": ("TUNESMITH_RANK_GRAD", True),
-    "fused_delta": ("TUNESMITH_ATTN_FUSED_DELTA", False),
-    "fold_rows": ("TUNESMITH_FOLD_ROWS", False),
+    "fused_delta": ("TUNESMITH_ATTN_FUSED_DELTA", True),
+    "fold_rows": ("TUNESMITH_FOLD_ROWS", True),
 }
 
 

@@ -22,8 +22,8 @@ dy [W | sB] makes dx's base part and dy sB in one GEMM).
 
 o_proj and down_proj fold the other way, for their input gradient only (`fold_rows`, `RowFold`):
 W sits in a buffer R rows taller with A below it, and dx = [dy | dy sB] [W; A] is one GEMM
-(`backward_dx_rows`; the left operand made in one pass over dy by engine.kernels.wide_rows). Off by
-default until its GPU checks run (`fold_rows_on`).
+(`backward_dx_rows`; the left operand made in one pass over dy by engine.kernels.wide_rows).
+TUNESMITH_FOLD_ROWS=0 turns it off (`fold_rows_on`), for bench's before/after.
 
 Inputs with spare columns: a norm patched for a folded consumer (engine.models.patches) writes its
 output into a buffer with the consumer's spare width (engine.kernels.rmsnorm.spare_empty) and
@@ -358,8 +358,8 @@ class RowFold:
 def fold_rows(group, setting="auto") -> bool:
     """Move a single-projection group's frozen weight (o_proj, down_proj) into a buffer with the rows
     its input gradient folds through; sets `group.row_fold`. `setting`: fast_paths.fold_lora (auto
-    folds models up to AUTO_MAX_IN wide, where it was measured). Only with TUNESMITH_FOLD_ROWS=1 (off
-    by default, see fold_rows_on). True when done, or already so."""
+    folds models up to AUTO_MAX_IN wide, where it was measured); never with TUNESMITH_FOLD_ROWS=0
+    (fold_rows_on). True when done, or already so."""
     bases, ranks = group.bases, group.ranks
     if not fold_rows_on() or len(bases) != 1 or setting not in ("auto", True):
         return False
@@ -382,13 +382,10 @@ def fold_rows(group, setting="auto") -> bool:
 
 
 def fold_rows_on() -> bool:
-    """TUNESMITH_FOLD_ROWS=1 (bench.ours's `fold_rows=true`) folds o's and down's bases by rows when the
-    model is patched and runs their input gradients through the fold; read at patching and at each
-    call, so one process can time both ways. Off by default until its GPU checks run (the wide_rows
-    kernel's bf16 dots and the folded dx at real shapes in tests/gpu/test_kernels_gpu.py, W1's A/B
-    beside its learning check): built in the twenty-fifth session, whose device time went to machines
-    that never started."""
-    return os.environ.get("TUNESMITH_FOLD_ROWS", "0") == "1"
+    """Whether o's and down's bases fold by rows when the model is patched, and their input gradients
+    run through the fold: on unless TUNESMITH_FOLD_ROWS=0 (bench.ours's `fold_rows=false`); read at
+    patching and at each call, so one process can time both ways."""
+    return os.environ.get("TUNESMITH_FOLD_ROWS", "1") != "0"
 
 
 def backward_dx_rows(group, dy: torch.Tensor, b: Optional[torch.Tensor], out=None):

@@ -129,16 +129,14 @@ _DQ_LONG_CONFIGS = {
     128: [_qcfg(128, 64, 8, 2), _qcfg(128, 64, 8, 3), _qcfg(128, 32, 8, 2), _qcfg(128, 32, 8, 3)],
 }
 
-# "1" lets packed short documents' dQ make delta itself (see fuse_delta); read per call. Off by default
-# until its GPU checks run (tests/gpu/test_attention_gpu.py's bf16 cases with it on, W1's A/B beside its
-# learning check): built in the twenty-fifth session, whose device time went to machines that never
-# started.
+# "0" keeps the separate _bwd_delta kernel for packed short documents too (see fuse_delta), for bench's
+# before/after; read per call.
 FUSED_DELTA_ENV = "TUNESMITH_ATTN_FUSED_DELTA"
 
 
 def fused_delta_on() -> bool:
-    """TUNESMITH_ATTN_FUSED_DELTA=1 (bench.ours's `fused_delta=true`); off by default (see above)."""
-    return os.environ.get(FUSED_DELTA_ENV, "0").strip() == "1"
+    """On unless TUNESMITH_ATTN_FUSED_DELTA=0 (bench.ours's `fused_delta=false`)."""
+    return os.environ.get(FUSED_DELTA_ENV, "1").strip() != "0"
 
 
 def fuse_delta(longest: Optional[int]) -> bool:
@@ -147,7 +145,7 @@ def fuse_delta(longest: Optional[int]) -> bool:
     documents, under LONG_DOCUMENT. It saves a pass over dO and one launch per layer (W1: 28 x ~45 us
     of a separate kernel that reads O and dO). Long documents keep _bwd_delta: there delta is a sliver
     of the backward, and the fused kernel's autotuning copies O once per candidate (restore_value), a
-    long row's largest activation. Only with FUSED_DELTA_ENV=1 (off by default: fused_delta_on)."""
+    long row's largest activation. Never with FUSED_DELTA_ENV=0 (fused_delta_on)."""
     return fused_delta_on() and longest is not None and longest < LONG_DOCUMENT
 
 

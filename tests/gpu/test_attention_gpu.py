@@ -74,7 +74,7 @@ def test_real_shapes_bf16(hq, hkv, d, seed):
     "hq,hkv,d", [(16, 8, 128), (32, 8, 64), (32, 8, 128)], ids=["W1-16/8x128", "W2-32/8x64", "W3-32/8x128"]
 )
 def test_fused_delta_at_real_shapes_bf16(monkeypatch, hq, hkv, d):
-    # TUNESMITH_ATTN_FUSED_DELTA=1 (off by default until this passes): short documents' dQ runs first
+    # TUNESMITH_ATTN_FUSED_DELTA=1 (the default): short documents' dQ runs first
     # and makes delta = rowsum(dO * O) itself, autotuned with O put back after each candidate.
     from engine.kernels import varlen_attention as va
 
@@ -100,7 +100,7 @@ def test_gqa_packed_query_blocks_at_real_shapes_bf16(monkeypatch, hq, hkv, d, pa
         from engine.kernels import varlen_attention as va
 
         assert va._attn_fwd_tuned.best_config.kwargs["PACK"] == pack
-        # With TUNESMITH_ATTN_FUSED_DELTA=1 short documents' dQ makes delta itself, ranked by its own autotuner.
+        # With the fused delta (the default) short documents' dQ makes delta itself, ranked by its own autotuner.
         dq = va._attn_bwd_dq_delta_tuned if va.fused_delta_on() else va._attn_bwd_dq_tuned
         assert dq.best_config.kwargs["PACK"] == pack
     finally:

@@ -44,8 +44,8 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 @pytest.fixture(autouse=True)
 def _fold_small_inputs(monkeypatch):
     monkeypatch.setattr(lora_fold, "FOLD_MIN_ROWS", 1)
-    # o's and down's fold by rows is off by default until its GPU checks run (lora_fold.fold_rows_on).
-    monkeypatch.setenv("TUNESMITH_FOLD_ROWS", "1")
+    # o's and down's fold by rows is on by default; a developer's environment may say otherwise.
+    monkeypatch.delenv("TUNESMITH_FOLD_ROWS", raising=False)
 
 
 def _groups(block, fold=True, stacked=True):
@@ -425,7 +425,9 @@ def test_auto_folds_rows_of_narrow_models_only(monkeypatch):
     assert lora_fold.fold_rows(o, True) and o.row_fold is not None
     down = LoRAGroup([lora_parts(b.down_proj)])  # no adapter on it
     assert not lora_fold.fold_rows(down, True) and down.row_fold is None
-    monkeypatch.delenv("TUNESMITH_FOLD_ROWS")  # the default: off until its GPU checks run
+    monkeypatch.setenv("TUNESMITH_FOLD_ROWS", "0")  # bench's before/after: nothing moved
     o = LoRAGroup([lora_parts(inner(make_block(["o_proj"])).o_proj)])
     w = o.bases[0].weight
     assert not lora_fold.fold_rows(o, True) and o.row_fold is None and w.untyped_storage().nbytes() == w.nbytes
+    monkeypatch.delenv("TUNESMITH_FOLD_ROWS")  # the default: folded
+    assert lora_fold.fold_rows(o, True) and o.row_fold is not None
