@@ -415,7 +415,7 @@ class LoRAGroup:
             # micro-batch (forward, recompute, backward: no optimizer step falls between them),
             # never by another capture or an eager call.
             key = (_CAPTURE, *key)
-            if key != self._captured[0] or os.environ.get("TUNESMITH_CAPTURE_ONCE") == "0":
+            if key != self._captured[0] or os.environ.get("TUNESMITH_CAPTURE_ONCE", "0") != "1":
                 count("lora_cache_builds")
                 value = _build_weights(ab, self.scales, dtype)
                 self._write_folds(value)
@@ -442,8 +442,10 @@ class LoRAGroup:
 # each group then builds its cast adapter weights inside the graph, once per capture, so every
 # replay reads the adapters the optimizer left. A copy cached outside the capture would be read by
 # every later replay, one optimizer step stale. One build per pass (forward, recompute, backward)
-# put three sets of small cast/scale/copy kernels per group into every W1 replay, as
-# TUNESMITH_CAPTURE_ONCE=0 still does (bench.ours's `capture_once=false`, for the before/after).
+# puts three sets of small cast/scale/copy kernels per group into every W1 replay; with
+# TUNESMITH_CAPTURE_ONCE=1 (bench.ours's `capture_once=true`) a capture builds once. Off by default
+# until a GPU shows it (W1 beside its learning check, tests/gpu/test_step_graph_gpu.py): written in
+# the twenty-sixth session after its device time ran out.
 # A process-wide value: capture holds the process's GPU work (the backward's worker thread
 # included) until it ends.
 _CAPTURE: Optional[int] = None
@@ -453,7 +455,8 @@ _CAPTURES = 0
 @contextmanager
 def uncached() -> Iterator[None]:
     """Within the block (one CUDA graph capture), LoRAGroup.weights builds each group's weights
-    afresh once, shares them among the block's calls, and reads nothing cached before it."""
+    afresh, and reads nothing cached before it: once, shared among the block's calls, with
+    TUNESMITH_CAPTURE_ONCE=1; else once per call."""
     global _CAPTURE, _CAPTURES
     _CAPTURES += 1
     _CAPTURE = _CAPTURES
