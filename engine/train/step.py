@@ -346,7 +346,9 @@ def decoder_hidden(model, batch: PackedBatch, cached_metadata: bool = True, offl
     from engine.models.arch import logit_scale
 
     alone = documents_alone(base)
-    if alone and len(batch.info.lengths) > 1:
+    if alone:
+        # One document too: the packed metadata alone makes some stock layers refuse the call (the
+        # gated delta rule's fallback without flash-linear-attention, transformers 5.25).
         hidden = _each_document(decoder, kwargs, batch.info.lengths, f"{base.config.model_type}: {alone}")
     else:
         hidden = decoder(**kwargs, use_cache=False).last_hidden_state
@@ -363,10 +365,12 @@ def _each_document(decoder, kwargs: dict, lengths: list[int], why: str) -> torch
 
     For families whose layers would let a packed document see the one before it (convolutions or
     state-space layers along the whole row, Arch.row_state) and for those nobody has checked
-    (engine.models.arch.packing). Counted per forward, with its reason (`why`: "<model_type>: <why>")."""
+    (engine.models.arch.packing); each forward gets positions alone, no packed metadata. Counted per
+    forward of several documents, with its reason (`why`: "<model_type>: <why>")."""
     from engine.counters import count_fallback
 
-    count_fallback("packed_rows", f"{why}: each document runs alone")
+    if len(lengths) > 1:  # a row of one document loses nothing
+        count_fallback("packed_rows", f"{why}: each document runs alone")
     key = "inputs_embeds" if "inputs_embeds" in kwargs else "input_ids"
     stream, start, parts = kwargs[key], 0, []
     for n in lengths:
