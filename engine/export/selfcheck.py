@@ -294,8 +294,9 @@ def strict_adapter_load(where):
     if missing:
         keys = str(missing[0].message).count("lora_")
         raise RuntimeError(
-            f"{keys} LoRA weights of the model found nothing to load in {where}: "
-            "it is not an adapter of this base model"
+            f"{keys} LoRA weights of the model found nothing to load in {where}: PEFT matched none of "
+            "the adapter's names for them (an adapter of another base model, or names that transformers "
+            "renames on loading for this family)"
         )
 
 
