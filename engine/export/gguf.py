@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import io
 import json
 import os
 import re
@@ -182,26 +183,31 @@ def quantize(src: Path, dst: Path, quant: str) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = os.cpu_count() or 1
-    with _c_stderr_to_file() as log:
+    with _stderr_to_file() as said:
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0 or not dst.is_file():
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        failed = rc != 0 or not dst.is_file()
+        # Read inside the block: the log's folder goes with it.
+        lines = [line for line in said().splitlines() if line.strip()] if failed else []
+    if failed:
         raise ExportError(f"llama.cpp's quantizer failed to make {quant} (code {rc}): {lines[-1] if lines else ''}")
 
 
 @contextlib.contextmanager
-def _c_stderr_to_file():
-    """The quantizer writes a line per tensor to the C stderr; keep them in a file (read for the
-    error message) instead of the terminal or the window's log."""
+def _stderr_to_file():
+    """The quantizer writes a line per tensor to the C stderr, and llama-cpp-python passes
+    llama.cpp's log lines to Python's sys.stderr (which a window or pytest may have replaced): keep
+    both (for the error message) instead of the terminal or the window's log. Yields a function
+    that returns what was written so far."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "quantize.log"
         sys.stderr.flush()
         saved = os.dup(2)
+        python_side = io.StringIO()
         try:
-            with log.open("wb") as f:
+            with log.open("wb") as f, contextlib.redirect_stderr(python_side):
                 os.dup2(f.fileno(), 2)
                 try:
-                    yield log
+                    yield lambda: log.read_text(errors="replace") + python_side.getvalue()
                 finally:
                     os.dup2(saved, 2)
         finally:
@@ -331,7 +337,7 @@ def _adds_bos(path: Path) -> bool:
 
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True
-    with _c_stderr_to_file():
+    with _stderr_to_file():
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ExportError(f"llama.cpp cannot read the vocabulary of {path.name}")
