@@ -31,6 +31,7 @@ import contextlib
 import functools
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -197,12 +198,19 @@ def _stderr_to_file():
     """The quantizer writes a line per tensor to the C stderr, and llama-cpp-python passes
     llama.cpp's log lines to Python's sys.stderr (which a window or pytest may have replaced): keep
     both (for the error message) instead of the terminal or the window's log. Yields a function
-    that returns what was written so far."""
+    that returns what was written so far.
+
+    llama-cpp-python drops llama.cpp's lines below its logger's level, which any `Llama(verbose=False)`
+    in the process (the GGUF self-check's) sets to ERROR: the level is lowered for the block, or a
+    second export in the window's process would lose the quantizer's reason."""
+    passed_on = logging.getLogger("llama-cpp-python")
+    level = passed_on.level
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "quantize.log"
         sys.stderr.flush()
         saved = os.dup(2)
         python_side = io.StringIO()
+        passed_on.setLevel(logging.DEBUG)
         try:
             with log.open("wb") as f, contextlib.redirect_stderr(python_side):
                 os.dup2(f.fileno(), 2)
@@ -211,6 +219,7 @@ def _stderr_to_file():
                 finally:
                     os.dup2(saved, 2)
         finally:
+            passed_on.setLevel(level)
             os.close(saved)
 
 
