@@ -20,7 +20,6 @@ Light on purpose (torch, engine.counters and engine.fastpath.quant only): the op
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -343,7 +342,6 @@ class LoRAGroup:
         "_owner",
         "_key",
         "_value",
-        "_captured",
         "_stack",
     )
 
@@ -362,7 +360,6 @@ class LoRAGroup:
         self._owner = next((p.layer for p in self.parts if p.adapter is not None), None)
         self._key = None
         self._value = None
-        self._captured = (None, None)  # (key, value) built inside the current CUDA graph capture
         self._stack = (None, None)  # (the bases' data pointers, their stacked weight or None)
         # How engine.fastpath.lora_fold.fold_bases laid the bases out (a lora_fold.Fold), or None.
         self.fold = None
@@ -405,22 +402,16 @@ class LoRAGroup:
         """
         if any(m is not None and p.layer.disable_adapters for m, p in zip(self._lora, self.parts)):
             return None, (None,) * len(self.parts), ()
+        if _UNCACHED:  # inside a CUDA graph's capture: built in the graph, read by it only
+            count("lora_cache_builds")
+            value = _build_weights(ab, self.scales, dtype)
+            self._write_folds(value)
+            return value
         clock = None if self._owner is None else self._owner.__dict__.get(_CLOCK)
         key = [dtype, clock, 0 if clock is None else clock.generation]
         for t in ab:
             if t is not None:
                 key += (id(t), t._version, t.data_ptr())
-        if _CAPTURE is not None:
-            # Inside a CUDA graph's capture: built in the graph once, read by the rest of its
-            # micro-batch (forward, recompute, backward: no optimizer step falls between them),
-            # never by another capture or an eager call.
-            key = (_CAPTURE, *key)
-            if key != self._captured[0] or os.environ.get("TUNESMITH_CAPTURE_ONCE", "0") != "1":
-                count("lora_cache_builds")
-                value = _build_weights(ab, self.scales, dtype)
-                self._write_folds(value)
-                self._captured = (key, value)
-            return self._captured[1]
         key = tuple(key)
         if key != self._key:
             count("lora_cache_builds")
@@ -438,32 +429,23 @@ class LoRAGroup:
             self.row_fold.write_rows(self.bases[0], value[0])
 
 
-# While a CUDA graph captures a micro-batch (engine.train.step_graph), the number of that capture:
-# each group then builds its cast adapter weights inside the graph, once per capture, so every
-# replay reads the adapters the optimizer left. A copy cached outside the capture would be read by
-# every later replay, one optimizer step stale. One build per pass (forward, recompute, backward)
-# puts three sets of small cast/scale/copy kernels per group into every W1 replay; with
-# TUNESMITH_CAPTURE_ONCE=1 (bench.ours's `capture_once=true`) a capture builds once. Off by default
-# until a GPU shows it (W1 beside its learning check, tests/gpu/test_step_graph_gpu.py): written in
-# the twenty-sixth session after its device time ran out.
-# A process-wide value: capture holds the process's GPU work (the backward's worker thread
-# included) until it ends.
-_CAPTURE: Optional[int] = None
-_CAPTURES = 0
+# True while a CUDA graph captures a micro-batch (engine.train.step_graph): each forward, recompute
+# and backward then builds its cast adapter weights inside the graph, so every replay reads the
+# adapters the optimizer left. A copy cached outside the capture would be read by every later
+# replay, one optimizer step stale. A process-wide flag: capture holds the process's GPU work (the
+# backward's worker thread included) until it ends.
+_UNCACHED = False
 
 
 @contextmanager
 def uncached() -> Iterator[None]:
-    """Within the block (one CUDA graph capture), LoRAGroup.weights builds each group's weights
-    afresh, and reads nothing cached before it: once, shared among the block's calls, with
-    TUNESMITH_CAPTURE_ONCE=1; else once per call."""
-    global _CAPTURE, _CAPTURES
-    _CAPTURES += 1
-    _CAPTURE = _CAPTURES
+    """Within the block, LoRAGroup.weights builds fresh each call and caches nothing."""
+    global _UNCACHED
+    _UNCACHED = True
     try:
         yield
     finally:
-        _CAPTURE = None
+        _UNCACHED = False
 
 
 def _build_weights(ab, scales, dtype):
