@@ -76,7 +76,7 @@ ENV_FIELDS = {
     "rank_grad": ("TUNESMITH_RANK_GRAD", True),
     "fused_delta": ("TUNESMITH_ATTN_FUSED_DELTA", True),
     "fold_rows": ("TUNESMITH_FOLD_ROWS", True),
-    "capture_once": ("TUNESMITH_CAPTURE_ONCE", False),
+    "recompute_tail": ("TUNESMITH_RECOMPUTE_TAIL", True),
 }
 
 

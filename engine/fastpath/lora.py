@@ -331,35 +331,86 @@ def _down_backward(dy, gate, up, ha, act, down: LoRAGroup, w_out, ab, need_ab):
     return dab
 
 
+def _down_ha(gate, up, act, down: LoRAGroup, w_out) -> Optional[torch.Tensor]:
+    """ha = h @ A_down^T alone (None without LoRA on down), making h one row slice at a time: what
+    the down projection's backward reads, for a recompute that never makes its output."""
+    a_all = w_out[0]
+    if a_all is None:
+        return None
+    n = gate.shape[0]
+    ha = torch.empty((n, a_all.shape[0]), dtype=gate.dtype, device=gate.device)
+    for s, e in _row_slices(n, gate.shape[1], gate.element_size()):
+        torch.mm(act.forward_raw(gate[s:e], up[s:e]), a_all.t(), out=ha[s:e])
+    return ha
+
+
+def _mlp_forward(ctx, x, gate_up, down, act, spare, ab, output: bool = True) -> Optional[torch.Tensor]:
+    """LoRAMLP's forward, saving on ctx what _mlp_backward reads; `output=False` skips the down
+    projection's output (None is returned) and makes only what its backward needs."""
+    count("lora_mlp")
+    w_in = gate_up.weights(ab[:4], x.dtype)
+    w_out = down.weights(ab[4:], x.dtype)
+    (gate, up), xa = _group_forward(x, gate_up, w_in, spare)
+    if output:
+        y, ha = _down_forward(gate, up, act, down, w_out)
+    else:
+        y, ha = None, _down_ha(gate, up, act, down, w_out)
+    ctx.groups, ctx.w, ctx.act = (gate_up, down), (w_in, w_out), act
+    ctx.ab_dtypes = [None if t is None else t.dtype for t in ab]
+    # h ([N, inter]) is not saved: one elementwise pass rebuilds it in backward.
+    ctx.save_for_backward(x, xa, gate, up, ha)
+    return y
+
+
+def _mlp_backward(ctx, dy, need: Sequence[bool]) -> tuple:
+    """(dx, dA/dB x3) for _mlp_forward's saved tensors; `need`: x's, then the six A/B's."""
+    x, xa, gate, up, ha = ctx.saved_tensors
+    gate_up, down = ctx.groups
+    w_in, w_out = ctx.w
+    need_ab = need[1:]
+    ab = _DtypeOnly.wrap(ctx.ab_dtypes)
+    # gate/up now hold d_gate/d_up (they are ours and used by nothing else).
+    dab_down = _down_backward(dy, gate, up, ha, ctx.act, down, w_out, ab[4:], need_ab[4:])
+    dx, dab_in = _group_backward((gate, up), x, xa, gate_up, w_in, ab[:4], need[0], need_ab[:4])
+    return (dx, *dab_in, *dab_down)
+
+
 class LoRAMLP(torch.autograd.Function):
     """down(act(gate(x), up(x))) with LoRA on each: forward(x, gate_up, down, act, spare, A/B x3);
     `spare`: free columns beside x's rows (see _group_forward)."""
 
     @staticmethod
     def forward(ctx, x, gate_up, down, act, spare, *ab):
-        count("lora_mlp")
-        w_in = gate_up.weights(ab[:4], x.dtype)
-        w_out = down.weights(ab[4:], x.dtype)
-        (gate, up), xa = _group_forward(x, gate_up, w_in, spare)
-        y, ha = _down_forward(gate, up, act, down, w_out)
-        ctx.groups, ctx.w, ctx.act = (gate_up, down), (w_in, w_out), act
-        ctx.ab_dtypes = [None if t is None else t.dtype for t in ab]
-        # h ([N, inter]) is not saved: one elementwise pass rebuilds it in backward.
-        ctx.save_for_backward(x, xa, gate, up, ha)
-        return y
+        return _mlp_forward(ctx, x, gate_up, down, act, spare, ab)
 
     @staticmethod
     def backward(ctx, dy):
-        x, xa, gate, up, ha = ctx.saved_tensors
         need = ctx.needs_input_grad
-        gate_up, down = ctx.groups
-        w_in, w_out = ctx.w
-        need_ab = need[5:]
-        ab = _DtypeOnly.wrap(ctx.ab_dtypes)
-        # gate/up now hold d_gate/d_up (they are ours and used by nothing else).
-        dab_down = _down_backward(dy, gate, up, ha, ctx.act, down, w_out, ab[4:], need_ab[4:])
-        dx, dab_in = _group_backward((gate, up), x, xa, gate_up, w_in, ab[:4], need[0], need_ab[:4])
-        return (dx, None, None, None, None, *dab_in, *dab_down)
+        dx, *dab = _mlp_backward(ctx, dy, (need[0], *need[5:]))
+        return (dx, None, None, None, None, *dab)
+
+
+class LoRAMLPTail(torch.autograd.Function):
+    """A decoder layer's tail, residual + LoRAMLP(x), for a recompute whose layer output nobody
+    reads (engine.fastpath.recompute): forward(residual, x, gate_up, down, act, spare, A/B x3).
+
+    The forward is LoRAMLP's less the down projection's output (its base GEMM and LoRA term) and
+    the add: it saves what LoRAMLP's backward reads and returns a stand-in for the output. The
+    backward is LoRAMLP's, and the residual's gradient is dy itself, as an add's would be. Unlike
+    LoRAMLPUnread it keeps the recompute's gate and up and tiles nothing."""
+
+    @staticmethod
+    def forward(ctx, residual, x, gate_up, down, act, spare, *ab):
+        _mlp_forward(ctx, x, gate_up, down, act, spare, ab, output=False)
+        ctx.x_shape = x.shape
+        return recompute.unread(residual, residual.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        need = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx, *dab = _mlp_backward(ctx, dy2, (need[1], *need[6:]))
+        return (dy if need[0] else None, dx, None, None, None, None, *dab)
 
 
 # The unread-output MLP's backward remakes gate and up a row tile at a time: one tile's gate, up
@@ -615,6 +666,14 @@ def lora_mlp(x: torch.Tensor, gate, up=None, down=None, act: "GatedAct" = None) 
     else:
         y = LoRAMLP.apply(x2, gate_up, down_g, act, spare, *gate_up.ab(), *down_g.ab())
     return y.view(*lead, y.shape[-1])
+
+
+def lora_mlp_tail(residual: torch.Tensor, x: torch.Tensor, gate_up: LoRAGroup, down: LoRAGroup, act: "GatedAct"):
+    """A stand-in for a layer's tail, residual + down(act(gate(x), up(x))), for a recompute whose
+    layer output nobody reads (see LoRAMLPTail); its backward is LoRAMLP's."""
+    spare = lora_fold.claim_spare(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    return LoRAMLPTail.apply(residual, x2, gate_up, down, act, spare, *gate_up.ab(), *down.ab())
 
 
 def lora_mlp_unread(residual: torch.Tensor, norm, gate_up: LoRAGroup, down: LoRAGroup, act: "GatedAct"):

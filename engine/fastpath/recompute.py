@@ -4,7 +4,7 @@ Offloaded checkpointing (engine.fastpath.offload) recomputes each layer in its b
 ``torch.autograd.backward(out, grad_out)``: the recompute exists for the tensors its backward
 saves, and the output's values are never read. In a decoder layer the output is
 ``residual + mlp(norm(residual))``, and that tail's backward needs only ``residual`` and ``dy``.
-A recompute that knows this (engine.fastpath.lora.LoRAMLPUnread) can:
+The lean recompute (fast_paths.lean_recompute; engine.fastpath.lora.LoRAMLPUnread) can:
 
 - skip the MLP's down projection in the recompute (a third of the MLP's matmuls, about 5% of a
   W3 step), since only the output needs it, and never make the output;
@@ -18,16 +18,26 @@ A recompute that knows this (engine.fastpath.lora.LoRAMLPUnread) can:
   W7's trace put the backward's highest point, it held an activation of the row (1.5 GiB at
   196,608 tokens of Llama-3.1-8B).
 
-The flag is scoped to one call (a ContextVar, set and read on the thread that runs the
-recompute): the offloader sets it around a layer's recompute (`recomputing`), and the patched
-decoder layer (engine.models.patches), which knows how its output is made, reads it
-(`layer_output_unused`). A layer that does not read it computes as usual, so an unpatched layer
-under the flag is still correct (it just saves nothing). Switch: fast_paths.lean_recompute.
+Every offload recompute, lean or not, skips the MLP's down projection and the output: a layer
+tail that is a fused LoRA MLP (engine.fastpath.lora.LoRAMLPTail) saves what LoRAMLP's backward
+reads (gate, up and h @ A_down^T) and returns a stand-in, its backward giving dy to the residual
+and to the MLP. No row tiles: that is all of it below 4,096 wide, where the lean tiles cost more
+launches than they save (a down GEMM and an add of the row per layer: about 3% of a W1 step).
+TUNESMITH_RECOMPUTE_TAIL=0 (`tail_on`; bench.ours's `recompute_tail=false`) recomputes the whole
+layer there, for bench's before/after.
+
+The flags are scoped to one call (a ContextVar, set and read on the thread that runs the
+recompute): the offloader sets them around a layer's recompute (`recomputing`), and the patched
+decoder layer (engine.models.patches), which knows how its output is made, reads them
+(`layer_output_unused`, `lean`). A layer that does not read them computes as usual, so an
+unpatched layer under them is still correct (it just saves nothing). Switch for the lean part:
+fast_paths.lean_recompute.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from contextvars import ContextVar
 from typing import Callable, Optional
 
@@ -35,22 +45,35 @@ import torch
 
 from engine.fastpath import lora_fold
 
-_LAYER_OUTPUT_UNUSED: ContextVar[bool] = ContextVar("tunesmith_layer_output_unused", default=False)
+# None outside an offload recompute; inside one, whether it is lean (fast_paths.lean_recompute).
+_RECOMPUTE: ContextVar[Optional[bool]] = ContextVar("tunesmith_recompute", default=None)
 
 
 @contextlib.contextmanager
-def recomputing(output_unused: bool = True):
-    """Around a layer's recompute whose output only roots the backward (offload's)."""
-    token = _LAYER_OUTPUT_UNUSED.set(bool(output_unused))
+def recomputing(lean: bool = True):
+    """Around a layer's recompute whose output only roots the backward (offload's); `lean`: the
+    tiled tail and the remade normed input too."""
+    token = _RECOMPUTE.set(bool(lean))
     try:
         yield
     finally:
-        _LAYER_OUTPUT_UNUSED.reset(token)
+        _RECOMPUTE.reset(token)
 
 
 def layer_output_unused() -> bool:
     """Whether the decoder layer now running is a recompute whose output nobody reads."""
-    return _LAYER_OUTPUT_UNUSED.get()
+    return _RECOMPUTE.get() is not None
+
+
+def tail_on() -> bool:
+    """Whether a recompute's layer tail skips the down projection's output and the add (LoRAMLPTail):
+    on unless TUNESMITH_RECOMPUTE_TAIL=0 (read at each call, for bench's before/after)."""
+    return os.environ.get("TUNESMITH_RECOMPUTE_TAIL", "1") != "0"
+
+
+def lean() -> bool:
+    """Whether the decoder layer now running is a lean recompute (row tiles, remade normed input)."""
+    return bool(_RECOMPUTE.get())
 
 
 class _Remade:

@@ -55,7 +55,7 @@ from torch import nn
 
 from engine.counters import count_fallback
 from engine.fastpath import patching, recompute
-from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp, lora_mlp_unread, mlp_can_skip_output
+from engine.fastpath.lora import GatedAct, lora_linears, lora_mlp, lora_mlp_tail, lora_mlp_unread, mlp_can_skip_output
 from engine.fastpath.lora_fold import fold_bases, fold_rows, mark_spare
 from engine.fastpath.lora_group import LoRAGroup, base_dtype, lora_parts, lora_unsupported_reason, stack_bases
 from engine.fastpath.tiled_mlp import KIND as TILED_KIND
@@ -422,7 +422,8 @@ def _fused_layer(self, plan: _LayerPlan, hidden_states, **kwargs):
     # Offload's recompute (fast_paths.lean_recompute): the normed input is remade for q/k/v's backward, not
     # kept, and the attention frees it once q/k/v are made (release_remade). Never where the norm handed
     # back the residual's own memory (an identity norm), which the add below reads.
-    lean = recompute.layer_output_unused()
+    unused = recompute.layer_output_unused()
+    lean = recompute.lean()
     own = hidden_states.untyped_storage().data_ptr() != residual.untyped_storage().data_ptr()
     with recompute.remade_when_unpacked(hidden_states, partial(self.input_layernorm, residual), lean, own):
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
@@ -451,10 +452,25 @@ def _fused_layer(self, plan: _LayerPlan, hidden_states, **kwargs):
         count_fallback("add_rmsnorm", reason)
         residual = residual + hidden_states
         hidden_states = norm(residual)
+    if unused and not plan.sandwich and recompute.tail_on():
+        mlp = _fused_mlp(self.mlp, hidden_states)
+        if mlp is not None:  # offload's recompute: neither the down projection's output nor the add is made
+            return lora_mlp_tail(residual, hidden_states, *mlp)
     hidden_states = self.mlp(hidden_states)
     if plan.sandwich:
         hidden_states = self.post_feedforward_layernorm(hidden_states)
     return residual + hidden_states
+
+
+def _fused_mlp(mlp: nn.Module, x: torch.Tensor) -> Optional[tuple]:
+    """(gate_up, down, act) of a fused LoRA MLP (not wrapped in a tiled one) that will take x, else None."""
+    patch = patching.installed(mlp, _KIND)
+    plan = None if patch is None else patch.plan
+    if not isinstance(plan, _MLPPlan) or plan.groups is None:
+        return None
+    if not (plan.groups[0].runtime_ok(x) and plan.groups[1].runtime_ok(x)):
+        return None
+    return (*plan.groups, plan.act)
 
 
 def _unread_mlp(mlp: nn.Module, x: torch.Tensor) -> Optional[tuple]:

@@ -1,7 +1,8 @@
 """Offload's lean recompute (engine.fastpath.recompute, fast_paths.lean_recompute) on the CPU: a
 layer's recompute whose output only roots the backward skips the MLP's down projection and the
 output, and the backward remakes the normed input, gate and up a row tile at a time
-(engine.fastpath.lora.LoRAMLPUnread). Same loss and gradients as the full recompute (several
+(engine.fastpath.lora.LoRAMLPUnread); the full recompute skips the down projection and the output
+too (LoRAMLPTail), keeping gate and up. Same loss and gradients as the full recompute (several
 tiles, a trainable norm weight too), fewer live bytes at the step's peak (counted from the
 allocator's own events with torch.profiler, as the CPU allocator keeps no peak), and Gemma-2's
 sandwich layer, whose MLP output goes through a norm, keeps the full recompute."""
@@ -93,6 +94,38 @@ def test_lean_recompute_gives_the_same_gradients_over_several_tiles(monkeypatch,
     full = _step("qwen3", False, offload)
     assert len(unread_calls) == LAYERS  # the switch off: the full recompute
     _assert_same(lean, full, tol=1e-5)
+
+
+@pytest.mark.parametrize(("offload", "train_norms"), [("single", False), ("double", True)])
+def test_every_offload_recompute_skips_the_down_projection_and_the_add(monkeypatch, offload, train_norms):
+    # Not lean (W1, W2): the recompute still keeps gate and up, but its tail (LoRAMLPTail) makes
+    # neither the down projection's output nor the layer's; same loss and gradients as checkpointing
+    # without offload, whose recompute is the stock layer's.
+    tails, downs = [], []
+    real_backward, real_down = lora_mod.LoRAMLPTail.backward, lora_mod._down_forward
+
+    def counted_backward(ctx, dy):
+        tails.append(dy.shape)
+        return real_backward(ctx, dy)
+
+    def counted_down(*args):
+        downs.append(args[0].shape)
+        return real_down(*args)
+
+    monkeypatch.setattr(lora_mod.LoRAMLPTail, "backward", staticmethod(counted_backward))
+    monkeypatch.setattr(lora_mod, "_down_forward", counted_down)
+    full = _step("qwen3", False, offload, train_norms=train_norms)
+    assert len(tails) == LAYERS
+    assert len(downs) == LAYERS  # the first forward's only: none in the recompute
+    plain = _step("qwen3", False, "off", train_norms=train_norms)
+    assert len(tails) == LAYERS and len(downs) == 3 * LAYERS  # checkpointing without offload: the stock tail
+    if train_norms:
+        assert any("post_attention_layernorm" in n for n in full[1])
+    _assert_same(full, plain, tol=1e-5)
+    monkeypatch.setenv("TUNESMITH_RECOMPUTE_TAIL", "0")  # bench's recompute_tail=false: the whole layer
+    whole = _step("qwen3", False, offload, train_norms=train_norms)
+    assert len(tails) == LAYERS and len(downs) == 5 * LAYERS
+    _assert_same(whole, plain, tol=1e-5)
 
 
 def _small_tiles(monkeypatch, inter):
@@ -298,7 +331,7 @@ def test_the_normed_attention_input_is_freed_once_q_k_v_are_made(monkeypatch, le
         attention = real(impl, eager)
 
         def watched(*args, **kwargs):
-            seen.append((recompute.layer_output_unused(), normed[-1].untyped_storage().nbytes()))
+            seen.append((recompute.lean(), normed[-1].untyped_storage().nbytes()))
             return attention(*args, **kwargs)
 
         return watched
@@ -311,8 +344,8 @@ def test_the_normed_attention_input_is_freed_once_q_k_v_are_made(monkeypatch, le
     model.train()
     b = _batch(model.config.vocab_size, (37, 12, 64))
     forward_loss(prepared, b, normalizer=b.num_trained_tokens).backward()
-    recomputed = [nbytes for unused, nbytes in seen if unused]
-    kept = [nbytes for unused, nbytes in seen if not unused]
+    recomputed = [nbytes for lean_call, nbytes in seen if lean_call]
+    kept = [nbytes for lean_call, nbytes in seen if not lean_call]
     whole = b.input_ids.numel() * model.config.hidden_size * 4
     assert len(kept) == (1 if lean else 2) * LAYERS and all(n == whole for n in kept)  # the full recompute's too
     assert len(recomputed) == (LAYERS if lean else 0)
