@@ -107,11 +107,15 @@ def test_graphed_steps_train_like_eager_steps(family, dtype, offload):
     assert eager_losses[-1] < eager_losses[0] - 0.05  # the run learns, so the comparison means something
     for a, b in zip(final, eager_final):
         torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol)
-    # A replay counts what its capture counted: the last step's fast-path calls equal eager's
-    # (less the adapter-cache builds, which the graphs make in every pass).
-    drop = {"lora_cache_builds"}
-    assert {k: v for k, v in counts[-1].items() if k not in drop} == {
-        k: v for k, v in eager_counts[-1].items() if k not in drop
+
+    # A replay counts what its capture counted: the last step's fast-path calls equal eager's, less
+    # the adapter-cache builds (the graphs make them in every pass) and the folded GEMMs: those run
+    # from FOLD_MIN_ROWS rows, and a graph's bucket pads these 1,000-token batches past it.
+    def same_path(k: str) -> bool:
+        return k != "lora_cache_builds" and not k.startswith(("folded_gemm", "wide_rows"))
+
+    assert {k: v for k, v in counts[-1].items() if same_path(k)} == {
+        k: v for k, v in eager_counts[-1].items() if same_path(k)
     }
 
 
