@@ -16,6 +16,12 @@ reduced when the weight requires grad (frozen under LoRA).
 
 Public: `add_rms_norm` (dispatcher), `add_rms_norm_triton`, `add_rms_norm_reference`; each returns
 (y, h).
+
+The layer's first norm has the same shape of gradient: its input x is also the residual the layer
+adds to later, so x gets two gradients, the norm's and the residual stream's, which autograd adds
+after the norm's backward (one more pass over the row per layer). `rms_norm_passing` returns
+(rmsnorm(x), x) from one Function, whose backward is this file's kernel with the residual's gradient
+as dh: the add happens inside it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import torch
 
 from engine.counters import count
 from engine.kernels._common import as_rows, jit, on_cuda, tl, triton, warps_for
-from engine.kernels.rmsnorm import _blocks, _check, _sm_count, spare_empty
+from engine.kernels.rmsnorm import _blocks, _check, _sm_count, rms_norm_reference, spare_empty
+from engine.kernels.rmsnorm import _bwd as _rms_norm_bwd
+from engine.kernels.rmsnorm import _fwd as _rms_norm_fwd
 
 
 @jit
@@ -286,3 +294,49 @@ def add_rms_norm(
     if on_cuda(x, residual, weight):
         return add_rms_norm_triton(x, residual, weight, eps, offset, spare)
     return add_rms_norm_reference(x, residual, weight, eps, offset)
+
+
+class RMSNormPassingFunction(torch.autograd.Function):
+    """Triton RMSNorm returning (y, x): x's gradient is the norm's plus the one reaching the
+    returned x, added in the backward kernel. Saves x, weight and the fp32 per-row 1/rms."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, spare=0):
+        ctx.set_materialize_grads(False)
+        y, x2, rstd = _rms_norm_fwd(x, weight, eps, offset, spare)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.offset = float(offset)
+        ctx.x_shape = x.shape
+        return y, x  # x comes back as a view of itself, with this Function as its grad_fn
+
+    @staticmethod
+    def backward(ctx, dy, dx_passed):
+        x2, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if dy is None:  # only the passed x carries a gradient
+            dw = torch.zeros_like(weight) if need_dw else None
+            return dx_passed if need_dx else None, dw, None, None, None
+        if dx_passed is None:
+            dx, dw = _rms_norm_bwd(dy, x2, weight, rstd, ctx.offset, need_dw)
+        else:
+            dx, dw = _bwd(dy, dx_passed, x2, weight, rstd, ctx.offset, need_dw)
+        return (dx.view(ctx.x_shape) if need_dx else None), dw, None, None, None
+
+
+def rms_norm_passing_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, spare: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x), x) through the Triton kernels regardless of device (CPU needs TRITON_INTERPRET=1)."""
+    _check(x, weight)
+    count("rmsnorm:triton")
+    return RMSNormPassingFunction.apply(x, weight, eps, offset, spare)
+
+
+def rms_norm_passing(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, spare: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x) * (offset + weight), x): the Triton Function on CUDA, else the torch reference
+    and x itself (autograd then adds x's two gradients, as the stock layer does)."""
+    if on_cuda(x, weight):
+        return rms_norm_passing_triton(x, weight, eps, offset, spare)
+    return rms_norm_reference(x, weight, eps, offset), x

@@ -148,3 +148,31 @@ def test_patched_qwen3_step_with_and_without_the_fusion(checkpointing):
     worst = max(rel(g1[n], g0[n]) for n in g0)
     print(f"\n[add_rmsnorm] loss fused {l1:.5f} unfused {l0:.5f}; worst LoRA grad rel diff {worst:.2e}")
     assert worst < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden,offset,weight_grad", [(1024, 0.0, False), (2048, 1.0, True)])
+def test_rms_norm_passing(hidden, offset, weight_grad, dtype):
+    # A layer's input norm returning (rmsnorm(x), x): x's gradient is the norm's plus the residual's,
+    # added in the backward kernel, against the reference norm and autograd's add.
+    from engine.kernels.add_rmsnorm import rms_norm_passing
+    from engine.kernels.rmsnorm import rms_norm_reference
+
+    x, _, w, dy, dh = _inputs(hidden, dtype, offset)
+
+    def run(fn):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_(weight_grad)
+        y, passed = fn(xi, wi)
+        kind = type(passed.grad_fn).__name__
+        torch.autograd.backward((y, passed * 1), (dy, dh))
+        return y.detach(), xi.grad, wi.grad, kind
+
+    y, dx, dw, kind = run(lambda x, w: rms_norm_passing(x, w, 1e-6, offset))
+    assert "RMSNormPassingFunction" in kind  # the dispatcher chose the kernel on CUDA
+    y_ref, dx_ref, dw_ref, _ = run(lambda x, w: (rms_norm_reference(x, w, 1e-6, offset), x))
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    torch.testing.assert_close(dx, dx_ref, **TOL[dtype])
+    assert rel(dx, dx_ref) < REL[dtype]
+    if weight_grad:
+        assert rel(dw, dw_ref) < REL[dtype]

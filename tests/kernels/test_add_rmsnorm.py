@@ -140,3 +140,47 @@ def test_normed_output_with_spare_columns():
     assert y.stride()[-2:] == (96 + 16, 1) and h.is_contiguous()
     for a, b in zip(spare, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,offset,weight_grad,passed_grad",
+    [
+        ((3, 37, 100), torch.float32, 0.0, False, True),  # a layer's input norm: y and x both take gradients
+        ((300, 100), torch.float32, 1.0, True, True),  # Gemma's 1 + w, dW too
+        ((70, 1000), torch.float16, 0.0, False, True),
+        ((50, 64), torch.float32, 0.0, True, False),  # the passed x unused: the plain norm's backward
+    ],
+)
+def test_the_passing_norm_adds_the_residual_gradient_in_its_backward(shape, dtype, offset, weight_grad, passed_grad):
+    # rms_norm_passing returns (rmsnorm(x), x) from one Function: x's gradient is the norm's plus the
+    # passed x's, as autograd gives the stock pair (a norm, and x read again as the residual).
+    from engine.kernels.add_rmsnorm import rms_norm_passing_triton
+    from engine.kernels.rmsnorm import rms_norm_reference
+
+    x0, _, w0, dy, dh = _inputs(shape, dtype, 11, offset, weight_grad)
+
+    def run(fn):
+        x = x0.detach().clone().requires_grad_()
+        w = w0.detach().clone().requires_grad_(weight_grad)
+        y, passed = fn(x, w)
+        outs, grads = ((y, passed * 1), (dy, dh)) if passed_grad else ((y,), (dy,))
+        torch.autograd.backward(outs, grads)
+        return y.detach(), x.grad, w.grad, passed.data_ptr() == x.data_ptr()
+
+    y, dx, dw, same = run(lambda x, w: rms_norm_passing_triton(x, w, 1e-6, offset))
+    y_ref, dx_ref, dw_ref, _ = run(lambda x, w: (rms_norm_reference(x, w, 1e-6, offset), x))
+    assert same  # x itself comes back, no copy
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    torch.testing.assert_close(dx, dx_ref, **TOL[dtype])
+    if weight_grad:
+        torch.testing.assert_close(dw, dw_ref, rtol=1e-4, atol=1e-3 if dtype == torch.float32 else 5e-2)
+
+
+def test_the_passing_norm_with_only_the_residual_gradient():
+    from engine.kernels.add_rmsnorm import rms_norm_passing_triton
+
+    x = torch.randn(20, 48, requires_grad=True)
+    w = torch.ones(48)
+    y, passed = rms_norm_passing_triton(x, w)
+    (passed * 3).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))

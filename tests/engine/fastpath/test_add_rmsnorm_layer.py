@@ -108,6 +108,29 @@ def test_fused_triton_step_matches_the_unfused_one(model_type, mode):
     )
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 on a CPU")
+@pytest.mark.parametrize("mode", ["plain", "offload"])
+def test_each_layer_adds_its_inputs_two_gradients_in_the_norms_backward(monkeypatch, mode):
+    # The layer's input is also its residual: rms_norm_passing returns both, so the norm's backward
+    # kernel adds the residual stream's gradient. Every layer whose input takes a gradient (not the
+    # first: the frozen embeddings' output does not), the same step as the unfused one.
+    from engine.kernels import add_rmsnorm
+
+    calls = []
+    real = add_rmsnorm.RMSNormPassingFunction.backward
+
+    def counted(ctx, dy, dx_passed):
+        calls.append(dx_passed is not None)
+        return real(ctx, dy, dx_passed)
+
+    monkeypatch.setattr(add_rmsnorm.RMSNormPassingFunction, "backward", staticmethod(counted))
+    fused = step("qwen3", True, mode, "triton")
+    assert calls == [True] * (LAYERS - 1)
+    plain = step("qwen3", False, mode, "triton")
+    assert len(calls) == LAYERS - 1  # the unfused layer keeps the stock pair
+    assert_same_step(fused, plain, tol=1e-5)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma", "gemma2"])
 def test_reference_path_on_cpu_is_the_stock_arithmetic(model_type):
     fused = step(model_type, "auto", "checkpointing", "auto")
