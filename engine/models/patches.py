@@ -488,9 +488,14 @@ def _input_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (mark_spare(y, spare) if spare else y), passed
 
 
-def _fused_mlp(mlp: nn.Module, x: torch.Tensor) -> Optional[tuple]:
-    """(gate_up, down, act) of a fused LoRA MLP (not wrapped in a tiled one) that will take x, else None."""
+def _fused_mlp(mlp: nn.Module, x: torch.Tensor, inside_tiled: bool = False) -> Optional[tuple]:
+    """(gate_up, down, act) of a fused LoRA MLP that will take x, else None; `inside_tiled`: also
+    the fused MLP a tiled one (engine.fastpath.tiled_mlp) wraps."""
     patch = patching.installed(mlp, _KIND)
+    if patch is None and inside_tiled:
+        inner = getattr(getattr(patching.installed(mlp, TILED_KIND), "plan", None), "inner", None)
+        if isinstance(inner, patching.PatchedForward) and inner.kind == _KIND:
+            patch = inner
     plan = None if patch is None else patch.plan
     if not isinstance(plan, _MLPPlan) or plan.groups is None:
         return None
@@ -502,22 +507,12 @@ def _fused_mlp(mlp: nn.Module, x: torch.Tensor) -> Optional[tuple]:
 def _unread_mlp(mlp: nn.Module, x: torch.Tensor) -> Optional[tuple]:
     """(gate_up, down, act) of a fused LoRA MLP that `lora_mlp_unread` can stand in for, else None.
 
-    A tiled MLP (engine.fastpath.tiled_mlp) wraps the fused one; LoRAMLPUnread's backward runs row
-    tiles of its own, so the stand-in serves it too, and then neither the normed input TiledMLP
-    keeps nor the layer's output is made (two activations of the row less at the backward's peak
-    on W7's long rows, and one MLP forward less)."""
-    patch = patching.installed(mlp, _KIND)
-    if patch is None:
-        tiled = patching.installed(mlp, TILED_KIND)
-        inner = getattr(getattr(tiled, "plan", None), "inner", None)
-        if isinstance(inner, patching.PatchedForward) and inner.kind == _KIND:
-            patch = inner
-    plan = None if patch is None else patch.plan
-    if not isinstance(plan, _MLPPlan) or plan.groups is None or not mlp_can_skip_output(*plan.groups):
-        return None
-    if not (plan.groups[0].runtime_ok(x) and plan.groups[1].runtime_ok(x)):
-        return None
-    return (*plan.groups, plan.act)
+    A tiled MLP wraps the fused one; LoRAMLPUnread's backward runs row tiles of its own, so the
+    stand-in serves it too, and then neither the normed input TiledMLP keeps nor the layer's output
+    is made (two activations of the row less at the backward's peak on W7's long rows, and one MLP
+    forward less)."""
+    parts = _fused_mlp(mlp, x, inside_tiled=True)
+    return parts if parts is not None and mlp_can_skip_output(*parts[:2]) else None
 
 
 # -- planning -------------------------------------------------------------------------------------
