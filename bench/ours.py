@@ -74,11 +74,11 @@ ENV_FIELDS = {
     "fold_backward": ("TUNESMITH_FOLD_BACKWARD", True),
     "attn_pack": ("TUNESMITH_ATTN_PACK", True),
     "rank_grad": ("TUNESMITH_RANK_GRAD", True),
-    "rank_grad_sum": ("TUNESMITH_RANK_GRAD_SUM", True),
+    "rank_grad_sum": ("TUNESMITH_RANK_GRAD_SUM", False),
     "fused_delta": ("TUNESMITH_ATTN_FUSED_DELTA", True),
     "fold_rows": ("TUNESMITH_FOLD_ROWS", True),
     "recompute_tail": ("TUNESMITH_RECOMPUTE_TAIL", True),
-    "passing_norm": ("TUNESMITH_PASSING_NORM", True),
+    "passing_norm": ("TUNESMITH_PASSING_NORM", False),
 }
 
 
