@@ -402,7 +402,6 @@ class LoRAMLPTail(torch.autograd.Function):
     @staticmethod
     def forward(ctx, residual, x, gate_up, down, act, spare, *ab):
         _mlp_forward(ctx, x, gate_up, down, act, spare, ab, output=False)
-        ctx.x_shape = x.shape
         return recompute.unread(residual, residual.shape)
 
     @staticmethod

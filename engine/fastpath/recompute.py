@@ -21,8 +21,9 @@ The lean recompute (fast_paths.lean_recompute; engine.fastpath.lora.LoRAMLPUnrea
 Every offload recompute, lean or not, skips the MLP's down projection and the output: a layer
 tail that is a fused LoRA MLP (engine.fastpath.lora.LoRAMLPTail) saves what LoRAMLP's backward
 reads (gate, up and h @ A_down^T) and returns a stand-in, its backward giving dy to the residual
-and to the MLP. No row tiles: that is all of it below 4,096 wide, where the lean tiles cost more
-launches than they save (a down GEMM and an add of the row per layer: about 3% of a W1 step).
+and to the MLP. No row tiles: that is all of it in eager runs below 4,096 wide, where auto keeps the
+lean tiles off (more launches than they save); a down GEMM and an add of the row less per layer.
+Under CUDA graphs auto takes the lean recompute (W1, W2), so the tail does not run there.
 TUNESMITH_RECOMPUTE_TAIL=0 (`tail_on`; bench.ours's `recompute_tail=false`) recomputes the whole
 layer there, for bench's before/after.
 
