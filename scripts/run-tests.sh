@@ -13,4 +13,4 @@ echo "== lint (ruff check) and format (ruff format --check)"
 "$VPY" -m ruff format --check .
 echo "== tests"
 export QT_QPA_PLATFORM=offscreen
-exec "$VPY" -m pytest -q "$@"
+exec "$VPY" -m pytest -q --durations=25 "$@"
