@@ -166,10 +166,8 @@ def rank_grad_triton(a, b, scale: float, dtype: torch.dtype, transposed: bool = 
     s_pn, s_pr = (1, n_out) if transposed else (rank, 1)
     counts = _counts(a.device, n_blocks) if splits > 1 and dtype in _SUM_DTYPES and _sum_on() else None
     out = part if counts is None else torch.empty(shape[1:], dtype=dtype, device=a.device)
-    if n_tokens == 0:
+    if n_tokens == 0:  # one split (see _splits), so torch's path: out is part
         part.zero_()
-        out.zero_()
-        counts = None
     else:
         args = (a, b, part, n_tokens, n_out, rank, per, a.stride(0), b.stride(0), part.stride(0), s_pn, s_pr)
         args_sum = (out, part if counts is None else counts, splits)
