@@ -13,4 +13,6 @@ echo "== lint (ruff check) and format (ruff format --check)"
 "$VPY" -m ruff format --check .
 echo "== tests"
 export QT_QPA_PLATFORM=offscreen
-exec "$VPY" -m pytest -q --durations=25 "$@"
+# One worker per core, at most 4 (pytest-xdist); work stealing evens out the long tests at the end.
+# The 25 slowest tests are printed so a test that grows shows up in the CI log.
+exec "$VPY" -m pytest -q -n auto --maxprocesses 4 --dist worksteal --durations=25 "$@"

@@ -19,6 +19,10 @@ try:
     import torch
 
     _has_cuda = torch.cuda.is_available()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # The suite runs on one worker per core (scripts/run-tests.sh: pytest-xdist): a worker's
+        # torch threads would only contend with the other worker's.
+        torch.set_num_threads(1)
 except Exception:  # pragma: no cover - torch is a hard dependency
     _has_cuda = False
 if not _has_cuda:

@@ -44,8 +44,8 @@ def _wanted(rest: str) -> bool:
 
 def extract(sdist: Path, dest: Path) -> Path:
     """The wanted files of `sdist`'s vendor/llama.cpp/ in `dest` (written whole, then renamed in)."""
-    staging = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    # A staging folder of its own, so two test workers extracting at once do not mix.
+    staging = Path(tempfile.mkdtemp(prefix=dest.name + ".partial-", dir=dest.parent))
     with tarfile.open(sdist) as tar:
         members = []
         for m in tar.getmembers():
@@ -57,7 +57,12 @@ def extract(sdist: Path, dest: Path) -> Path:
             raise RuntimeError(f"{sdist} holds no vendor/llama.cpp/tests/test-chat-template.cpp")
         extract_members(tar, staging, members)  # the "data" filter where this Python has it
     shutil.rmtree(dest, ignore_errors=True)
-    staging.rename(dest)
+    try:
+        staging.rename(dest)
+    except OSError:  # another worker put the same files in first
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (dest / "tests" / "test-chat-template.cpp").is_file():
+            raise
     return dest
 
 
