@@ -42,6 +42,11 @@ def _wanted(rest: str) -> bool:
     return False
 
 
+def _complete(dest: Path) -> bool:
+    # Written whole and renamed in (extract), so the one file the suite needs most marks it done.
+    return (dest / "tests" / "test-chat-template.cpp").is_file()
+
+
 def extract(sdist: Path, dest: Path) -> Path:
     """The wanted files of `sdist`'s vendor/llama.cpp/ in `dest` (written whole, then renamed in)."""
     # A staging folder of its own, so two test workers extracting at once do not mix.
@@ -56,12 +61,13 @@ def extract(sdist: Path, dest: Path) -> Path:
         if not any(m.name == "tests/test-chat-template.cpp" for m in members):
             raise RuntimeError(f"{sdist} holds no vendor/llama.cpp/tests/test-chat-template.cpp")
         extract_members(tar, staging, members)  # the "data" filter where this Python has it
-    shutil.rmtree(dest, ignore_errors=True)
+    if dest.exists() and not _complete(dest):
+        shutil.rmtree(dest, ignore_errors=True)  # a leftover that was never whole
     try:
         staging.rename(dest)
-    except OSError:  # another worker put the same files in first
+    except OSError:  # another worker put the same files in first; theirs stays, as its tests may be reading it
         shutil.rmtree(staging, ignore_errors=True)
-        if not (dest / "tests" / "test-chat-template.cpp").is_file():
+        if not _complete(dest):
             raise
     return dest
 
@@ -69,7 +75,7 @@ def extract(sdist: Path, dest: Path) -> Path:
 def upstream_dir() -> Path:
     """The cached llama.cpp files of llama-cpp-python LLAMA_CPP_PYTHON, fetched once."""
     dest = cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON}"
-    if (dest / "tests" / "test-chat-template.cpp").is_file():
+    if _complete(dest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
