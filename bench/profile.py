@@ -22,14 +22,16 @@ and after in one run.
 
 `--profile-stacks` records shapes and Python stacks in the profiled steps and also prints the torch
 ops other than the matmuls by GPU time, one row per op, input shapes and stack: which line of ours
-launched a copy or elementwise kernel. A CUDA graph replay hides its ops, so attribute with
-`--ours-variants cuda_graphs=false`.
+launched a copy or elementwise kernel. An op run by a backward node is shown as "backward of <node>"
+with the frames of the forward op that node differentiates. A CUDA graph replay hides its ops, so
+attribute with `--ours-variants cuda_graphs=false`.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 from bench.report import progress
 
@@ -140,7 +142,7 @@ _MATMUL_OPS = (
 )
 
 
-def _frames(event, limit: int = 6) -> tuple[str, ...]:
+def _python_frames(event, limit: int = 6) -> tuple[str, ...]:
     """The Python frames above a profiler event (its parents that the Python tracer recorded),
     innermost first, leaving out torch's own files and built-ins."""
     frames = []
@@ -153,17 +155,51 @@ def _frames(event, limit: int = 6) -> tuple[str, ...]:
     return tuple(frames)
 
 
+# The profiler's event for an autograd node's backward; its sequence_nr is the one its forward op
+# (or custom Function) was recorded with on the forward's thread (fwd_thread).
+_BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def _forward_ops(events) -> dict[tuple[int, int], Any]:
+    """{(thread, sequence_nr): the outermost forward event recorded with it}."""
+    forward: dict[tuple[int, int], Any] = {}
+    for e in events:
+        if e.sequence_nr < 0 or e.name.startswith(_BACKWARD_NODE):
+            continue
+        key = (e.thread, e.sequence_nr)
+        if key not in forward or e.time_range.start < forward[key].time_range.start:
+            forward[key] = e
+    return forward
+
+
+def _frames(event, forward: dict, limit: int = 6) -> tuple[str, ...]:
+    """Where an op came from: for an op a backward node ran, the node's name and the Python frames of
+    the forward op it differentiates (on a GPU the backward runs on the autograd engine's own thread,
+    which has no Python frames); else the frames above the op."""
+    p = event.cpu_parent
+    while p is not None and not p.name.startswith(_BACKWARD_NODE):
+        p = p.cpu_parent
+    if p is None:
+        return _python_frames(event, limit)
+    origin = forward.get((p.fwd_thread, p.sequence_nr))
+    return (f"backward of {p.name.removeprefix(_BACKWARD_NODE)}",) + (
+        _python_frames(origin, limit - 1) if origin is not None else ()
+    )
+
+
 def _stack_table(prof, cuda: bool, top: int) -> str:
     """Torch ops other than the matmuls, outermost aten op of each call, grouped by (op, input
     shapes, Python stack), by GPU time (CPU time on a CPU): one line per group with its count,
     then its frames."""
     groups: dict[tuple, list] = {}
-    for e in prof.events():
+    events = prof.events()
+    forward = _forward_ops(events)
+    for e in events:
         if not e.name.startswith("aten::") or e.name in _MATMUL_OPS:
             continue
         if e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"):
             continue  # a nested op: its time is in the op that called it
-        frames = _frames(e) or ("(no Python frame: the autograd engine or C++)",)
+        frames = _frames(e, forward) or ("(no Python frame: C++ only)",)
         t = e.device_time_total if cuda else e.cpu_time_total
         key = (e.name, str(e.input_shapes), frames)
         slot = groups.setdefault(key, [0.0, 0])

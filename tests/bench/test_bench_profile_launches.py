@@ -53,3 +53,27 @@ def test_launch_counts_of_a_cpu_profile_are_zero():
         torch.ones(8) @ torch.ones(8)
     assert launch_counts(prof.events()) == (0, 0, 0)
     assert "cudaLaunchKernel" in LAUNCH_CALLS and "cuLaunchKernel" in LAUNCH_CALLS
+
+
+def test_a_backward_op_is_named_by_its_node_and_the_forward_line_it_differentiates(one_thread):
+    """An op that autograd runs in the backward has no Python frame of its own on a GPU (the engine's
+    thread); the table names its node and the frames of the forward op the node came from."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile import _stack_table
+
+    x = torch.randn(64, 32, requires_grad=True)
+
+    def squash(t):
+        return torch.tanh(t)  # the forward line the backward's tanh_backward must point to
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+        squash(x).sum().backward()
+    table = _stack_table(prof, cuda=False, top=50)
+    rows = table.splitlines()
+    at = next(i for i, r in enumerate(rows) if "aten::tanh_backward" in r)
+    assert rows[at + 1].strip() == "backward of TanhBackward0"
+    assert "squash" in rows[at + 2] and "test_bench_profile_launches.py" in rows[at + 2]
+    forward = next(i for i, r in enumerate(rows) if " aten::tanh " in r)
+    assert "squash" in rows[forward + 1]  # the forward op keeps its own frames
