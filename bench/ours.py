@@ -74,7 +74,6 @@ ENV_FIELDS = {
     "fold_backward": ("TUNESMITH_FOLD_BACKWARD", True),
     "attn_pack": ("TUNESMITH_ATTN_PACK", True),
     "rank_grad": ("TUNESMITH_RANK_GRAD", True),
-    "rank_grad_sum": ("TUNESMITH_RANK_GRAD_SUM", False),
     "fused_delta": ("TUNESMITH_ATTN_FUSED_DELTA", True),
     "fold_rows": ("TUNESMITH_FOLD_ROWS", True),
     "recompute_tail": ("TUNESMITH_RECOMPUTE_TAIL", True),

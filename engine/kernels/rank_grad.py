@@ -9,19 +9,10 @@ Both adapter gradients of a LoRA projection are such a product over the tokens:
 arithmetic, bound by reading a. cuBLAS runs these tall, thin products at 73-76% of a device copy's
 bandwidth on W1's 1,024-wide tensors (H100, graph-timed, `python -m bench.bandwidth`). Here the
 tokens are cut into splits, about one program per SM (out block, split), each reducing its rows on
-the tensor cores in fp32, and the splits' partial sums are added in a fixed order (the result is the
-same on every run): 97-102% of the copy's bandwidth there (80% against 75% at 2,048 wide). The sums
-are fp32, so an fp32 adapter's gradient needs no cast and keeps fp32's precision.
-
-The splits' sum is the kernel's own: each program writes its partial, then takes a ticket from its
-out block's counter (an atomic add); the block's last program adds the block's partials in split
-order and writes the result in the asked dtype, then sets the counter back to 0 for the next launch.
-No second launch adds them (torch's sum, then a cast: two of W1's ~5,200 kernels a step for each of
-its 420 calls). Off by default until a GPU runs it (written in the twenty-seventh session, whose
-device time ran out first): TUNESMITH_RANK_GRAD_SUM=1 (bench.ours's `rank_grad_sum=true`) turns it
-on; torch's sum otherwise.
-The counters are one small int32 buffer per device and stream, made outside any CUDA graph capture
-(a capture finds it made by its eager warm-up, else takes torch's sum).
+the tensor cores in fp32, and the splits' partial sums are added in a fixed order afterwards (no
+atomics: the result is the same on every run): 97-102% of the copy's bandwidth there (80% against
+75% at 2,048 wide). The result is fp32, so an fp32 adapter's gradient needs no cast and keeps fp32's
+precision.
 
 a and b may be column slices of wider buffers (side-by-side gradients, an input with spare columns,
 a group's stacked xa): any row stride is taken; the columns must be unit-strided. A card whose shared
@@ -83,13 +74,9 @@ def _rank_grad_kernel(
     s_pn,
     s_pr,
     scale,
-    OUT,
-    COUNTS,
-    n_splits,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    SUM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -107,21 +94,8 @@ def _rank_grad_kernel(
         a = tl.load(A + rows[:, None] * s_a + n_offs[None, :], mask=t_mask[:, None] & n_mask[None, :], other=0.0)
         b = tl.load(B + rows[:, None] * s_b + r_offs[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
         acc += tl.dot(tl.trans(a), b)
-    inner = n_offs[:, None] * s_pn + r_offs[None, :] * s_pr
-    mask = n_mask[:, None] & r_mask[None, :]
-    tl.store(PART + split.to(tl.int64) * s_part + inner, acc * scale, mask=mask)
-    if SUM:
-        # Every thread's partial is written before the ticket (the barrier), and the ticket's
-        # acquire-release makes the block's other partials visible to its last program, which
-        # reads them past L1 (.cg).
-        tl.debug_barrier()
-        ticket = tl.atomic_add(COUNTS + pid_n, 1)
-        if ticket == n_splits - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
-            for s in range(0, n_splits):
-                total += tl.load(PART + s * s_part + inner, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(OUT + inner, total.to(OUT.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(COUNTS + pid_n, 0)
+    out = PART + split.to(tl.int64) * s_part + n_offs[:, None] * s_pn + r_offs[None, :] * s_pr
+    tl.store(out, acc * scale, mask=n_mask[:, None] & r_mask[None, :])
 
 
 def _splits(n_tokens: int, n_blocks: int, programs: int) -> tuple[int, int]:
@@ -164,13 +138,10 @@ def rank_grad_triton(a, b, scale: float, dtype: torch.dtype, transposed: bool = 
     shape = (splits, rank, n_out) if transposed else (splits, n_out, rank)
     part = torch.empty(shape, dtype=torch.float32, device=a.device)
     s_pn, s_pr = (1, n_out) if transposed else (rank, 1)
-    counts = _counts(a.device, n_blocks) if splits > 1 and dtype in _SUM_DTYPES and _sum_on() else None
-    out = part if counts is None else torch.empty(shape[1:], dtype=dtype, device=a.device)
-    if n_tokens == 0:  # one split (see _splits), so torch's path: out is part
+    if n_tokens == 0:
         part.zero_()
     else:
         args = (a, b, part, n_tokens, n_out, rank, per, a.stride(0), b.stride(0), part.stride(0), s_pn, s_pr)
-        args_sum = (out, part if counts is None else counts, splits)
         block_r = max(16, next_pow2(rank))
         while True:
             stages = _STAGES.get((a.device, block_r), 3)
@@ -178,11 +149,9 @@ def rank_grad_triton(a, b, scale: float, dtype: torch.dtype, transposed: bool = 
                 _rank_grad_kernel[(n_blocks, splits)](
                     *args,
                     float(scale),
-                    *args_sum,
                     BLOCK_N=BLOCK_N,
                     BLOCK_T=BLOCK_T,
                     BLOCK_R=block_r,
-                    SUM=counts is not None,
                     num_warps=4,
                     num_stages=stages,
                 )
@@ -193,38 +162,8 @@ def rank_grad_triton(a, b, scale: float, dtype: torch.dtype, transposed: bool = 
                 # A card with less shared memory than Hopper's (a Turing card's 64 KiB): fewer stages, kept
                 # for the process so a step graph's capture launches the fitted one with no retry.
                 _STAGES[(a.device, block_r)] = stages - 1
-    if counts is not None:  # the kernel added the splits and cast
-        return out
     out = part[0] if splits == 1 else part.sum(0)
     return out if out.dtype == dtype else out.to(dtype)
-
-
-# Dtypes the kernel's own sum writes; others get torch's sum and cast.
-_SUM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The out blocks' ticket counters, {(device, stream): int32 buffer}, all 0 between launches. One per
-# stream: launches on one stream run one after another, so they never share a counter at once.
-_COUNTS: dict = {}
-
-
-def _counts(device: torch.device, n_blocks: int):
-    """The zeroed counters for n_blocks out blocks on the current stream, or None (torch's sum) when
-    they would have to be made inside a CUDA graph's capture: memory from the graph's pool, kept
-    after the graph, is not ours to keep."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _COUNTS.get(key)
-    if buf is None or buf.numel() < n_blocks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros(max(n_blocks, 64), dtype=torch.int32, device=device)
-        _COUNTS[key] = buf
-    return buf
-
-
-def _sum_on() -> bool:
-    """The splits added in the kernel with TUNESMITH_RANK_GRAD_SUM=1 (read at each call; off by default
-    until a GPU has run it)."""
-    return os.environ.get("TUNESMITH_RANK_GRAD_SUM", "0") == "1"
 
 
 # The widest b the kernel takes (LoRA's rank). Its tiles grow with the rank ([BLOCK_N, rank] of fp32 sums,
