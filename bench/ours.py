@@ -77,7 +77,7 @@ ENV_FIELDS = {
     "fused_delta": ("TUNESMITH_ATTN_FUSED_DELTA", True),
     "fold_rows": ("TUNESMITH_FOLD_ROWS", True),
     "recompute_tail": ("TUNESMITH_RECOMPUTE_TAIL", True),
-    "passing_norm": ("TUNESMITH_PASSING_NORM", False),
+    "passing_norm": ("TUNESMITH_PASSING_NORM", True),
 }
 
 

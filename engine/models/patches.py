@@ -469,8 +469,8 @@ def _input_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     one Function returns both (engine.kernels.add_rmsnorm.rms_norm_passing): x's two gradients, the
     norm's and the residual stream's, are then added inside the norm's backward kernel instead of
     by autograd after it (one add of the row per layer). A norm with hooks is called as a module.
-    Off by default until a GPU has run it (TUNESMITH_PASSING_NORM=1, bench.ours's `passing_norm=true`,
-    turns it on)."""
+    TUNESMITH_PASSING_NORM=0 (bench.ours's `passing_norm=false`) keeps the stock pair, for bench's
+    before/after."""
     patch = patching.installed(norm, _KIND)
     plan = None if patch is None or patch.fn is not _rmsnorm_forward else patch.plan
     if (
@@ -479,7 +479,7 @@ def _input_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
         or not (x.requires_grad and torch.is_grad_enabled())
         or norm._forward_hooks
         or norm._forward_pre_hooks
-        or os.environ.get("TUNESMITH_PASSING_NORM", "0") != "1"
+        or os.environ.get("TUNESMITH_PASSING_NORM", "1") == "0"
         or (plan["offset"] == 0.0 and norm.weight.dtype != x.dtype)  # as _rmsnorm_forward: the stock one
     ):
         return norm(x), x
